@@ -1,0 +1,217 @@
+"""The `effattn` command line: parse, validate, call one library function, report.
+
+Every user error is an EffattnError, printed as one line (no traceback unless --debug) with a
+non-zero exit. `--json` prints machine-readable results on stdout; tables and progress go to the
+terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .errors import EffattnError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Attention surgery on pretrained LLMs: convert, measure, heal.")
+out = Console()
+err = Console(stderr=True)
+DEBUG = False
+
+ModelArg = typer.Argument(..., help="local folder, .gguf file, hub id org/name, or built-in name (llama, smollm2)")
+TrustOpt = typer.Option(False, "--trust-remote-code", help="allow a checkpoint's own Python code to run")
+PickleOpt = typer.Option(False, "--allow-pickle", help="allow pickled weights (*.bin), which can run code")
+JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on stdout")
+
+
+@contextmanager
+def progress_bar(enabled: bool = True):
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TimeRemainingColumn(), console=err, transient=True, disable=not enabled)
+    with progress:
+        yield progress
+
+
+def _print_json(data) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _kv_table(rows, title=None) -> Table:
+    table = Table(show_header=False, title=title, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in rows:
+        table.add_row(k, str(v))
+    return table
+
+
+@app.command()
+def inspect(
+    model: str = ModelArg,
+    context: Optional[int] = typer.Option(None, "--context", help="also show KV-cache bytes at this many tokens"),
+    as_json: bool = JsonOpt,
+    trust_remote_code: bool = TrustOpt,
+    allow_pickle: bool = PickleOpt,
+):
+    """Family, sizes, heads, RoPE, KV-cache cost and the conversions that apply."""
+    from .info import inspect_model
+
+    info = inspect_model(model, context=context, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    if as_json:
+        return _print_json(info)
+    rows = [(k, v) for k, v in info.items() if k not in ("conversions", "rope", "path")]
+    rows.insert(1, ("path", info["path"]))
+    rows.append(("rope", ", ".join(f"{k}={v}" for k, v in info["rope"].items())))
+    out.print(_kv_table([(k, f"{v:,}" if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                         for k, v in rows], title=f"effattn inspect · {info['model']}"))
+    out.print(_kv_table(list(info["conversions"].items()), title="conversions"))
+
+
+@app.command()
+def convert(
+    model: str = ModelArg,
+    to: str = typer.Option(..., "--to", help="conversion: gqa, mqa (= gqa --kv-heads 1), mha"),
+    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads after conversion (gqa)"),
+    method: Optional[str] = typer.Option(None, "--method", help="conversion method (see `effattn inspect`)"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="output folder"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (keep), float32, bfloat16, float16"),
+    calib: Optional[str] = typer.Option(None, "--calib", help="calibration corpus name or text file (calibrated methods)"),
+    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="calibration tokens (calibrated methods)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing output folder"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="show what would be done; write nothing"),
+    measure: Optional[bool] = typer.Option(None, "--eval/--no-eval", help="measure original vs converted for the card (default: models up to 3B)"),
+    eval_tokens: int = typer.Option(4096, "--eval-tokens", help="tokens per corpus for that measurement"),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size"),
+    as_json: bool = JsonOpt,
+    trust_remote_code: bool = TrustOpt,
+    allow_pickle: bool = PickleOpt,
+):
+    """Convert MODEL's attention and write a native transformers checkpoint to -o OUT."""
+    from .convert import convert as run_convert
+
+    options = {"kv_heads": kv_heads, "method": method, "calib": calib, "calib_tokens": calib_tokens}
+    options = {k: v for k, v in options.items() if v is not None}
+    command = "effattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    with progress_bar(not as_json) as progress:
+        result = run_convert(model, output, to=to, options=options, dtype=dtype, force=force, dry_run=dry_run,
+                             max_shard_size=max_shard_size, measure=measure, eval_tokens=eval_tokens,
+                             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress,
+                             command=command)
+    plan = result.plan
+    if as_json:
+        return _print_json({"dry_run": dry_run, "output": result.out, "summary": dict(plan.summary),
+                            "settings": plan.settings, "output_bytes": plan.output_bytes,
+                            "kv_bytes_per_token": plan.kv_bytes_per_token, "est_seconds": plan.est_seconds,
+                            "est_peak_bytes": plan.est_peak_bytes, "record": result.record})
+    rows = list(plan.summary) + [("output size", f"{plan.output_bytes / 2**20:,.0f} MiB")]
+    if dry_run:
+        rows += [("estimated time", f"~{plan.est_seconds:,.0f} s"),
+                 ("estimated peak memory", f"~{plan.est_peak_bytes / 2**20:,.0f} MiB"),
+                 ("written", "nothing (dry run)")]
+        out.print(_kv_table(rows, title="effattn convert --dry-run"))
+        return
+    rows.append(("time", f"{result.seconds:.1f} s"))
+    out.print(_kv_table(rows, title=f"effattn convert · {result.out}"))
+    if result.measurements:
+        from .io.card import measurement_rows
+
+        table = Table(title="measured (quick; `effattn eval` for the full comparison)", title_justify="left")
+        for col in ("metric", "original", "converted"):
+            table.add_column(col, justify="left" if col == "metric" else "right")
+        for r in measurement_rows(result.measurements):
+            table.add_row(*r)
+        out.print(table)
+    out.print(f"[green]wrote[/] {result.out}")
+
+
+@app.command("eval")
+def eval_(
+    model: str = ModelArg,
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="compare with this model (e.g. the original)"),
+    corpus: list[str] = typer.Option(None, "--corpus", help="built-in corpus or text file; repeat or comma-separate (default: shakespeare,britannica)"),
+    context: int = typer.Option(512, "--context", help="tokens per evaluation block"),
+    max_tokens: int = typer.Option(8192, "--max-tokens", help="tokens per corpus"),
+    batch_size: int = typer.Option(2, "--batch-size"),
+    speed: bool = typer.Option(True, "--speed/--no-speed", help="time prefill and decode"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    as_json: bool = JsonOpt,
+    trust_remote_code: bool = TrustOpt,
+):
+    """Perplexity, agreement and KL against a baseline, measured KV bytes/token, prefill/decode speed."""
+    from .data.corpora import DEFAULT_EVAL
+    from .evaluate import EvalSettings, evaluate
+    from .report import eval_table
+
+    corpora = tuple(c for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c)
+    if context < 2:
+        raise EffattnError(f"--context must be at least 2 tokens, got {context}", "use e.g. --context 512")
+    settings = EvalSettings(corpora=corpora, context=context, max_tokens=max_tokens, batch_size=batch_size, speed=speed)
+    with err.status("evaluating ...", spinner="dots") if not as_json else _null():
+        report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code)
+    if as_json:
+        return _print_json(report.to_dict())
+    out.print(eval_table(report))
+
+
+@contextmanager
+def _null():
+    yield
+
+
+def _quiet_libraries() -> None:
+    """transformers' own progress bars and advice would drown ours; errors still surface."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: `--debug` anywhere shows tracebacks instead of one-line errors."""
+    global DEBUG
+    argv = list(sys.argv[1:] if argv is None else argv)
+    DEBUG = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    _quiet_libraries()
+    try:
+        app(args=argv, prog_name="effattn", standalone_mode=False)
+    except EffattnError as exc:
+        if DEBUG:
+            raise
+        err.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except (typer.Exit, SystemExit) as exc:
+        sys.exit(getattr(exc, "exit_code", getattr(exc, "code", 0)))
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if DEBUG:
+            raise
+        err.print(f"[bold red]error:[/] unexpected {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
+                  highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

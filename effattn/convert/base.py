@@ -1,0 +1,182 @@
+"""The conversion driver shared by every conversion: resolve, plan, write atomically, measure, record.
+
+A conversion is an object with
+  * `plan(ckpt, family, options) -> Plan`: validate the options against the checkpoint and declare
+    the output (new config, every output tensor's shape) without writing anything;
+  * `run(ckpt, family, plan, writer, progress)`: write every declared tensor through `writer`.
+The driver does everything else, identically for all conversions.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from .. import __version__
+from ..errors import EffattnError
+from ..families import Family, family_for
+from ..io.checkpoint import Checkpoint
+from ..io.load import as_ref, parse_dtype
+from ..io.resolve import ModelRef
+from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, copy_side_files, parse_size, write_json
+
+
+@dataclass
+class Plan:
+    """What a conversion will do, known before anything is written."""
+
+    conversion: str
+    settings: dict[str, Any]  # the conversion's options, as recorded in effattn.json
+    config: dict[str, Any]  # the output config.json
+    specs: list[TensorSpec]  # every output tensor
+    summary: list[tuple[str, str]]  # (what, value) lines for people
+    kv_bytes_per_token: tuple[float, float]  # (before, after) from the configs, for the dry run
+    est_seconds: float = 0.0
+    est_peak_bytes: int = 0
+    state: dict[str, Any] = field(default_factory=dict)  # conversion-specific plan details
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+class Conversion(Protocol):
+    name: str
+    description: str
+
+    def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan: ...
+
+    def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None: ...
+
+
+@dataclass
+class ConvertResult:
+    out: Path | None
+    plan: Plan
+    seconds: float = 0.0
+    measurements: dict[str, Any] | None = None
+    record: dict[str, Any] | None = None
+
+
+def out_dtype(src: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    """Floating tensors take the requested dtype; integer tensors and 'auto' keep theirs."""
+    return target if (target is not None and src.is_floating_point) else src
+
+
+def passthrough(ckpt: Checkpoint, writer: SafetensorsWriter, names, target: torch.dtype | None) -> None:
+    """Copy tensors unchanged (up to the dtype), one at a time."""
+    for name in names:
+        writer.write(name, ckpt.get(name).to(out_dtype(ckpt.meta(name)[1], target)))
+
+
+def same_specs(ckpt: Checkpoint, target: torch.dtype | None, reshaped: dict[str, tuple[int, ...]] | None = None,
+               extra: list[TensorSpec] | None = None) -> list[TensorSpec]:
+    """Output specs equal to the input's, except the `reshaped` tensors and `extra` new ones."""
+    reshaped = reshaped or {}
+    specs = []
+    for name in ckpt.names():
+        shape, dtype = ckpt.meta(name)
+        specs.append(TensorSpec(name, reshaped.get(name, shape), out_dtype(dtype, target)))
+    return specs + list(extra or [])
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype: torch.dtype) -> float:
+    """KV bytes per token a standard cache needs for this config (keys + values, every layer)."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * kv * head_dim * dtype.itemsize
+
+
+def convert(
+    model: str | Path | ModelRef,
+    out: str | Path | None,
+    *,
+    to: str,
+    options: dict[str, Any] | None = None,
+    dtype: str | None = "auto",
+    force: bool = False,
+    dry_run: bool = False,
+    max_shard_size: str | int = "2GB",
+    measure: bool | None = None,
+    eval_tokens: int = 4096,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    progress=None,
+    command: str | None = None,
+) -> ConvertResult:
+    """Convert MODEL with the conversion `to` and write a native checkpoint folder to `out`.
+
+    `measure=None` evaluates original vs converted briefly (for the model card) when the model has
+    at most 3B parameters; True/False force it on/off.
+    """
+    from . import ALIASES, get_conversion  # the registry
+
+    options = dict(options or {})
+    if to in ALIASES:
+        to, preset = ALIASES[to]
+        for key, value in preset.items():
+            given = options.get(key)
+            if given is not None and given != value:
+                raise EffattnError(f"--to {to} fixes {key.replace('_', '-')} to {value}, but {given} was given",
+                                   f"drop --{key.replace('_', '-')} or use --to {to}")
+            options[key] = value
+    conversion = get_conversion(to)
+    ref = as_ref(model, trust_remote_code=trust_remote_code)
+    ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)
+    family = family_for(ckpt.config)
+    target = parse_dtype(dtype)
+    plan = conversion.plan(ckpt, family, options | {"dtype": target})
+    plan.settings.setdefault("dtype", str(target or ckpt.dtype).replace("torch.", ""))
+    if out is None and not dry_run:
+        raise EffattnError("no output folder given", "pass -o OUT")
+    if dry_run:
+        return ConvertResult(None, plan)
+    out = Path(out)
+    t0 = time.perf_counter()
+    with atomic_output(out, force=force, needed_bytes=plan.output_bytes) as tmp:
+        writer = SafetensorsWriter(tmp, plan.specs, parse_size(max_shard_size))
+        conversion.run(ckpt, family, plan, writer, progress)
+        writer.close()
+        write_json(tmp / "config.json", plan.config)
+        copy_side_files(ckpt.side_files(), tmp)
+        seconds = time.perf_counter() - t0
+        measurements = None
+        if measure or (measure is None and ckpt.num_params <= 3e9):
+            measurements = _quick_measure(tmp, out.name, ref, eval_tokens, trust_remote_code)
+        record = {
+            "effattn_version": __version__,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": command,
+            "source": {"model": ref.spec, "kind": ref.kind, "path": str(ref.path), "model_type": ckpt.config.get("model_type"),
+                       "num_key_value_heads": ckpt.config.get("num_key_value_heads"), "num_params": ckpt.num_params},
+            "conversion": {"to": plan.conversion, **plan.settings},
+            "seconds": round(seconds, 1),
+            "measurements": measurements,
+        }
+        write_json(tmp / "effattn.json", record)
+        from ..io.card import model_card
+
+        (tmp / "README.md").write_text(model_card(out.name, record, plan))
+    return ConvertResult(out.absolute(), plan, seconds, measurements, record)
+
+
+def _quick_measure(folder: Path, name: str, ref: ModelRef, eval_tokens: int, trust_remote_code: bool) -> dict[str, Any]:
+    """A short original-vs-converted evaluation for the model card (`effattn eval` does the full one)."""
+    from ..evaluate import EvalSettings, evaluate
+
+    settings = EvalSettings(max_tokens=eval_tokens, speed=False)
+    report = evaluate(str(folder), ref, settings, trust_remote_code=trust_remote_code)
+    report.model.name = name
+    return report.to_dict()
+
+
+def read_record(folder: Path) -> dict[str, Any] | None:
+    path = Path(folder) / "effattn.json"
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,180 @@
+"""Measure a model, alone or against a baseline: quality, KV-cache memory and speed.
+
+Quality: perplexity on held-out text; against a baseline also top-1 agreement (how often both
+models predict the same next token) and KL(baseline || model) per token. Memory: KV-cache bytes per
+token, measured by summing the tensors of a real cache after a forward pass (not computed from the
+config). Speed: prefill and decode tokens/s, median of a few timed runs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .data import corpora
+from .data.corpora import load_text, token_blocks
+from .errors import EffattnError
+
+
+@dataclass
+class EvalSettings:
+    corpora: tuple[str, ...] = corpora.DEFAULT_EVAL
+    context: int = 512
+    max_tokens: int = 8192  # per corpus
+    batch_size: int = 2
+    speed: bool = True
+    decode_tokens: int = 32
+    speed_repeats: int = 3
+
+
+@dataclass
+class ModelMeasure:
+    name: str
+    params: int
+    perplexity: dict[str, float] = field(default_factory=dict)
+    kv_bytes_per_token: float | None = None
+    kv_context: int | None = None
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+
+
+@dataclass
+class EvalReport:
+    settings: dict[str, Any]
+    model: ModelMeasure
+    baseline: ModelMeasure | None = None
+    agreement: dict[str, float] = field(default_factory=dict)  # top-1 agreement with the baseline
+    kl: dict[str, float] = field(default_factory=dict)  # mean KL(baseline || model) per token, nats
+    tokens: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, use_cache=False).logits.float()
+
+
+@torch.no_grad()
+def corpus_scores(model, blocks: torch.Tensor, baseline=None, batch_size: int = 2) -> dict[str, float]:
+    """Perplexity of `model` on blocks [N, T]; with a baseline also agreement and KL (and its ppl)."""
+    nll = base_nll = kl = agree = 0.0
+    n_pred = n_pos = 0
+    for i in range(0, len(blocks), batch_size):
+        ids = blocks[i : i + batch_size]
+        logp = F.log_softmax(_logits(model, ids), dim=-1)  # (B, T, V)
+        targets = ids[:, 1:]
+        nll += -logp[:, :-1].gather(-1, targets.unsqueeze(-1)).sum().item()
+        n_pred += targets.numel()
+        if baseline is not None:
+            base_logp = F.log_softmax(_logits(baseline, ids), dim=-1)
+            base_nll += -base_logp[:, :-1].gather(-1, targets.unsqueeze(-1)).sum().item()
+            kl += (base_logp.exp() * (base_logp - logp)).sum().item()
+            agree += (base_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+            n_pos += ids.numel()
+    out = {"perplexity": math.exp(nll / n_pred), "tokens": n_pred}
+    if baseline is not None:
+        out |= {"baseline_perplexity": math.exp(base_nll / n_pred), "agreement": agree / n_pos, "kl": kl / n_pos}
+    return out
+
+
+def tensor_bytes(obj: Any, _seen: set[int] | None = None, _depth: int = 0) -> int:
+    """Bytes of every distinct tensor reachable from `obj` (a cache object, list, dict, dataclass)."""
+    seen = set() if _seen is None else _seen
+    if _depth > 6 or id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr() if obj.numel() else id(obj)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple, set)):
+        return sum(tensor_bytes(x, seen, _depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x, seen, _depth + 1) for x in obj.values())
+    if hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        return sum(tensor_bytes(x, seen, _depth + 1) for x in vars(obj).values())
+    return 0
+
+
+@torch.no_grad()
+def kv_cache_bytes(model, ids: torch.Tensor) -> int:
+    """Total bytes held by the cache a forward pass over `ids` [1, T] returns."""
+    out = model(input_ids=ids, use_cache=True)
+    if out.cache is None:
+        raise EffattnError("the model returned no KV cache", "evaluate a model whose forward supports use_cache=True")
+    return tensor_bytes(out.cache)
+
+
+@torch.no_grad()
+def speed(model, ids: torch.Tensor, decode_tokens: int = 32, repeats: int = 3) -> tuple[float, float]:
+    """(prefill tokens/s over `ids` [1, T], decode tokens/s for greedy steps after it); medians."""
+    model(input_ids=ids[:, :16], use_cache=True)  # warm-up
+    prefill, decode = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        prefill.append(ids.shape[1] / (time.perf_counter() - t0))
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(decode_tokens):
+            out = model(input_ids=token, cache=cache, use_cache=True)
+            cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        decode.append(decode_tokens / (time.perf_counter() - t0))
+    return statistics.median(prefill), statistics.median(decode)
+
+
+def _params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=None, baseline_name: str = "baseline") -> EvalReport:
+    """Evaluate loaded models. The tokenizer is the model's (the baseline must share the vocabulary)."""
+    if baseline is not None and baseline.config.vocab_size != model.config.vocab_size:
+        raise EffattnError(f"model and baseline have different vocabularies ({model.config.vocab_size} vs "
+                           f"{baseline.config.vocab_size})", "compare a converted model with the model it came from")
+    mine = ModelMeasure(name, _params(model))
+    base = ModelMeasure(baseline_name, _params(baseline)) if baseline is not None else None
+    report = EvalReport(settings=asdict(settings), model=mine, baseline=base)
+    speed_ids = None
+    for corpus in settings.corpora:
+        blocks = token_blocks(tokenizer, load_text(corpus), settings.context, settings.max_tokens, spread=True)
+        speed_ids = blocks[:1] if speed_ids is None else speed_ids
+        scores = corpus_scores(model, blocks, baseline, settings.batch_size)
+        mine.perplexity[corpus] = scores["perplexity"]
+        report.tokens[corpus] = scores["tokens"]
+        if base is not None:
+            base.perplexity[corpus] = scores["baseline_perplexity"]
+            report.agreement[corpus] = scores["agreement"]
+            report.kl[corpus] = scores["kl"]
+    for measure_, lm in ((mine, model), (base, baseline)):
+        if measure_ is None:
+            continue
+        measure_.kv_context = speed_ids.shape[1]
+        measure_.kv_bytes_per_token = kv_cache_bytes(lm, speed_ids) / speed_ids.shape[1]
+        if settings.speed:
+            measure_.prefill_tokens_per_s, measure_.decode_tokens_per_s = speed(
+                lm, speed_ids, settings.decode_tokens, settings.speed_repeats)
+    return report
+
+
+def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
+             dtype: str = "float32", trust_remote_code: bool = False) -> EvalReport:
+    """Load MODEL (and BASELINE) and measure them; the library entry point of `effattn eval`."""
+    from .io.load import load_model
+
+    settings = settings or EvalSettings()
+    lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
+    base = base_ref = None
+    if baseline is not None:
+        base, _, base_ref = load_model(baseline, dtype=dtype, trust_remote_code=trust_remote_code)
+    return measure(lm, tok, name=ref.display, settings=settings, baseline=base,
+                   baseline_name=base_ref.display if base_ref else "baseline")

@@ -1,0 +1,1 @@
+"""Model and data IO: resolving model names, reading checkpoints lazily, writing outputs atomically."""

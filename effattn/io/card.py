@@ -1,0 +1,80 @@
+"""The README model card written into every output folder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def measurement_rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(metric, original, converted) rows from an EvalReport dict."""
+    rows = []
+    base, mine = m.get("baseline") or {}, m["model"]
+    for corpus, ppl in mine["perplexity"].items():
+        rows.append((f"perplexity · {corpus}", _fmt((base.get("perplexity") or {}).get(corpus)), _fmt(ppl)))
+    for corpus, agree in (m.get("agreement") or {}).items():
+        rows.append((f"top-1 agreement · {corpus}", "100%", f"{agree:.1%}"))
+    for corpus, kl in (m.get("kl") or {}).items():
+        rows.append((f"KL(original‖converted) · {corpus}", "0", f"{kl:.3f}"))
+    rows.append(("KV-cache bytes/token (measured)", _fmt(base.get("kv_bytes_per_token"), ",.0f"),
+                 _fmt(mine.get("kv_bytes_per_token"), ",.0f")))
+    return rows
+
+
+def model_card(name: str, record: dict[str, Any], plan) -> str:
+    src = record["source"]
+    conv = record["conversion"]
+    settings = "\n".join(f"| {k} | `{v}` |" for k, v in conv.items())
+    lines = [
+        "---",
+        f"base_model: {src['model']}",
+        "library_name: transformers",
+        f"tags: [effattn, {conv['to']}]",
+        "---",
+        "",
+        f"# {name}",
+        "",
+        f"Converted by [effattn](https://github.com/) {record['effattn_version']} from `{src['model']}` "
+        f"({src['model_type']}, {src['num_params'] / 1e6:.0f}M parameters) on {record['created'][:10]}.",
+        "",
+        "## Conversion",
+        "",
+        *[f"- {what}: {value}" for what, value in plan.summary],
+        "",
+        "| setting | value |",
+        "|---|---|",
+        settings,
+        "",
+    ]
+    m = record.get("measurements")
+    if m:
+        s = m["settings"]
+        lines += [
+            "## Measured",
+            "",
+            f"`effattn eval`, {s['max_tokens']} tokens per corpus in blocks of {s['context']}; "
+            "held-out corpora not used for calibration.",
+            "",
+            "| metric | original | converted |",
+            "|---|---|---|",
+            *[f"| {a} | {b} | {c} |" for a, b, c in measurement_rows(m)],
+            "",
+        ]
+    else:
+        lines += ["## Measured", "", "Not measured at conversion time; run `effattn eval OUT --baseline SOURCE`.", ""]
+    if record.get("command"):
+        lines += ["## Reproduce", "", "```", record["command"], "```", ""]
+    lines += [
+        "## Load",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

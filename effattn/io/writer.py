@@ -1,0 +1,176 @@
+"""Write outputs so that nothing half-written is ever left behind.
+
+`atomic_output` yields a temporary folder beside the target and renames it into place only when the
+block finishes; on any error the temporary folder is removed. `SafetensorsWriter` writes a
+checkpoint whose tensor shapes are declared up front: each shard's header is written first and
+every tensor is then written straight to its offset, so no shard is ever buffered in memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import EffattnError
+from .checkpoint import SAFETENSORS_DTYPE
+
+
+@contextmanager
+def atomic_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0) -> Iterator[Path]:
+    """Yield a fresh temporary folder that becomes `out` when the block completes without error."""
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not force:
+        raise EffattnError(f"output folder {out} already exists", "pass --force to replace it, or choose another -o")
+    if out.exists() and not out.is_dir():
+        raise EffattnError(f"output path {out} exists and is not a folder", "choose another -o")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if needed_bytes and free < needed_bytes * 1.05:
+        raise EffattnError(
+            f"not enough disk space for {out}: {needed_bytes / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free",
+            "free some space or write to another disk with -o",
+        )
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output gets the usual permissions
+    try:
+        yield tmp
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise EffattnError(f"the disk filled up while writing {out}", "free some space and run again") from None
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def parse_size(text: str | int) -> int:
+    """'2GB' / '500MB' / '1.5GiB' / 12345 -> bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        return int(float(num) * units[unit])
+    except (ValueError, KeyError):
+        raise EffattnError(f"cannot read the size {text!r}", "write it like 2GB, 500MB or 1.5GiB") from None
+
+
+class SafetensorsWriter:
+    """Stream tensors into (possibly sharded) safetensors files in any order.
+
+    The full list of output tensors is known before any data is written, so shards are planned up
+    front (at most `max_shard_bytes` each, in declaration order), every header is written first and
+    each tensor goes straight to its final offset. Memory use is one tensor.
+    """
+
+    def __init__(self, folder: Path, specs: list[TensorSpec], max_shard_bytes: int = 2 * 10**9,
+                 metadata: dict[str, str] | None = None):
+        self.folder = Path(folder)
+        self.specs = {s.name: s for s in specs}
+        shards: list[list[TensorSpec]] = [[]]
+        size = 0
+        for spec in specs:
+            if shards[-1] and size + spec.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(spec)
+            size += spec.nbytes
+        n = len(shards)
+        self.filenames = (["model.safetensors"] if n == 1 else
+                          [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        self._where: dict[str, tuple[Path, int]] = {}
+        self._written: set[str] = set()
+        for filename, shard in zip(self.filenames, shards):
+            self._start_shard(self.folder / filename, shard, metadata or {"format": "pt"})
+        self.weight_map = {s.name: fn for fn, shard in zip(self.filenames, shards) for s in shard}
+        self.total_bytes = sum(s.nbytes for s in specs)
+
+    def _start_shard(self, path: Path, shard: list[TensorSpec], metadata: dict[str, str]) -> None:
+        header: dict[str, object] = {"__metadata__": metadata}
+        offset = 0
+        for spec in shard:
+            header[spec.name] = {"dtype": SAFETENSORS_DTYPE[spec.dtype], "shape": list(spec.shape),
+                                 "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
+        data_start = 8 + len(raw)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            f.truncate(data_start + offset)
+        for spec in shard:
+            self._where[spec.name] = (path, data_start + header[spec.name]["data_offsets"][0])
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise KeyError(f"tensor {name!r} was not declared to the writer")
+        if tuple(tensor.shape) != spec.shape:
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, declared {spec.shape}")
+        if name in self._written:
+            raise ValueError(f"tensor {name} was written twice")
+        path, offset = self._where[name]
+        data = tensor.detach().to(device="cpu", dtype=spec.dtype).contiguous().reshape(-1)
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(data.view(torch.uint8).numpy() if data.numel() else b"")
+        self._written.add(name)
+
+    def close(self) -> None:
+        """Check every declared tensor was written and write the shard index when sharded."""
+        missing = [n for n in self.specs if n not in self._written]
+        if missing:
+            raise RuntimeError(f"{len(missing)} declared tensors were never written, e.g. {missing[0]}")
+        if len(self.filenames) > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_side_files(files: list[Path], dest: Path) -> list[str]:
+    copied = []
+    for f in files:
+        shutil.copy2(f, dest / f.name)
+        copied.append(f.name)
+    return copied
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
