@@ -1,0 +1,157 @@
+"""Bad input: a one-line error naming the problem and the fix, a non-zero exit, nothing half-written."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from effattn.cli import main
+
+
+def run_cli(capsys, *args):
+    """(exit code, stdout, stderr) of `effattn ARGS` run in-process."""
+    code = 0
+    try:
+        main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code not in (0, None)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:") and "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def leftovers(folder):
+    return [p.name for p in folder.iterdir() if p.name.startswith(".")]
+
+
+def test_missing_model_path(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "convert", tmp_path / "nope", "--to", "mqa", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "not found", "built-in names")
+    assert not (tmp_path / "out").exists()
+
+
+def test_not_a_causal_lm(capsys, tmp_path):
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps(
+        {"architectures": ["BertModel"], "model_type": "bert", "num_attention_heads": 2, "hidden_size": 8, "num_hidden_layers": 1}))
+    code, _, err = run_cli(capsys, "convert", tmp_path / "bert", "--to", "mqa", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "not a causal LM", "ForCausalLM")
+
+
+def test_unsupported_family_lists_supported_ones(capsys, tiny, tmp_path):
+    src = tiny("llama")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "gpt_neox", "llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_safetensors(capsys, tiny, tmp_path, damage):
+    src = tiny("llama")
+    weights = src / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100] if damage == "truncate" else b"\x00garbage" * 10)
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "corrupt or truncated", "re-download")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_conversion_suggests_the_closest(capsys, tiny, tmp_path):
+    code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "gqq", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "unknown conversion 'gqq'", "did you mean 'gqa'")
+
+
+def test_kv_heads_must_divide_query_heads(capsys, tiny, tmp_path):
+    code, _, err = run_cli(capsys, "convert", tiny("llama", heads=6, kv_heads=3), "--to", "gqa", "--kv-heads", "4",
+                           "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "num_heads (6) must be divisible by kv_heads (4)", "[1, 2, 3, 6]")
+
+
+def test_unknown_method(capsys, tiny, tmp_path):
+    code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "mqa", "--method", "meen", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "unknown GQA method 'meen'", "did you mean 'mean'")
+
+
+def test_existing_output_is_refused_without_force(capsys, tiny, tmp_path):
+    src = tiny("llama")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out", "--no-eval")
+    assert_one_line_error(code, err, "already exists", "--force")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    code, out, _ = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out", "--no-eval", "--force")
+    assert code == 0 and not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_not_enough_disk_is_refused_before_writing(capsys, tiny, tmp_path, monkeypatch):
+    import shutil
+
+    src = tiny("llama")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out", "--no-eval")
+    assert_one_line_error(code, err, "not enough disk space", "free some space")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_disk_full_while_writing_leaves_nothing(capsys, tiny, tmp_path, monkeypatch):
+    from effattn.io import writer
+
+    src = tiny("llama")
+    calls = {"n": 0}
+    real_write = writer.SafetensorsWriter.write
+
+    def write_then_fill_up(self, name, tensor):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, name, tensor)
+
+    monkeypatch.setattr(writer.SafetensorsWriter, "write", write_then_fill_up)
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out", "--no-eval")
+    assert_one_line_error(code, err, "disk filled up", "free some space")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_pickled_weights_are_refused_without_flag(capsys, tiny, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    src = tiny("llama")
+    torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")
+    (src / "model.safetensors").unlink()
+    code, _, err = run_cli(capsys, "inspect", src)
+    assert_one_line_error(code, err, "pickled weights", "--allow-pickle")
+    code, out, _ = run_cli(capsys, "inspect", src, "--allow-pickle", "--json")
+    assert code == 0 and json.loads(out)["kv_heads"] == 3
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    from effattn.errors import EffattnError
+
+    with pytest.raises(EffattnError):
+        main(["inspect", str(tmp_path / "nope"), "--debug"])
+
+
+def test_inspect_json_on_a_tiny_model(capsys, tiny):
+    code, out, _ = run_cli(capsys, "inspect", tiny("qwen3", heads=6, kv_heads=2), "--json", "--context", "100")
+    info = json.loads(out)
+    assert code == 0
+    assert (info["family"], info["query_heads"], info["kv_heads"], info["qk_norm"]) == ("qwen3", 6, 2, True)
+    # 2 layers x 2 (K and V) x 2 heads x head_dim 8 x 4 bytes
+    assert info["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
+    assert info["kv_bytes_at_context"] == 100 * info["kv_bytes_per_token"]
+    assert "--kv-heads {1, 3, 6}" in info["conversions"]["gqa"]

@@ -1,0 +1,76 @@
+"""`effattn eval` on tiny models: the numbers mean what they say."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from effattn.convert import convert
+from effattn.evaluate import EvalSettings, evaluate, tensor_bytes
+
+from .test_cli_errors import run_cli
+
+SETTINGS = EvalSettings(corpora=("corpus.txt",), context=64, max_tokens=512, speed=True, decode_tokens=4, speed_repeats=1)
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = " ".join(f"the {w} sat on the mat number {i}." for i, w in enumerate(["cat", "dog", "bird"] * 80))
+    (tmp_path / "corpus.txt").write_text(text)
+    return tmp_path / "corpus.txt"
+
+
+def test_model_against_itself_agrees_fully(tiny, corpus):
+    src = tiny("llama")
+    report = evaluate(str(src), str(src), SETTINGS)
+    assert report.agreement["corpus.txt"] == 1.0
+    assert abs(report.kl["corpus.txt"]) < 1e-6
+    assert report.model.perplexity == report.baseline.perplexity
+    assert report.tokens["corpus.txt"] == 8 * 63  # 512 tokens in blocks of 64, each predicting 63
+
+
+def test_perplexity_matches_the_loss_transformers_computes(tiny, corpus):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = tiny("qwen2")
+    report = evaluate(str(src), None, SETTINGS)
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    from effattn.data.corpora import load_text, token_blocks
+
+    blocks = token_blocks(AutoTokenizer.from_pretrained(src), load_text(str(corpus)), 64, 512, spread=True)
+    with torch.no_grad():
+        losses = [model(input_ids=b[None], labels=b[None]).loss for b in blocks]
+    assert report.model.perplexity["corpus.txt"] == pytest.approx(math.exp(torch.stack(losses).mean().item()), rel=1e-4)
+
+
+def test_kv_bytes_are_measured_from_the_real_cache(tiny, corpus, tmp_path):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8, layers=2)
+    mqa = convert(src, tmp_path / "mqa", to="mqa", measure=False).out
+    report = evaluate(str(mqa), str(src), SETTINGS)
+    # K and V, 2 layers, head_dim 8, float32: 3 KV heads before, 1 after
+    assert report.baseline.kv_bytes_per_token == 2 * 2 * 3 * 8 * 4
+    assert report.model.kv_bytes_per_token == 2 * 2 * 1 * 8 * 4
+    assert report.model.prefill_tokens_per_s > 0 and report.model.decode_tokens_per_s > 0
+    assert 0 <= report.agreement["corpus.txt"] <= 1 and report.kl["corpus.txt"] > 0
+
+
+def test_tensor_bytes_counts_shared_storage_once():
+    t = torch.zeros(10)
+    assert tensor_bytes({"a": t, "b": [t, t[:5]], "c": torch.ones(3, dtype=torch.float16)}) == 40 + 6
+
+
+def test_eval_cli_json(capsys, tiny, corpus):
+    src = tiny("mistral")
+    code, out, _ = run_cli(capsys, "eval", src, "--baseline", src, "--corpus", str(corpus), "--context", "64",
+                           "--max-tokens", "256", "--no-speed", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["agreement"][str(corpus)] == 1.0 and data["model"]["prefill_tokens_per_s"] is None
+
+
+def test_eval_rejects_a_corpus_that_does_not_exist(capsys, tiny, corpus):
+    code, _, err = run_cli(capsys, "eval", tiny("llama"), "--corpus", "shakespear", "--no-speed")
+    assert code != 0 and "did you mean 'shakespeare'" in err

@@ -1,0 +1,60 @@
+"""The real SmolLM2-135M-Instruct: built-in name, inspect, MQA conversion, native loading, evaluation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from effattn.convert import convert
+from effattn.evaluate import EvalSettings, evaluate
+
+from .test_cli_errors import run_cli
+
+pytestmark = pytest.mark.real
+
+
+def test_builtin_name_resolves_to_a_cached_safetensors_checkpoint(smollm2_path):
+    config = json.loads((smollm2_path / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["head_dim"]) == ("llama", 30, 9, 3, 64)
+    assert "quantization_config" not in config
+    assert (smollm2_path / "model.safetensors").exists() and (smollm2_path / "tokenizer.json").exists()
+
+
+def test_inspect_smollm2(capsys, smollm2_path):
+    code, out, _ = run_cli(capsys, "inspect", "smollm2", "--json", "--context", "2048")
+    info = json.loads(out)
+    assert code == 0
+    assert info["attention"] == "GQA (group 3)" and info["parameters"] == 134_515_008
+    assert info["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # float32 checkpoint
+
+
+@pytest.fixture(scope="module")
+def smollm2_mqa(tmp_path_factory, smollm2_path):
+    out = tmp_path_factory.mktemp("real") / "smollm2-mqa-mean"
+    return convert("llama", out, to="mqa", options={"method": "mean"}, measure=False).out
+
+
+def test_mqa_conversion_loads_with_plain_transformers(smollm2_mqa):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_mqa)
+    tok = AutoTokenizer.from_pretrained(smollm2_mqa)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == 1
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        out = model.generate(**tok("The king", return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > 2
+
+
+def test_mean_mqa_is_measured_against_the_original(smollm2_mqa):
+    settings = EvalSettings(corpora=("shakespeare", "britannica"), context=512, max_tokens=2048, speed=False)
+    report = evaluate(str(smollm2_mqa), "llama", settings)
+    for corpus in settings.corpora:
+        original, mqa = report.baseline.perplexity[corpus], report.model.perplexity[corpus]
+        assert 10 < original < 100  # the original model is a working language model on both domains
+        assert mqa > 10 * original  # mean-pooling to one KV head without healing wrecks it (GQA paper)
+        assert report.agreement[corpus] < 0.5
+    assert report.baseline.kv_bytes_per_token == 46_080 and report.model.kv_bytes_per_token == 15_360
