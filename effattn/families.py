@@ -25,6 +25,7 @@ class Family:
     # Per-head RMSNorms applied to q and k after the projection and before RoPE (Qwen3).
     q_norm: str | None = None
     k_norm: str | None = None
+    input_norm: str = "input_layernorm"  # the RMSNorm in front of attention
     qkv_bias: str = "config"  # "always" (Qwen2), "config" (`attention_bias`), or "never"
     rope_layout: str = "rotate_half"  # HF layout: frequency j pairs dims j and j + head_dim/2
     embed: str = "model.embed_tokens.weight"

@@ -88,10 +88,10 @@ def test_existing_output_is_refused_without_force(capsys, tiny, tmp_path):
     src = tiny("llama")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out", "--no-eval")
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "out", "--no-eval")
     assert_one_line_error(code, err, "already exists", "--force")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
-    code, out, _ = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out", "--no-eval", "--force")
+    code, out, _ = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "out", "--no-eval", "--force")
     assert code == 0 and not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").exists()
     assert leftovers(tmp_path) == []
 
@@ -102,7 +102,7 @@ def test_not_enough_disk_is_refused_before_writing(capsys, tiny, tmp_path, monke
     src = tiny("llama")
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
-    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out", "--no-eval")
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "out", "--no-eval")
     assert_one_line_error(code, err, "not enough disk space", "free some space")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
@@ -121,7 +121,7 @@ def test_disk_full_while_writing_leaves_nothing(capsys, tiny, tmp_path, monkeypa
         real_write(self, name, tensor)
 
     monkeypatch.setattr(writer.SafetensorsWriter, "write", write_then_fill_up)
-    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out", "--no-eval")
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "out", "--no-eval")
     assert_one_line_error(code, err, "disk filled up", "free some space")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 

@@ -61,7 +61,7 @@ def test_gqa_to_mha_expansion_is_exact(tiny, tmp_path, family):
 
 def test_output_is_a_native_checkpoint(tiny, tmp_path):
     src = tiny("llama", heads=6, kv_heads=3, tie=True)
-    out = convert(src, tmp_path / "mqa", to="mqa", measure=False).out
+    out = convert(src, tmp_path / "mqa", to="mqa", options={"method": "mean"}, measure=False).out
     model = AutoModelForCausalLM.from_pretrained(out)  # plain transformers, no effattn code
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.config.num_key_value_heads == 1
@@ -82,7 +82,7 @@ def test_output_is_a_native_checkpoint(tiny, tmp_path):
 
 def test_untied_lm_head_is_kept(tiny, tmp_path):
     src = tiny("llama", tie=False)
-    out = convert(src, tmp_path / "out", to="mqa", measure=False).out
+    out = convert(src, tmp_path / "out", to="mqa", options={"method": "mean"}, measure=False).out
     with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(src / "model.safetensors"), "pt") as g:
         assert torch.equal(f.get_tensor("lm_head.weight"), g.get_tensor("lm_head.weight"))
 
@@ -119,7 +119,7 @@ def test_mean_mixing_matches_the_gqa_paper():
 
 def test_dry_run_writes_nothing(tiny, tmp_path):
     src = tiny("llama")
-    result = convert(src, tmp_path / "never", to="mqa", dry_run=True)
+    result = convert(src, tmp_path / "never", to="mqa", options={"method": "mean"}, dry_run=True)
     assert not (tmp_path / "never").exists()
     before, after = result.plan.kv_bytes_per_token
     assert after * 3 == before

@@ -49,7 +49,7 @@ def test_perplexity_matches_the_loss_transformers_computes(tiny, corpus):
 
 def test_kv_bytes_are_measured_from_the_real_cache(tiny, corpus, tmp_path):
     src = tiny("llama", heads=6, kv_heads=3, head_dim=8, layers=2)
-    mqa = convert(src, tmp_path / "mqa", to="mqa", measure=False).out
+    mqa = convert(src, tmp_path / "mqa", to="mqa", options={"method": "mean"}, measure=False).out
     report = evaluate(str(mqa), str(src), SETTINGS)
     # K and V, 2 layers, head_dim 8, float32: 3 KV heads before, 1 after
     assert report.baseline.kv_bytes_per_token == 2 * 2 * 3 * 8 * 4

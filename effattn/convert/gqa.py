@@ -22,6 +22,7 @@ from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
 from .base import Plan, kv_bytes_per_token, out_dtype, passthrough, same_specs
+from .headmerge import KeyMerge, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
 
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -116,8 +117,161 @@ class MeanMethod:
         )
 
 
-METHODS: dict[str, GQAMethod] = {m.name: m for m in [MeanMethod()]}
-DEFAULT_METHOD = "mean"
+@dataclass
+class LayerStats:
+    """Second moments of one layer's attention, from calibration activations or from the weights.
+
+    key_cov   [F, G, G] complex: E[z_g conj(z_h)] per RoPE frequency, keys as complex pairs (pre-RoPE)
+    q_energy  [H, F]    real:    E|w_{i,f}|², query energy per head and frequency
+    value_cov [G*d, G*d] real:   E[v vᵀ] of all value heads stacked
+    """
+
+    key_cov: torch.Tensor
+    q_energy: torch.Tensor
+    value_cov: torch.Tensor
+
+    @classmethod
+    def from_weights(cls, attn: LayerAttention, shape: AttentionShape, input_gain: torch.Tensor | None) -> LayerStats:
+        """Weight-only estimate: the layer input is taken as uncorrelated with per-dim variance
+        `input_gain`² (the input RMSNorm's weight; the normalised activations have unit RMS)."""
+        H, G, d = shape.heads, shape.kv_heads, shape.head_dim
+        gain = torch.ones(attn.q.shape[1], dtype=torch.float64) if input_gain is None else input_gain.double()
+        qc = complex_rows(attn.q * gain.to(attn.q.dtype), H, d)  # (H, F, D)
+        kc = complex_rows(attn.k * gain.to(attn.k.dtype), G, d)  # (G, F, D)
+        key_cov = torch.einsum("gfD,hfD->fgh", kc, kc.conj())
+        q_energy = (qc.abs() ** 2).sum(-1)
+        if attn.k_bias is not None:
+            kb = complex_rows(attn.k_bias, G, d)  # (G, F)
+            key_cov = key_cov + torch.einsum("gf,hf->fgh", kb, kb.conj())
+        if attn.q_bias is not None:
+            q_energy = q_energy + complex_rows(attn.q_bias, H, d).abs() ** 2
+        vw = attn.v.double() * gain
+        value_cov = vw @ vw.T
+        if attn.v_bias is not None:
+            value_cov = value_cov + torch.outer(attn.v_bias.double(), attn.v_bias.double())
+        return cls(key_cov, q_energy, value_cov)
+
+
+def output_metric(o: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """W_o,iᵀ W_o,i for every query head: [H, d, d]; W_o [D, H*d] split into per-head column blocks."""
+    w = o.double().reshape(o.shape[0], heads, head_dim).permute(1, 0, 2)  # (H, D, d)
+    return w.transpose(1, 2) @ w
+
+
+def complex_scale_rows(w: torch.Tensor, scale: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Multiply one head's rows [d, ...] (rotate-half layout) by a complex number per frequency [F]."""
+    z = complex_rows(w, 1, head_dim)[0]  # (F, ...)
+    z = z * scale.reshape(-1, *([1] * (z.dim() - 1)))
+    return real_rows(z[None]).to(w.dtype)
+
+
+@dataclass
+class HeadAssignment:
+    """Which old heads feed which new KV head, and the new order of the query heads."""
+
+    query_order: list[int]  # new query position -> old query head
+    groups: list[list[int]]  # new KV head j -> old KV heads S_j it merges
+
+    @classmethod
+    def plan(cls, shape: AttentionShape, new_kv: int, stats: LayerStats | None, by_similarity: bool) -> HeadAssignment:
+        H, G = shape.heads, shape.kv_heads
+        old_per = H // G
+        if by_similarity and stats is not None and G % new_kv == 0 and 1 < G // new_kv and new_kv > 1:
+            weight = torch.stack([stats.q_energy[g * old_per:(g + 1) * old_per].sum(0) for g in range(G)])  # (G, F)
+            groups = choose_groups(stats.key_cov, weight, new_kv)
+            order = [i for group in groups for g in group for i in range(g * old_per, (g + 1) * old_per)]
+            return cls(order, groups)
+        order = list(range(H))
+        groups = [sorted({i // old_per for i in q}) for q in query_groups(H, new_kv)]
+        return cls(order, groups)
+
+
+class HeadMergeMethod:
+    """RoPE-exact head merging (see headmerge.py): keys by weighted complex PCA per frequency with
+    the queries compensated, values by weighted PCA absorbed into o_proj, heads grouped by key
+    similarity. `stats` come from the weights (`align`) or from calibration activations (`pca`,
+    `calibrated`); `calibrated` then refits o_proj by least squares (calibrate.py)."""
+
+    def __init__(self, name: str, description: str, *, needs_calibration: bool, refit_o: bool):
+        self.name, self.description = name, description
+        self.needs_calibration, self.refit_o = needs_calibration, refit_o
+
+    def convert_layer(self, attn: LayerAttention, shape: AttentionShape, new_kv: int, *,
+                      stats: LayerStats | None = None, input_gain: torch.Tensor | None = None,
+                      **_: Any) -> LayerAttention:
+        if new_kv == shape.kv_heads:
+            return attn  # the identity: nothing to merge
+        H, G, d = shape.heads, shape.kv_heads, shape.head_dim
+        stats = stats or LayerStats.from_weights(attn, shape, input_gain)
+        plan = HeadAssignment.plan(shape, new_kv, stats, by_similarity=True)
+        old_per, new_per = H // G, H // new_kv
+        order = torch.tensor(plan.query_order)
+        reads = [i // old_per for i in plan.query_order]  # old KV head read by new query position p
+        q_blocks = attn.q.reshape(H, d, -1)[order]  # (H, d, D), new order
+        qb_blocks = None if attn.q_bias is None else attn.q_bias.reshape(H, d)[order]
+        o_blocks = attn.o.reshape(attn.o.shape[0], H, d)[:, order]  # (D, H, d)
+        metric = output_metric(attn.o, H, d)[order]  # (H, d, d)
+        q_energy = stats.q_energy[order]  # (H, F)
+        k_rows = complex_rows(attn.k, G, d)  # (G, F, D)
+        kb_rows = None if attn.k_bias is None else complex_rows(attn.k_bias, G, d)  # (G, F)
+        v_rows = attn.v.double().reshape(G, d, -1)
+        vb_rows = None if attn.v_bias is None else attn.v_bias.double().reshape(G, d)
+        new_k, new_kb, new_v, new_vb = [], [], [], []
+        new_q, new_qb, new_o = [], [], []
+        for j, members in enumerate(plan.groups):
+            positions = range(j * new_per, (j + 1) * new_per)
+            weight = torch.zeros(G, q_energy.shape[1], dtype=torch.float64)
+            out_metric = torch.zeros(G, d, d, dtype=torch.float64)
+            for p in positions:
+                weight[reads[p]] += q_energy[p]
+                out_metric[reads[p]] += metric[p]
+            # -- keys: one complex coefficient per (old head, frequency); RoPE-exact by construction
+            if attn.k_norm is None:
+                km = merge_keys(stats.key_cov, weight, members)
+            else:
+                # Qwen3 normalises each key head after the projection: a per-frequency complex
+                # combination does not survive that norm, and the queries cannot be compensated
+                # behind q_norm. The keys of a group are mean-pooled instead (values still merge).
+                r = len(members)
+                ones = torch.full((r, k_rows.shape[1]), 1.0 / r, dtype=torch.complex128)
+                km = KeyMerge(members, ones, torch.ones_like(ones))
+            new_k.append(real_rows(merged_key_rows(k_rows, km)[None]))
+            if kb_rows is not None:
+                new_kb.append(real_rows(merged_key_rows(kb_rows, km)[None]))
+            b_of = {g: km.b[members.index(g)] for g in members}
+            for p in positions:
+                scale = b_of[reads[p]].conj()  # w' = conj(b_g)·w
+                new_q.append(q_blocks[p] if attn.k_norm is not None else complex_scale_rows(q_blocks[p], scale, d))
+                if qb_blocks is not None:
+                    new_qb.append(qb_blocks[p] if attn.k_norm is not None else complex_scale_rows(qb_blocks[p], scale, d))
+            # -- values: top-d subspace of the group's stacked values, undone in o_proj
+            vm = merge_values(stats.value_cov, out_metric, members, d)
+            new_v.append(sum(vm.P[i] @ v_rows[g] for i, g in enumerate(members)))
+            if vb_rows is not None:
+                new_vb.append(sum(vm.P[i] @ vb_rows[g] for i, g in enumerate(members)))
+            B_of = {g: vm.B[members.index(g)] for g in members}
+            for p in positions:
+                new_o.append(o_blocks[:, p].double() @ B_of[reads[p]])  # (D, d)
+        cat = lambda xs, like: None if not xs else torch.cat(xs).to(like.dtype)  # noqa: E731
+        return LayerAttention(
+            q=torch.cat(new_q).to(attn.q.dtype), q_bias=cat(new_qb, attn.q),
+            k=cat(new_k, attn.k), k_bias=cat(new_kb, attn.k),
+            v=cat(new_v, attn.v), v_bias=cat(new_vb, attn.v),
+            o=torch.cat(new_o, dim=1).to(attn.o.dtype), o_bias=attn.o_bias,
+            q_norm=attn.q_norm, k_norm=attn.k_norm,
+        )
+
+
+METHODS: dict[str, GQAMethod] = {m.name: m for m in [
+    MeanMethod(),
+    HeadMergeMethod("align", "RoPE-exact head alignment and merging from the weights alone; streams, no data",
+                    needs_calibration=False, refit_o=False),
+    HeadMergeMethod("pca", "RoPE-exact merging from calibration activations (keys, queries, values), layer by layer",
+                    needs_calibration=True, refit_o=False),
+    HeadMergeMethod("calibrated", "pca + o_proj refitted by least squares on calibration activations, layer by layer",
+                    needs_calibration=True, refit_o=True),
+]}
+DEFAULT_METHOD = "calibrated"
 
 
 def valid_kv_heads(heads: int) -> list[int]:
@@ -171,20 +325,49 @@ class GQAConversion:
             ("method", f"{method.name}: {method.description}"),
             ("KV cache", f"{before:,.0f} -> {after:,.0f} bytes/token ({after / before:.1%} of the original)"),
         ]
+        settings = {"kv_heads": new_kv, "method": method.name, "kv_heads_before": shape.kv_heads}
+        state = {"method": method, "shape": shape, "new_kv": new_kv, "target": target}
+        est_seconds = ckpt.nbytes / 200e6  # streaming copy at ~200 MB/s
+        est_peak = _largest_layer_bytes(ckpt, family, shape) * 3
+        if method.needs_calibration and new_kv == shape.kv_heads:
+            pass  # the identity is an exact copy: no calibration to run
+        elif method.needs_calibration:
+            from .calibrate import CalibSettings
+
+            calib = CalibSettings(**{k: v for k, v in (("corpus", options.get("calib")),
+                                                        ("tokens", options.get("calib_tokens"))) if v is not None}).validate()
+            state["calib"] = calib
+            settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
+                         "ridge": calib.ridge if method.refit_o else None}
+            # ~5 passes over the calibration tokens per layer (stats, refit x2, forward), at the
+            # measured ~500 tokens/s/model of a 135M model on 2 cores, scaled by model size.
+            per_token_layer = 2 * ckpt.num_params / shape.layers
+            est_seconds += 5 * calib.tokens * shape.layers * per_token_layer / 40e9
+            activations = calib.tokens * shape.hidden * 4 * 3
+            embed_bytes = torch.Size(ckpt.meta(family.embed)[0]).numel() * 4
+            est_peak = _largest_layer_bytes(ckpt, family, shape) * 3 + activations + embed_bytes
+            summary.append(("calibration", f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}, "
+                                           "layer by layer"))
+        elif options.get("calib") or options.get("calib_tokens"):
+            raise EffattnError(f"--calib/--calib-tokens apply to calibrated methods, not {method.name!r}",
+                               "drop them or use --method calibrated")
         return Plan(
             conversion=self.name,
-            settings={"kv_heads": new_kv, "method": method.name, "kv_heads_before": shape.kv_heads},
+            settings=settings,
             config=config,
             specs=same_specs(ckpt, target, reshaped),
             summary=summary,
             kv_bytes_per_token=(before, after),
-            est_seconds=ckpt.nbytes / 200e6,  # streaming copy at ~200 MB/s
-            est_peak_bytes=_largest_layer_bytes(ckpt, family, shape) * 3,
-            state={"method": method, "shape": shape, "new_kv": new_kv, "target": target},
+            est_seconds=est_seconds,
+            est_peak_bytes=est_peak,
+            state=state,
         )
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
         method, shape, new_kv, target = (plan.state[k] for k in ("method", "shape", "new_kv", "target"))
+        if new_kv == shape.kv_heads:  # the identity: every method reduces to an exact copy
+            passthrough(ckpt, writer, ckpt.names(), target)
+            return
         if method.needs_calibration:
             from .calibrate import run_calibrated
 
@@ -194,7 +377,9 @@ class GQAConversion:
         task = progress.add_task("converting layers", total=shape.layers) if progress else None
         for layer in range(shape.layers):
             names = LayerAttention.names(family, layer, ckpt)
-            new = method.convert_layer(LayerAttention.read(ckpt, family, layer), shape, new_kv)
+            gain_name = f"{family.prefix(layer)}{family.input_norm}.weight"
+            gain = ckpt.get(gain_name) if gain_name in ckpt else None
+            new = method.convert_layer(LayerAttention.read(ckpt, family, layer), shape, new_kv, input_gain=gain)
             for role, name in names.items():
                 writer.write(name, getattr(new, role).to(out_dtype(ckpt.meta(name)[1], target)))
                 done.add(name)

