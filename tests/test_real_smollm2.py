@@ -58,3 +58,21 @@ def test_mean_mqa_is_measured_against_the_original(smollm2_mqa):
         assert mqa > 10 * original  # mean-pooling to one KV head without healing wrecks it (GQA paper)
         assert report.agreement[corpus] < 0.5
     assert report.baseline.kv_bytes_per_token == 46_080 and report.model.kv_bytes_per_token == 15_360
+
+
+@pytest.fixture(scope="module")
+def smollm2_calibrated(tmp_path_factory, smollm2_path):
+    out = tmp_path_factory.mktemp("real") / "smollm2-mqa-calibrated"
+    return convert("llama", out, to="mqa", options={"method": "calibrated", "calib_tokens": 4096}, measure=False).out
+
+
+def test_calibrated_mqa_beats_mean_by_a_wide_margin(smollm2_mqa, smollm2_calibrated):
+    settings = EvalSettings(corpora=("shakespeare", "britannica"), context=512, max_tokens=2048, speed=False)
+    mean = evaluate(str(smollm2_mqa), "llama", settings)
+    calibrated = evaluate(str(smollm2_calibrated), "llama", settings)
+    for corpus in settings.corpora:
+        original = calibrated.baseline.perplexity[corpus]
+        assert calibrated.model.perplexity[corpus] < mean.model.perplexity[corpus] / 20
+        assert calibrated.model.perplexity[corpus] < 5 * original  # usable without any retraining
+        assert calibrated.agreement[corpus] > mean.agreement[corpus] + 0.2
+    assert calibrated.model.kv_bytes_per_token == 15_360
