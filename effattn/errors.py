@@ -17,7 +17,7 @@ class EffattnError(Exception):
     exit_code = 2
 
     def __init__(self, what: str, fix: str | None = None):
-        self.what = what.rstrip(".")
+        self.what = " ".join(what.split()).rstrip(".")  # one line, whatever a library put in it
         self.fix = fix
         super().__init__(self.message)
 

