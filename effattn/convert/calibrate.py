@@ -26,7 +26,6 @@ from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
 from .base import Plan, out_dtype, passthrough
 from .gqa import LayerAttention, LayerStats
-from .headmerge import to_complex
 
 
 @dataclass(frozen=True)
@@ -61,11 +60,13 @@ class _Moments:
         self.key_cov = self.q_energy = self.value_cov = 0
 
     def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        zq, zk = to_complex(q), to_complex(k)  # (B, T, H, F), (B, T, G, F)
-        self.q_energy = self.q_energy + (zq.abs() ** 2).sum(dim=(0, 1))
-        self.key_cov = self.key_cov + torch.einsum("btgf,bthf->fgh", zk, zk.conj())
-        vf = v.flatten(2).flatten(0, 1).double()  # (B*T, G*d)
-        self.value_cov = self.value_cov + vf.T @ vf
+        # per-batch products in single precision, running sums in double
+        half = q.shape[-1] // 2
+        self.q_energy = self.q_energy + (q.float() ** 2).sum(dim=(0, 1)).view(-1, 2, half).sum(1).double()  # (H, F)
+        zk = torch.complex(k[..., :half].float(), k[..., half:].float())  # (B, T, G, F)
+        self.key_cov = self.key_cov + torch.einsum("btgf,bthf->fgh", zk, zk.conj()).to(torch.complex128)
+        vf = v.flatten(2).flatten(0, 1).float()  # (B*T, G*d)
+        self.value_cov = self.value_cov + (vf.T @ vf).double()
         self.n += q.shape[0] * q.shape[1]
 
     def stats(self) -> LayerStats:
@@ -88,11 +89,11 @@ def refit_o_proj(new: LayerAttention, old: LayerAttention, h: torch.Tensor, cos,
     gram = torch.zeros(shape.heads * d, shape.heads * d, dtype=torch.float64)
     cross = torch.zeros(shape.heads * d, D, dtype=torch.float64)
     for sl in _batches(h, settings.batch_size):
-        o_new = attention_heads(h[sl], new, cos, sin, d, eps).flatten(2).flatten(0, 1).double()  # (S, H*d)
+        o_new = attention_heads(h[sl], new, cos, sin, d, eps).flatten(2).flatten(0, 1)  # (S, H*d)
         heads = attention_heads(h[sl], old, cos, sin, d, eps)
-        y = (output_projection(heads, old) - (0 if old.o_bias is None else old.o_bias)).flatten(0, 1).double()  # (S, D)
-        gram += o_new.T @ o_new
-        cross += o_new.T @ y
+        y = (output_projection(heads, old) - (0 if old.o_bias is None else old.o_bias)).flatten(0, 1)  # (S, D)
+        gram += (o_new.T @ o_new).double()  # per-batch products in float32, accumulated in float64
+        cross += (o_new.T @ y).double()
     lam = settings.ridge * gram.diagonal().mean().clamp_min(1e-12)
     w0 = new.o.double().T  # (H*d, D)
     eye = torch.eye(gram.shape[0], dtype=torch.float64)

@@ -22,7 +22,7 @@ from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
 from .base import Plan, kv_bytes_per_token, out_dtype, passthrough, same_specs
-from .headmerge import KeyMerge, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
+from .headmerge import KeyMerge, align_keys, align_values, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
 
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -192,9 +192,10 @@ class HeadMergeMethod:
     similarity. `stats` come from the weights (`align`) or from calibration activations (`pca`,
     `calibrated`); `calibrated` then refits o_proj by least squares (calibrate.py)."""
 
-    def __init__(self, name: str, description: str, *, needs_calibration: bool, refit_o: bool):
+    def __init__(self, name: str, description: str, *, needs_calibration: bool, refit_o: bool, merge: str):
         self.name, self.description = name, description
         self.needs_calibration, self.refit_o = needs_calibration, refit_o
+        self.merge = merge  # "pca": weighted principal components; "align": rotate onto one head, then mean
 
     def convert_layer(self, attn: LayerAttention, shape: AttentionShape, new_kv: int, *,
                       stats: LayerStats | None = None, input_gain: torch.Tensor | None = None,
@@ -227,7 +228,7 @@ class HeadMergeMethod:
                 out_metric[reads[p]] += metric[p]
             # -- keys: one complex coefficient per (old head, frequency); RoPE-exact by construction
             if attn.k_norm is None:
-                km = merge_keys(stats.key_cov, weight, members)
+                km = merge_keys(stats.key_cov, weight, members) if self.merge == "pca" else align_keys(stats.key_cov, members)
             else:
                 # Qwen3 normalises each key head after the projection: a per-frequency complex
                 # combination does not survive that norm, and the queries cannot be compensated
@@ -245,7 +246,8 @@ class HeadMergeMethod:
                 if qb_blocks is not None:
                     new_qb.append(qb_blocks[p] if attn.k_norm is not None else complex_scale_rows(qb_blocks[p], scale, d))
             # -- values: top-d subspace of the group's stacked values, undone in o_proj
-            vm = merge_values(stats.value_cov, out_metric, members, d)
+            vm = (merge_values(stats.value_cov, out_metric, members, d) if self.merge == "pca"
+                  else align_values(stats.value_cov, members, d))
             new_v.append(sum(vm.P[i] @ v_rows[g] for i, g in enumerate(members)))
             if vb_rows is not None:
                 new_vb.append(sum(vm.P[i] @ vb_rows[g] for i, g in enumerate(members)))
@@ -264,12 +266,12 @@ class HeadMergeMethod:
 
 METHODS: dict[str, GQAMethod] = {m.name: m for m in [
     MeanMethod(),
-    HeadMergeMethod("align", "RoPE-exact head alignment and merging from the weights alone; streams, no data",
-                    needs_calibration=False, refit_o=False),
-    HeadMergeMethod("pca", "RoPE-exact merging from calibration activations (keys, queries, values), layer by layer",
-                    needs_calibration=True, refit_o=False),
+    HeadMergeMethod("align", "rotate each head's keys (per RoPE frequency) and values onto a reference head, "
+                    "then mean-pool; from the weights alone, streams", needs_calibration=False, refit_o=False, merge="align"),
+    HeadMergeMethod("pca", "RoPE-exact weighted PCA of keys (queries compensated) and values, from calibration "
+                    "activations, layer by layer", needs_calibration=True, refit_o=False, merge="pca"),
     HeadMergeMethod("calibrated", "pca + o_proj refitted by least squares on calibration activations, layer by layer",
-                    needs_calibration=True, refit_o=True),
+                    needs_calibration=True, refit_o=True, merge="pca"),
 ]}
 DEFAULT_METHOD = "calibrated"
 

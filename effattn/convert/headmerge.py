@@ -86,6 +86,38 @@ def merge_keys(key_cov: torch.Tensor, weight: torch.Tensor, members: list[int]) 
     return KeyMerge(members, (a * norm[:, None]).T.contiguous(), (b / norm[:, None]).T.contiguous())
 
 
+def align_keys(key_cov: torch.Tensor, members: list[int]) -> KeyMerge:
+    """Per-frequency phase alignment of the member heads' keys to the first one, then the mean.
+
+    The rotation e^{iφ_g} that best aligns z_g with z_ref is φ_g = −arg E[z_g conj(z_ref)]; it is
+    orthogonal and commutes with RoPE, so applying it to keys and queries alike changes no logit.
+    Averaging the aligned keys is the only approximation (Align-heads-before-merging, 2024).
+    """
+    idx = torch.tensor(members)
+    cross = key_cov[:, idx, idx[0]]  # (F, r): E[z_g conj(z_ref)]
+    phase = torch.exp(-1j * torch.angle(cross)).T  # (r, F), unit modulus
+    r = len(members)
+    return KeyMerge(members, phase / r, phase.conj())
+
+
+def align_values(value_cov: torch.Tensor, members: list[int], head_dim: int) -> ValueMerge:
+    """Orthogonal Procrustes rotation of each member's values onto the first one's, then the mean.
+
+    R_g = argmin_R ‖R v_g − v_ref‖ over rotations: with E[v_ref v_gᵀ] = U S Vᵀ, R_g = U Vᵀ. The
+    rotation is undone exactly in o_proj (v_g = R_gᵀ R_g v_g); only the averaging loses information.
+    """
+    d, r = head_dim, len(members)
+    ref = slice(members[0] * d, (members[0] + 1) * d)
+    P, B = [], []
+    for g in members:
+        cross = value_cov[ref, g * d:(g + 1) * d]  # E[v_ref v_gᵀ]
+        U, _, Vh = torch.linalg.svd(cross)
+        R = U @ Vh
+        P.append(R / r)
+        B.append(R.T)
+    return ValueMerge(members, torch.stack(P), torch.stack(B))
+
+
 def apply_key_merge(keys: torch.Tensor, merge: KeyMerge) -> torch.Tensor:
     """New key from the old keys of the members: keys [..., r, d] (real, rotate-half) -> [..., d] float64."""
     z = to_complex(keys)  # (..., r, F)
