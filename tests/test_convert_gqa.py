@@ -48,7 +48,7 @@ def test_mha_with_duplicated_heads_converts_to_gqa_exactly(tiny, tmp_path, famil
     _duplicate_heads_within_groups(src, group=3, head_dim=8)
     out = convert(src, tmp_path / "out", to="gqa", options={"kv_heads": 2, "method": method}, measure=False).out
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
-    torch.testing.assert_close(logits_of(out, IDS), logits_of(src, IDS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits_of(out, IDS, torch.float64), logits_of(src, IDS, torch.float64), rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -56,7 +56,7 @@ def test_gqa_to_mha_expansion_is_exact(tiny, tmp_path, family):
     src = tiny(family, heads=6, kv_heads=2)
     out = convert(src, tmp_path / "out", to="mha", measure=False).out
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 6
-    torch.testing.assert_close(logits_of(out, IDS), logits_of(src, IDS), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits_of(out, IDS, torch.float64), logits_of(src, IDS, torch.float64), rtol=1e-9, atol=1e-9)
 
 
 def test_output_is_a_native_checkpoint(tiny, tmp_path):

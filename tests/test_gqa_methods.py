@@ -120,7 +120,7 @@ def test_similarity_grouping_makes_interleaved_duplicates_exact(tiny, tmp_path, 
     src = tiny(family, heads=8, kv_heads=4, head_dim=8, hidden=64)
     _interleave_duplicates(src, 8)
     out = convert(src, tmp_path / "out", to="gqa", options=_opts(method, calib_file, kv_heads=2), measure=False).out
-    torch.testing.assert_close(logits_of(out, IDS), logits_of(src, IDS), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits_of(out, IDS, torch.float64), logits_of(src, IDS, torch.float64), rtol=1e-4, atol=1e-4)
     mean = convert(src, tmp_path / "mean", to="gqa", options={"kv_heads": 2, "method": "mean"}, measure=False).out
     assert (logits_of(mean, IDS) - logits_of(src, IDS)).abs().max() > 1e-2  # contiguous pooling is not exact here
 
@@ -131,7 +131,7 @@ def test_duplicated_heads_merge_exactly(tiny, tmp_path, calib_file, family, meth
     src = tiny(family, heads=6, kv_heads=6, head_dim=8)
     _duplicate_heads_within_groups(src, group=3, head_dim=8)
     out = convert(src, tmp_path / "out", to="gqa", options=_opts(method, calib_file, kv_heads=2), measure=False).out
-    torch.testing.assert_close(logits_of(out, IDS), logits_of(src, IDS), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits_of(out, IDS, torch.float64), logits_of(src, IDS, torch.float64), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["mean", *HEAD_MERGE])
@@ -141,7 +141,7 @@ def test_gqa_to_mha_to_gqa_round_trip_is_exact(tiny, tmp_path, calib_file, metho
                   measure=False).out
     back = convert(mha, tmp_path / "back", to="gqa", options=_opts(method, calib_file, kv_heads=2), measure=False).out
     assert json.loads((back / "config.json").read_text())["num_key_value_heads"] == 2
-    torch.testing.assert_close(logits_of(back, IDS), logits_of(src, IDS), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits_of(back, IDS, torch.float64), logits_of(src, IDS, torch.float64), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", HEAD_MERGE)

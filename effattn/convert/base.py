@@ -71,8 +71,11 @@ def out_dtype(src: torch.dtype, target: torch.dtype | None) -> torch.dtype:
 
 def passthrough(ckpt: Checkpoint, writer: SafetensorsWriter, names, target: torch.dtype | None) -> None:
     """Copy tensors unchanged (up to the dtype), one at a time."""
-    for name in names:
+    for i, name in enumerate(names):
         writer.write(name, ckpt.get(name).to(out_dtype(ckpt.meta(name)[1], target)))
+        if i % 16 == 15:
+            ckpt.release()
+    ckpt.release()
 
 
 def same_specs(ckpt: Checkpoint, target: torch.dtype | None, reshaped: dict[str, tuple[int, ...]] | None = None,

@@ -130,6 +130,7 @@ def run_calibrated(ckpt: Checkpoint, family: Family, plan: Plan, writer: Safeten
         for name, tensor in tensors.items():
             writer.write(name, tensor.to(out_dtype(ckpt.meta(name)[1], target)))
             written.add(name)
+        ckpt.release()
         converted = factory.layer(layer, tensors, new_kv)
         del h
         x = torch.cat([converted(x[sl], position_embeddings=(cos, sin)) for sl in _batches(x, settings.batch_size)])

@@ -117,6 +117,13 @@ class MeanMethod:
         )
 
 
+class _Expansion(MeanMethod):
+    """More KV heads than before, each a multiple of the old: replication, exact for every method."""
+
+    name = "replicate"
+    description = "copy each old K/V head to the new heads its queries read (exact expansion)"
+
+
 @dataclass
 class LayerStats:
     """Second moments of one layer's attention, from calibration activations or from the weights.
@@ -303,6 +310,10 @@ class GQAConversion:
         if method_name not in METHODS:
             raise EffattnError(f"unknown GQA method {method_name!r}", one_of(method_name, METHODS))
         method = METHODS[method_name]
+        if new_kv > shape.kv_heads and new_kv % shape.kv_heads == 0 and method.name != "mean":
+            # Expanding: every new KV head is a copy of the one old head its queries read. Exact, so
+            # every method reduces to replication and there is nothing to calibrate.
+            method = _Expansion()
         target = options.get("dtype")
         reshaped = {}
         for layer in range(shape.layers):
@@ -350,7 +361,7 @@ class GQAConversion:
             est_peak = _largest_layer_bytes(ckpt, family, shape) * 3 + activations + embed_bytes
             summary.append(("calibration", f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}, "
                                            "layer by layer"))
-        elif options.get("calib") or options.get("calib_tokens"):
+        elif (options.get("calib") or options.get("calib_tokens")) and not isinstance(method, _Expansion):
             raise EffattnError(f"--calib/--calib-tokens apply to calibrated methods, not {method.name!r}",
                                "drop them or use --method calibrated")
         return Plan(
@@ -385,6 +396,7 @@ class GQAConversion:
             for role, name in names.items():
                 writer.write(name, getattr(new, role).to(out_dtype(ckpt.meta(name)[1], target)))
                 done.add(name)
+            ckpt.release()
             if progress:
                 progress.advance(task)
         passthrough(ckpt, writer, [n for n in ckpt.names() if n not in done], target)

@@ -102,6 +102,11 @@ class Checkpoint:
             raise EffattnError(f"reading {name} from {self._location[name].name} failed ({exc})",
                                "re-download or re-save this checkpoint") from None
 
+    def release(self) -> None:
+        """Close the memory maps. Pages read so far stay mapped (and counted as resident) while a map
+        is open; layer-by-layer conversions call this after each layer so they do not add up."""
+        self._handles.clear()
+
     def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype without reading the data."""
         if self._pickled is not None:
