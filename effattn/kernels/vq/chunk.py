@@ -29,6 +29,10 @@ from torch import Tensor
 from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.naive import check_vq_inputs, compute_dtype
 
+# Full blocks are batched into steps of about this many queries: one set of tensor ops per step
+# amortises PyTorch's per-op overhead, while a step's logits stay small enough to be cache-friendly.
+STEP_QUERIES = 128
+
 
 @dataclass
 class VQState:
@@ -129,20 +133,43 @@ def _last(x: Tensor, n: int, dim: int) -> Tensor:
     return x.narrow(dim, size - min(n, size), min(n, size))
 
 
-def _span_bias(n_queries: int, n_recent: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Additive mask (0 or -inf) of a block's span columns: near logits first, then far ones.
+def _pad_front(x: Tensor, size: int, dim: int) -> Tensor:
+    """Prepend zeros to ``x`` along ``dim`` up to ``size`` entries."""
+    shape = list(x.shape)
+    shape[dim] = size - x.shape[dim]
+    return torch.cat((x.new_zeros(shape), x), dim=dim)
 
-    Query i of the block sits at span index ``n_recent + i``; span key j is near when
-    ``0 <= n_recent + i - j < W`` and far when the distance is >= W, which only the first
-    ``n_far = n_queries + n_recent - W`` span keys can be.
-    Returns (n_queries, n_recent + n_queries + n_far).
+
+def _steps(start: int, T: int, L: int) -> list[tuple[int, int]]:
+    """Split positions ``start .. start + T - 1`` into steps ``(n_blocks, block_len)`` of aligned blocks.
+
+    A leading partial block (``start`` not a multiple of L) and a trailing one get a step each; full
+    blocks are batched ``STEP_QUERIES // L`` at a time.
     """
-    delta = (torch.arange(n_queries, device=device)[:, None] + n_recent) - torch.arange(
-        n_recent + n_queries, device=device
-    )  # (ell, S)
-    n_far = max(0, n_queries + n_recent - window)
-    allowed = torch.cat(((delta >= 0) & (delta < window), delta[:, :n_far] >= window), dim=1)
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    head = min(T, -start % L)
+    n_full, tail = divmod(T - head, L)
+    per_step = max(1, STEP_QUERIES // L)
+    steps = [(1, head)] if head else []
+    steps += [(min(per_step, n_full - i), L) for i in range(0, n_full, per_step)]
+    return steps + [(1, tail)] if tail else steps
+
+
+def _span_bias(t0: int, n: int, ell: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive mask (0 or -inf) of the span columns of ``n`` blocks of ``ell`` queries from ``t0``.
+
+    Block j's span holds the keys at positions ``t0 + j*ell - (W-1) + c``, c in [0, S = W-1+ell), and its
+    query i sits at column ``W-1+i``, so ``delta = W-1+i-c``. The columns are the S near logits
+    (allowed when ``0 <= delta < W``) followed by the far logits of the first ``ell-1`` span keys
+    (allowed when ``delta >= W``); keys before the sequence start (zero padding) are masked.
+    Returns (n, 1, ell, S + ell - 1), broadcasting over query heads.
+    """
+    P = window - 1
+    delta = P + torch.arange(ell, device=device)[:, None] - torch.arange(P + ell, device=device)  # (ell, S)
+    allowed = torch.cat(((delta >= 0) & (delta < window), delta[:, : ell - 1] >= window), dim=1)  # (ell, S+F)
+    key_pos = t0 - P + torch.arange(n, device=device)[:, None] * ell + torch.arange(P + ell, device=device)  # (n, S)
+    started = torch.cat((key_pos, key_pos[:, : ell - 1]), dim=1) >= 0  # (n, S+F)
+    allowed = allowed[None] & started[:, None]  # (n, ell, S+F)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
 
 
 def vq_attention_chunk(
@@ -192,91 +219,115 @@ def vq_attention_chunk(
     G, Dv, C = k.shape[2], v.shape[3], codebook.shape[1]
     R = H // G  # query heads per key/value head
     W, L = window, block_size
+    P = W - 1  # exact keys carried from one block to the next
     scale = D**-0.5 if scale is None else scale
     in_dtype, dt = q.dtype, compute_dtype(q.dtype)
+    dev = q.device
     start = state.seen
 
     codebook = codebook.detach().to(dt)  # (G, C, D)
     far_cos, far_sin = far_cos.to(dt), far_sin.to(dt)
-    counts, sums = state.counts.clone(), state.sums.clone()  # updated in place block by block
+    counts, sums = state.counts, state.sums  # (B, G, C), (B, G, C, Dv)
     sink_k, sink_v = state.sink_k.to(dt), state.sink_v.to(dt)  # (B, G, m, D), (B, G, m, Dv)
 
-    # The span carried between blocks: the last W - 1 keys, rotated and quantized once.
+    # The last W - 1 keys (rotated, quantized), values and codes, zero-padded before position 0.
     n_recent = state.recent_k.shape[2]
     recent_k = state.recent_k.to(dt)
-    span_rk = apply_rope(recent_k, state.recent_cos.to(dt), state.recent_sin.to(dt))  # (B, G, n, D)
-    span_kq = _straight_through(recent_k, state.recent_codes, codebook, start - n_recent, sinks)
-    span_v, span_z = state.recent_v.to(dt), state.recent_codes  # (B, G, n, Dv), (B, G, n)
+    recent_rk = apply_rope(recent_k, state.recent_cos.to(dt), state.recent_sin.to(dt))
+    recent_kq = _straight_through(recent_k, state.recent_codes, codebook, start - n_recent, sinks)
+    buf_rk, buf_kq = _pad_front(recent_rk, P, 2), _pad_front(recent_kq, P, 2)  # (B, G, P, D)
+    buf_v, buf_z = _pad_front(state.recent_v.to(dt), P, 2), _pad_front(state.recent_codes, P, 2)
 
-    # Blocks end at absolute multiples of L; split() gives autograd one node per input, not one per block.
-    ends = list(range((start // L + 1) * L, start + T, L)) + [start + T]
-    sizes = [e - s for s, e in zip([start] + ends[:-1], ends)]
-    blocks = zip(*(x.split(sizes, dim=1) for x in (q, k, v, codes)), cos.split(sizes), sin.split(sizes))
+    # split() gives autograd one node per input rather than one slice per step.
+    steps = _steps(start, T, L)
+    sizes = [n * ell for n, ell in steps]
+    chunks = zip(*(x.split(sizes, dim=1) for x in (q, k, v, codes)), cos.split(sizes), sin.split(sizes))
 
-    # Under autograd, writing blocks into one output would copy the whole gradient per block, so
-    # the blocks are concatenated; without it they go straight into the output.
+    # Under autograd, writing steps into one output would copy the whole gradient per step, so the
+    # steps are concatenated; without it they go straight into the output.
     keep_graph = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     out = None if keep_graph else q.new_empty(B, T, H, Dv)
     pieces = []
-    span_biases = {}  # the mask depends only on (block length, recent keys), so most blocks share one
+    span_biases = {}  # the mask depends on t0 only near the sequence start
 
     t0 = start
-    for q_blk, k_blk, v_blk, z_blk, cos_blk, sin_blk in blocks:
-        ell = q_blk.shape[1]
-        cos_blk, sin_blk = cos_blk.to(dt), sin_blk.to(dt)  # (ell, D)
-        q_blk = q_blk.to(dt).unflatten(2, (G, R)).permute(0, 2, 3, 1, 4).contiguous()  # (B, G, R, ell, D)
-        q_near = apply_rope(q_blk, cos_blk, sin_blk) * scale
-        q_far = apply_rope(q_blk, far_cos, far_sin) * scale  # rotated by the clipped distance W
-        k_blk = k_blk.to(dt).transpose(1, 2)  # (B, G, ell, D)
-        z_blk = z_blk.long().transpose(1, 2)  # (B, G, ell)
-        span_rk = torch.cat((span_rk, apply_rope(k_blk, cos_blk, sin_blk)), dim=2)  # (B, G, S, D)
-        span_kq = torch.cat((span_kq, _straight_through(k_blk, z_blk, codebook, t0, sinks)), dim=2)
-        v_blk = v_blk.to(dt).transpose(1, 2)  # (B, G, ell, Dv)
-        span_v = torch.cat((span_v, v_blk), dim=2)  # (B, G, S, Dv)
-        span_z = torch.cat((span_z, z_blk), dim=2)  # (B, G, S)
-        S = n_recent + ell
-        n_far = max(0, S - W)  # span keys that are far for at least one query of the block
-        n_sink = max(0, min(sinks, t0 - W + 1))  # sinks far for the whole block (aggregated)
+    for (n, ell), (q_s, k_s, v_s, z_s, cos_s, sin_s) in zip(steps, chunks):
+        S, F = P + ell, ell - 1  # span keys per block; only the first F of them can be far
+        block_starts = t0 + ell * torch.arange(n, device=dev)  # (n,)
+        cos_s, sin_s = cos_s.to(dt), sin_s.to(dt)  # (n*ell, D)
 
-        # Columns seen by the W-rotated queries: far span keys, one summary per code, aggregated sinks.
-        means = sums / counts.clamp(min=1.0)[..., None]  # (B, G, C, Dv)
-        far_k = torch.cat((span_kq[:, :, :n_far], codebook.expand(B, G, C, D), sink_k[:, :, :n_sink]), dim=2)
-        values = torch.cat((span_v, span_v[:, :, :n_far], means, sink_v[:, :, :n_sink]), dim=2)  # (B, G, N, Dv)
+        # Queries grouped by key/value head and block: (B, G, n, R, ell, D).
+        q_s = q_s.to(dt).view(B, n, ell, G, R, D).permute(0, 3, 1, 4, 2, 5).contiguous()
+        q_near = apply_rope(q_s, cos_s.view(n, 1, ell, D), sin_s.view(n, 1, ell, D)) * scale
+        q_far = apply_rope(q_s, far_cos, far_sin) * scale  # rotated by the clipped distance W
 
+        # The step's keys behind the W-1 recent ones; block j's span is entries [j*ell, j*ell + S).
+        k_s, v_s, z_s = k_s.to(dt).transpose(1, 2), v_s.to(dt).transpose(1, 2), z_s.long().transpose(1, 2)
+        all_rk = torch.cat((buf_rk, apply_rope(k_s, cos_s, sin_s)), dim=2)  # (B, G, P + n*ell, D)
+        all_kq = torch.cat((buf_kq, _straight_through(k_s, z_s, codebook, t0, sinks)), dim=2)
+        all_v = torch.cat((buf_v, v_s), dim=2)  # (B, G, P + n*ell, Dv)
+        all_z = torch.cat((buf_z, z_s), dim=2)  # (B, G, P + n*ell)
+        span_rk = all_rk.unfold(2, S, ell)  # (B, G, n, D, S)
+        span_v = all_v.unfold(2, S, ell).mT  # (B, G, n, S, Dv)
+        far_kq = all_kq[:, :, : n * ell].unflatten(2, (n, ell))[:, :, :, :F]  # (B, G, n, F, D)
+        far_v = all_v[:, :, : n * ell].unflatten(2, (n, ell))[:, :, :, :F]  # (B, G, n, F, Dv)
+
+        # After block j its first ell span keys leave the span for good: per-code statistics at the
+        # start of each block are the running sums over the blocks before it (detached; no sinks).
+        out_pos = t0 - P + torch.arange(n * ell, device=dev)  # positions of the keys leaving, in order
+        counted = ((out_pos >= 0) & (out_pos >= sinks)).to(dt).view(n, ell)
+        out_z = all_z[:, :, : n * ell].unflatten(2, (n, ell))  # (B, G, n, ell)
+        out_v = all_v[:, :, : n * ell].detach().unflatten(2, (n, ell)) * counted[..., None]  # (B, G, n, ell, Dv)
+        add_counts = counts.new_zeros(B, G, n, C).scatter_add_(3, out_z, counted.expand(B, G, n, ell))
+        add_sums = sums.new_zeros(B, G, n, C, Dv).scatter_add_(3, out_z[..., None].expand(-1, -1, -1, -1, Dv), out_v)
+        run_counts = torch.cat((counts[:, :, None], add_counts), dim=2).cumsum(2)  # (B, G, n+1, C)
+        run_sums = torch.cat((sums[:, :, None], add_sums), dim=2).cumsum(2)  # (B, G, n+1, C, Dv)
+        block_counts, counts = run_counts[:, :, :n], run_counts[:, :, n]
+        block_means = run_sums[:, :, :n] / block_counts.clamp(min=1.0)[..., None]  # (B, G, n, C, Dv)
+        sums = run_sums[:, :, n]
+
+        # Sinks stay exact; block j sees a sink through its own column once it is aggregated.
+        n_new = min(n * ell, max(0, sinks - t0))
+        sink_k = torch.cat((sink_k, k_s[:, :, :n_new].detach()), dim=2)
+        sink_v = torch.cat((sink_v, v_s[:, :, :n_new].detach()), dim=2)
+        m = sink_k.shape[2]
+        late = torch.arange(m, device=dev) > (block_starts - W)[:, None]  # (n, m) not yet aggregated
+        sink_bias = torch.zeros(n, 1, 1, m, dtype=dt, device=dev).masked_fill_(late[:, None, None], float("-inf"))
+
+        # Columns of the W-rotated queries: far span keys, one per code, sinks. One softmax over all.
+        far_k = torch.cat(
+            (far_kq, codebook[None, :, None].expand(B, G, n, C, D), sink_k[:, :, None].expand(B, G, n, m, D)), dim=3
+        )  # (B, G, n, F + C + m, D)
+        values = torch.cat(
+            (span_v, far_v, block_means, sink_v[:, :, None].expand(B, G, n, m, Dv)), dim=3
+        )  # (B, G, n, N, Dv), N = S + F + C + m
         logits = torch.cat(
-            (q_near.flatten(2, 3) @ span_rk.mT, q_far.flatten(2, 3) @ far_k.mT), dim=-1
-        ).unflatten(2, (R, ell))  # (B, G, R, ell, N), N = S + n_far + C + n_sink
-        if (ell, n_recent) not in span_biases:
-            span_biases[ell, n_recent] = _span_bias(ell, n_recent, W, dt, q.device)
-        logits[..., : S + n_far] += span_biases[ell, n_recent]  # causal, near / far split
-        logits[..., S + n_far : S + n_far + C] += counts.log()[:, :, None, None, :]  # empty codes -> -inf
+            (q_near.flatten(3, 4) @ span_rk, q_far.flatten(3, 4) @ far_k.mT), dim=-1
+        ).unflatten(3, (R, ell))  # (B, G, n, R, ell, N)
+        bias_key = (n, ell, min(t0, P))
+        if bias_key not in span_biases:
+            span_biases[bias_key] = _span_bias(t0, n, ell, W, dt, dev)
+        logits[..., : S + F] += span_biases[bias_key]  # (n, 1, ell, S + F): causal, near / far
+        logits[..., S + F : S + F + C] += block_counts.log()[:, :, :, None, None, :]  # empty codes: -inf
+        logits[..., S + F + C :] += sink_bias
         probs = torch.softmax(logits, dim=-1)
-        o = (probs.flatten(2, 3) @ values).unflatten(2, (R, ell))  # (B, G, R, ell, Dv)
-        o = o.permute(0, 3, 1, 2, 4).flatten(2, 3)  # (B, ell, H, Dv)
+        o = (probs.flatten(3, 4) @ values).unflatten(3, (R, ell))  # (B, G, n, R, ell, Dv)
+        o = o.permute(0, 2, 4, 1, 3, 5).reshape(B, n * ell, H, Dv)
         if keep_graph:
             pieces.append(o)
         else:
-            out[:, t0 - start : t0 - start + ell] = o
+            out[:, t0 - start : t0 - start + n * ell] = o
 
-        # Keys older than the next block's span leave it: fold them (detached) into the statistics.
-        n_leave = max(0, S - (W - 1))
-        first_counted = min(n_leave, max(0, sinks - (t0 - n_recent)))  # sinks are never counted
-        z_out = span_z[:, :, first_counted:n_leave]  # (B, G, n_out)
-        counts.scatter_add_(2, z_out, torch.ones_like(z_out, dtype=counts.dtype))
-        sums.scatter_add_(2, z_out[..., None].expand(-1, -1, -1, Dv), span_v[:, :, first_counted:n_leave].detach())
-        span_rk, span_kq, span_v, span_z = (x[:, :, n_leave:] for x in (span_rk, span_kq, span_v, span_z))
-        if t0 < sinks:  # the block holds sink positions: keep them exact for later blocks
-            n_new = min(ell, sinks - t0)
-            sink_k = torch.cat((sink_k, k_blk[:, :, :n_new].detach()), dim=2)
-            sink_v = torch.cat((sink_v, v_blk[:, :, :n_new].detach()), dim=2)
-        n_recent = S - n_leave
-        t0 += ell
+        buf_rk, buf_kq, buf_v, buf_z = (x[:, :, n * ell :] for x in (all_rk, all_kq, all_v, all_z))
+        t0 += n * ell
 
     out = torch.cat(pieces, dim=1).to(in_dtype) if keep_graph else out
     if not return_state:
         return out
 
     # The new state keeps the pre-RoPE inputs of the last W - 1 positions (exact, in their dtype).
+    n_recent = min(start + T, P)
+
     def recent(previous: Tensor, current: Tensor, dim: int) -> Tensor:
         return _last(torch.cat((_last(previous, n_recent, dim), _last(current, n_recent, dim)), dim=dim), n_recent, dim)
 
