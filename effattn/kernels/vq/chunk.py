@@ -1,21 +1,26 @@
 """Transformer-VQ attention with ReRoPE: the blockwise, linear-time kernel.
 
-Same semantics as ``naive.py`` (read its docstring first). Queries are processed in blocks of
-``L = block_size`` positions aligned to absolute multiples of L. For a block starting at ``t0`` the
-keys split into
+Same semantics as ``naive.py`` (read its docstring first). Queries are processed in steps of about
+``TILE`` positions (a multiple of ``L = block_size``, starting at a multiple of L). For a step
+``[t0, t1)`` the keys split into
 
-* the *span* ``[t0 - W + 1, t1)``: the W - 1 keys carried from earlier blocks plus the block's own.
-  Every near pair of the block lies here, and so do the block's far pairs with keys younger than
-  ``t0 - W + 1`` (at most the first ``L - 1`` span keys); they get per-pair logits with full gradients;
-* the *aggregated* keys ``s <= t0 - W``, far for the whole block. Their logit
+* the *span* ``[t0 - W + 1, t1)``: the W - 1 keys carried from earlier steps plus the step's own.
+  Every near pair of the step lies here, and so do its far pairs with keys younger than
+  ``t0 - W + 1`` (at most the first ``t1 - t0 - 1`` span keys); they get per-pair logits;
+* the *aggregated* keys ``s <= t0 - W``, far for the whole step. Their logit
   ``<rope(q_t, W), codebook[z_s]>`` depends on s only through its code, so they enter the softmax as
-  one column per code, weighted by the number of keys with that code (``counts``; added as a
+  one column per code, weighted by the number of keys with that code (``counts``, added as a
   ``log(count)`` bias) and carrying the mean of their values (``sums / counts``). Sinks are kept
   exact in their own columns.
 
-All columns share one softmax, so the block costs ``O(L * (W + L + C + sinks))`` whatever its
-position: time is linear in T and the working memory is flat. After the block, the keys that leave
-the span are scatter-added (detached) into the per-code statistics.
+All columns share one softmax, so a step costs ``O(TILE * (W + TILE + C + sinks))`` wherever it is:
+time is linear in T and the working memory is flat. After the step, the keys that leave the span
+are scatter-added (detached) into the per-code statistics.
+
+Gradients follow the stop-gradient rule of ``naive.py`` exactly: statistics are detached, and far
+span pairs that the rule aggregates (possible when a step holds several blocks of L) pass no
+gradient to their key and value (:class:`_FrozenPairsMatmul`). The step size is therefore a pure
+performance choice, independent of L when ``L <= TILE``.
 
 The recurrence state is a :class:`VQState`; passing it back in continues the sequence, so any
 chunking of a sequence (down to one token per call) reproduces the output of a single call.
@@ -29,9 +34,10 @@ from torch import Tensor
 from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.naive import check_vq_inputs, compute_dtype
 
-# Full blocks are batched into steps of about this many queries: one set of tensor ops per step
-# amortises PyTorch's per-op overhead, while a step's logits stay small enough to be cache-friendly.
-STEP_QUERIES = 128
+# Queries per step (rounded to a multiple of block_size). Larger steps amortise PyTorch's per-op
+# overhead but widen the span every query is scored against (W - 1 + TILE keys, plus TILE - 1 far
+# ones); 64 is the fastest on a 2-core AVX-512 CPU for W = 256, C = 512 (see effattn/bench.py).
+TILE = 64
 
 
 @dataclass
@@ -140,36 +146,76 @@ def _pad_front(x: Tensor, size: int, dim: int) -> Tensor:
     return torch.cat((x.new_zeros(shape), x), dim=dim)
 
 
-def _steps(start: int, T: int, L: int) -> list[tuple[int, int]]:
-    """Split positions ``start .. start + T - 1`` into steps ``(n_blocks, block_len)`` of aligned blocks.
+def _steps(start: int, T: int, L: int) -> list[int]:
+    """Lengths of the steps covering positions ``start .. start + T - 1``.
 
-    A leading partial block (``start`` not a multiple of L) and a trailing one get a step each; full
-    blocks are batched ``STEP_QUERIES // L`` at a time.
+    Steps hold ``max(1, TILE // L)`` whole blocks of L and start at multiples of L, so the
+    statistics at a step's start only hold pairs that the stop-gradient rule aggregates; an
+    unaligned ``start`` (continuing a state) first completes its block.
     """
+    per_step = L * max(1, TILE // L)
     head = min(T, -start % L)
-    n_full, tail = divmod(T - head, L)
-    per_step = max(1, STEP_QUERIES // L)
-    steps = [(1, head)] if head else []
-    steps += [(min(per_step, n_full - i), L) for i in range(0, n_full, per_step)]
-    return steps + [(1, tail)] if tail else steps
+    body, tail = divmod(T - head, per_step)
+    return ([head] if head else []) + [per_step] * body + ([tail] if tail else [])
 
 
-def _span_bias(t0: int, n: int, ell: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Additive mask (0 or -inf) of the span columns of ``n`` blocks of ``ell`` queries from ``t0``.
+def _span_bias(t0: int, Q: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive mask (0 or -inf) of the span columns of the Q queries starting at ``t0``.
 
-    Block j's span holds the keys at positions ``t0 + j*ell - (W-1) + c``, c in [0, S = W-1+ell), and its
-    query i sits at column ``W-1+i``, so ``delta = W-1+i-c``. The columns are the S near logits
-    (allowed when ``0 <= delta < W``) followed by the far logits of the first ``ell-1`` span keys
-    (allowed when ``delta >= W``); keys before the sequence start (zero padding) are masked.
-    Returns (n, 1, ell, S + ell - 1), broadcasting over query heads.
+    The span holds the keys at positions ``t0 - (W-1) + c``, c in [0, S = W-1+Q), and query i sits at
+    column ``W-1+i``, so ``delta = W-1+i-c``. The columns are the S near logits (allowed when
+    ``0 <= delta < W``) followed by the far logits of the first ``Q-1`` span keys (allowed when
+    ``delta >= W``); keys before the sequence start (zero padding) are masked. Returns (Q, S + Q - 1).
     """
     P = window - 1
-    delta = P + torch.arange(ell, device=device)[:, None] - torch.arange(P + ell, device=device)  # (ell, S)
-    allowed = torch.cat(((delta >= 0) & (delta < window), delta[:, : ell - 1] >= window), dim=1)  # (ell, S+F)
-    key_pos = t0 - P + torch.arange(n, device=device)[:, None] * ell + torch.arange(P + ell, device=device)  # (n, S)
-    started = torch.cat((key_pos, key_pos[:, : ell - 1]), dim=1) >= 0  # (n, S+F)
-    allowed = allowed[None] & started[:, None]  # (n, ell, S+F)
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
+    c = torch.arange(P + Q, device=device)
+    delta = P + torch.arange(Q, device=device)[:, None] - c  # (Q, S)
+    started = t0 - P + c >= 0  # (S,)
+    near = (delta >= 0) & (delta < window) & started
+    far = (delta[:, : Q - 1] >= window) & started[: Q - 1]
+    allowed = torch.cat((near, far), dim=1)  # (Q, S + Q - 1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def _aggregated_pairs(t0: int, Q: int, window: int, block_size: int, device: torch.device) -> Tensor:
+    """(Q, Q - 1) bool: which (query, far span key) pairs of the step the stop-gradient rule aggregates.
+
+    Query ``t = t0 + i`` and key ``s = t0 - (W-1) + c`` are aggregated when ``s <= floor(t/L)*L - W``.
+    """
+    t = t0 + torch.arange(Q, device=device)[:, None]
+    s = t0 - (window - 1) + torch.arange(Q - 1, device=device)
+    return s <= torch.div(t, block_size, rounding_mode="floor") * block_size - window
+
+
+class _FrozenPairsMatmul(torch.autograd.Function):
+    """``a @ b`` in which the (query, key) pairs flagged in ``frozen`` send no gradient to ``b``.
+
+    Used for the aggregated pairs among a step's per-pair columns. For logits, ``a`` holds queries
+    and ``b`` keys (D, N): a pair is a (row, result column). For outputs, ``a`` holds probabilities
+    and ``b`` values (N, Dv): a pair is a (row, column of a). ``a`` gets its full gradient either way.
+
+    a: (B, G, R*Q, K) rows ordered (head, query); b: (B, G, K, N) or (B, G, N, Dv);
+    frozen: (Q, N) bool, shared by the R query heads of a group.
+    """
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, frozen: Tensor, pairs_in_a: bool) -> Tensor:
+        ctx.save_for_backward(a, b, frozen)
+        ctx.pairs_in_a = pairs_in_a
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        a, b, frozen = ctx.saved_tensors
+
+        def thaw(x: Tensor) -> Tensor:  # zero the frozen pairs; rows are (head, query)
+            return x.unflatten(-2, (-1, frozen.shape[0])).masked_fill(frozen, 0.0).flatten(-3, -2)
+
+        grad_a = grad @ b.mT if ctx.needs_input_grad[0] else None
+        grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_b = thaw(a).mT @ grad if ctx.pairs_in_a else a.mT @ thaw(grad)
+        return grad_a, grad_b, None, None
 
 
 def vq_attention_chunk(
@@ -201,7 +247,9 @@ def vq_attention_chunk(
         cos, sin: (T, D) RoPE tables at this chunk's absolute positions (``state.seen ..``).
         far_cos, far_sin: (D,) RoPE table at relative position ``window``.
         window: W >= 1, keys with ``t - s < W`` are exact.
-        block_size: L >= 1, queries per block (blocks are aligned to absolute multiples of L).
+        block_size: L >= 1, block length of the stop-gradient rule (blocks aligned to multiples of L).
+            It does not change the output; values above ``TILE`` make the steps, and so the work
+            per query, larger.
         sinks: the first ``sinks`` positions of the sequence are never quantized.
         scale: logit scale, default ``D ** -0.5``.
         state: the state returned by the previous call of this sequence, or None to start one.
@@ -219,7 +267,7 @@ def vq_attention_chunk(
     G, Dv, C = k.shape[2], v.shape[3], codebook.shape[1]
     R = H // G  # query heads per key/value head
     W, L = window, block_size
-    P = W - 1  # exact keys carried from one block to the next
+    P = W - 1  # exact keys carried from one step to the next
     scale = D**-0.5 if scale is None else scale
     in_dtype, dt = q.dtype, compute_dtype(q.dtype)
     dev = q.device
@@ -227,7 +275,7 @@ def vq_attention_chunk(
 
     codebook = codebook.detach().to(dt)  # (G, C, D)
     far_cos, far_sin = far_cos.to(dt), far_sin.to(dt)
-    counts, sums = state.counts, state.sums  # (B, G, C), (B, G, C, Dv)
+    counts, sums = state.counts.clone(), state.sums.clone()  # (B, G, C), (B, G, C, Dv), updated in place
     sink_k, sink_v = state.sink_k.to(dt), state.sink_v.to(dt)  # (B, G, m, D), (B, G, m, Dv)
 
     # The last W - 1 keys (rotated, quantized), values and codes, zero-padded before position 0.
@@ -240,86 +288,70 @@ def vq_attention_chunk(
 
     # split() gives autograd one node per input rather than one slice per step.
     steps = _steps(start, T, L)
-    sizes = [n * ell for n, ell in steps]
-    chunks = zip(*(x.split(sizes, dim=1) for x in (q, k, v, codes)), cos.split(sizes), sin.split(sizes))
+    chunks = zip(*(x.split(steps, dim=1) for x in (q, k, v, codes)), cos.split(steps), sin.split(steps))
 
     # Under autograd, writing steps into one output would copy the whole gradient per step, so the
     # steps are concatenated; without it they go straight into the output.
     keep_graph = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     out = None if keep_graph else q.new_empty(B, T, H, Dv)
     pieces = []
-    span_biases = {}  # the mask depends on t0 only near the sequence start
+    masks = {}  # most steps share their masks; they depend on t0 only near the sequence start
 
     t0 = start
-    for (n, ell), (q_s, k_s, v_s, z_s, cos_s, sin_s) in zip(steps, chunks):
-        S, F = P + ell, ell - 1  # span keys per block; only the first F of them can be far
-        block_starts = t0 + ell * torch.arange(n, device=dev)  # (n,)
-        cos_s, sin_s = cos_s.to(dt), sin_s.to(dt)  # (n*ell, D)
+    for Q, (q_s, k_s, v_s, z_s, cos_s, sin_s) in zip(steps, chunks):
+        S, F = P + Q, Q - 1  # span keys; only the first F of them can be far
+        n_sink = max(0, min(sinks, t0 - P))  # sinks far for the whole step (aggregated)
+        cos_s, sin_s = cos_s.to(dt), sin_s.to(dt)  # (Q, D)
+        mask_key = (Q, min(t0, P), t0 % L, n_sink)
+        if mask_key not in masks:
+            frozen = _aggregated_pairs(t0, Q, W, L, dev)  # (Q, F)
+            masks[mask_key] = (
+                _span_bias(t0, Q, W, dt, dev),  # (Q, S + F)
+                torch.cat((frozen, frozen.new_zeros(Q, C + n_sink)), dim=1),  # far columns (Q, F + C + m)
+                torch.cat((frozen.new_zeros(Q, S), frozen, frozen.new_zeros(Q, C + n_sink)), dim=1),  # all columns
+            )
+        span_bias, frozen_logits, frozen_values = masks[mask_key]
 
-        # Queries grouped by key/value head and block: (B, G, n, R, ell, D).
-        q_s = q_s.to(dt).view(B, n, ell, G, R, D).permute(0, 3, 1, 4, 2, 5).contiguous()
-        q_near = apply_rope(q_s, cos_s.view(n, 1, ell, D), sin_s.view(n, 1, ell, D)) * scale
+        # Queries grouped by key/value head: (B, G, R, Q, D).
+        q_s = q_s.to(dt).unflatten(2, (G, R)).permute(0, 2, 3, 1, 4).contiguous()
+        q_near = apply_rope(q_s, cos_s, sin_s) * scale
         q_far = apply_rope(q_s, far_cos, far_sin) * scale  # rotated by the clipped distance W
 
-        # The step's keys behind the W-1 recent ones; block j's span is entries [j*ell, j*ell + S).
+        # The span: the W-1 recent keys then the step's own.
         k_s, v_s, z_s = k_s.to(dt).transpose(1, 2), v_s.to(dt).transpose(1, 2), z_s.long().transpose(1, 2)
-        all_rk = torch.cat((buf_rk, apply_rope(k_s, cos_s, sin_s)), dim=2)  # (B, G, P + n*ell, D)
-        all_kq = torch.cat((buf_kq, _straight_through(k_s, z_s, codebook, t0, sinks)), dim=2)
-        all_v = torch.cat((buf_v, v_s), dim=2)  # (B, G, P + n*ell, Dv)
-        all_z = torch.cat((buf_z, z_s), dim=2)  # (B, G, P + n*ell)
-        span_rk = all_rk.unfold(2, S, ell)  # (B, G, n, D, S)
-        span_v = all_v.unfold(2, S, ell).mT  # (B, G, n, S, Dv)
-        far_kq = all_kq[:, :, : n * ell].unflatten(2, (n, ell))[:, :, :, :F]  # (B, G, n, F, D)
-        far_v = all_v[:, :, : n * ell].unflatten(2, (n, ell))[:, :, :, :F]  # (B, G, n, F, Dv)
+        span_rk = torch.cat((buf_rk, apply_rope(k_s, cos_s, sin_s)), dim=2)  # (B, G, S, D)
+        span_kq = torch.cat((buf_kq, _straight_through(k_s, z_s, codebook, t0, sinks)), dim=2)
+        span_v = torch.cat((buf_v, v_s), dim=2)  # (B, G, S, Dv)
+        span_z = torch.cat((buf_z, z_s), dim=2)  # (B, G, S)
 
-        # After block j its first ell span keys leave the span for good: per-code statistics at the
-        # start of each block are the running sums over the blocks before it (detached; no sinks).
-        out_pos = t0 - P + torch.arange(n * ell, device=dev)  # positions of the keys leaving, in order
-        counted = ((out_pos >= 0) & (out_pos >= sinks)).to(dt).view(n, ell)
-        out_z = all_z[:, :, : n * ell].unflatten(2, (n, ell))  # (B, G, n, ell)
-        out_v = all_v[:, :, : n * ell].detach().unflatten(2, (n, ell)) * counted[..., None]  # (B, G, n, ell, Dv)
-        add_counts = counts.new_zeros(B, G, n, C).scatter_add_(3, out_z, counted.expand(B, G, n, ell))
-        add_sums = sums.new_zeros(B, G, n, C, Dv).scatter_add_(3, out_z[..., None].expand(-1, -1, -1, -1, Dv), out_v)
-        run_counts = torch.cat((counts[:, :, None], add_counts), dim=2).cumsum(2)  # (B, G, n+1, C)
-        run_sums = torch.cat((sums[:, :, None], add_sums), dim=2).cumsum(2)  # (B, G, n+1, C, Dv)
-        block_counts, counts = run_counts[:, :, :n], run_counts[:, :, n]
-        block_means = run_sums[:, :, :n] / block_counts.clamp(min=1.0)[..., None]  # (B, G, n, C, Dv)
-        sums = run_sums[:, :, n]
-
-        # Sinks stay exact; block j sees a sink through its own column once it is aggregated.
-        n_new = min(n * ell, max(0, sinks - t0))
-        sink_k = torch.cat((sink_k, k_s[:, :, :n_new].detach()), dim=2)
-        sink_v = torch.cat((sink_v, v_s[:, :, :n_new].detach()), dim=2)
-        m = sink_k.shape[2]
-        late = torch.arange(m, device=dev) > (block_starts - W)[:, None]  # (n, m) not yet aggregated
-        sink_bias = torch.zeros(n, 1, 1, m, dtype=dt, device=dev).masked_fill_(late[:, None, None], float("-inf"))
-
-        # Columns of the W-rotated queries: far span keys, one per code, sinks. One softmax over all.
-        far_k = torch.cat(
-            (far_kq, codebook[None, :, None].expand(B, G, n, C, D), sink_k[:, :, None].expand(B, G, n, m, D)), dim=3
-        )  # (B, G, n, F + C + m, D)
-        values = torch.cat(
-            (span_v, far_v, block_means, sink_v[:, :, None].expand(B, G, n, m, Dv)), dim=3
-        )  # (B, G, n, N, Dv), N = S + F + C + m
+        # Columns of the W-rotated queries: far span keys, one per code (mean value), aggregated sinks.
+        means = sums / counts.clamp(min=1.0)[..., None]  # (B, G, C, Dv)
+        far_k = torch.cat((span_kq[:, :, :F], codebook.expand(B, G, C, D), sink_k[:, :, :n_sink]), dim=2)
+        values = torch.cat((span_v, span_v[:, :, :F], means, sink_v[:, :, :n_sink]), dim=2)  # (B, G, N, Dv)
         logits = torch.cat(
-            (q_near.flatten(3, 4) @ span_rk, q_far.flatten(3, 4) @ far_k.mT), dim=-1
-        ).unflatten(3, (R, ell))  # (B, G, n, R, ell, N)
-        bias_key = (n, ell, min(t0, P))
-        if bias_key not in span_biases:
-            span_biases[bias_key] = _span_bias(t0, n, ell, W, dt, dev)
-        logits[..., : S + F] += span_biases[bias_key]  # (n, 1, ell, S + F): causal, near / far
-        logits[..., S + F : S + F + C] += block_counts.log()[:, :, :, None, None, :]  # empty codes: -inf
-        logits[..., S + F + C :] += sink_bias
-        probs = torch.softmax(logits, dim=-1)
-        o = (probs.flatten(3, 4) @ values).unflatten(3, (R, ell))  # (B, G, n, R, ell, Dv)
-        o = o.permute(0, 2, 4, 1, 3, 5).reshape(B, n * ell, H, Dv)
+            (q_near.flatten(2, 3) @ span_rk.mT, _FrozenPairsMatmul.apply(q_far.flatten(2, 3), far_k.mT, frozen_logits, False)),
+            dim=-1,
+        ).unflatten(2, (R, Q))  # (B, G, R, Q, N), N = S + F + C + n_sink
+        logits[..., : S + F] += span_bias  # causal, near / far
+        logits[..., S + F : S + F + C] += counts.log()[:, :, None, None, :]  # empty codes: -inf
+        probs = torch.softmax(logits, dim=-1).flatten(2, 3)  # (B, G, R*Q, N)
+        o = _FrozenPairsMatmul.apply(probs, values, frozen_values, True).unflatten(2, (R, Q))  # (B, G, R, Q, Dv)
+        o = o.permute(0, 3, 1, 2, 4).flatten(2, 3)  # (B, Q, H, Dv)
         if keep_graph:
             pieces.append(o)
         else:
-            out[:, t0 - start : t0 - start + n * ell] = o
+            out[:, t0 - start : t0 - start + Q] = o
 
-        buf_rk, buf_kq, buf_v, buf_z = (x[:, :, n * ell :] for x in (all_rk, all_kq, all_v, all_z))
-        t0 += n * ell
+        # The first Q span keys leave the span for good: fold them (detached) into the statistics.
+        first = max(0, sinks - (t0 - P), -(t0 - P))  # padding and sinks are never counted
+        z_out, v_out = span_z[:, :, first:Q], span_v[:, :, first:Q].detach()
+        counts.scatter_add_(2, z_out, torch.ones_like(z_out, dtype=dt))
+        sums.scatter_add_(2, z_out[..., None].expand(-1, -1, -1, Dv), v_out)
+        n_new = min(Q, max(0, sinks - t0))  # sink positions in this step, kept exact for later steps
+        sink_k = torch.cat((sink_k, k_s[:, :, :n_new].detach()), dim=2)
+        sink_v = torch.cat((sink_v, v_s[:, :, :n_new].detach()), dim=2)
+        buf_rk, buf_kq, buf_v, buf_z = (x[:, :, Q:] for x in (span_rk, span_kq, span_v, span_z))
+        t0 += Q
 
     out = torch.cat(pieces, dim=1).to(in_dtype) if keep_graph else out
     if not return_state:
