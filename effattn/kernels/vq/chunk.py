@@ -19,7 +19,7 @@ are scatter-added (detached) into the per-code statistics.
 
 Gradients follow the stop-gradient rule of ``naive.py`` exactly: statistics are detached, and far
 span pairs that the rule aggregates (possible when a step holds several blocks of L) pass no
-gradient to their key and value (:class:`_FrozenPairsMatmul`). The step size is therefore a pure
+gradient to their key and value (see :class:`_StepAttention`). The step size is therefore a pure
 performance choice, independent of L when ``L <= TILE``.
 
 The recurrence state is a :class:`VQState`; passing it back in continues the sequence, so any
@@ -187,35 +187,76 @@ def _aggregated_pairs(t0: int, Q: int, window: int, block_size: int, device: tor
     return s <= torch.div(t, block_size, rounding_mode="floor") * block_size - window
 
 
-class _FrozenPairsMatmul(torch.autograd.Function):
-    """``a @ b`` in which the (query, key) pairs flagged in ``frozen`` send no gradient to ``b``.
+class _StepAttention(torch.autograd.Function):
+    """Softmax attention of one step's queries over its four column groups, with a hand-written backward.
 
-    Used for the aggregated pairs among a step's per-pair columns. For logits, ``a`` holds queries
-    and ``b`` keys (D, N): a pair is a (row, result column). For outputs, ``a`` holds probabilities
-    and ``b`` values (N, Dv): a pair is a (row, column of a). ``a`` gets its full gradient either way.
+    ==========  ==============================  ==========================================  ==========
+    columns     keys                            logits                                      values
+    ==========  ==============================  ==========================================  ==========
+    near (S)    the span                        ``q_near @ span_rk^T + near_bias``          ``span_v``
+    far (F)     the first F span keys           ``q_far @ far_kq^T + far_bias``             ``far_v``
+    codes (C)   the codewords                   ``q_far @ codebook^T + log(counts)``        ``means``
+    sinks (m)   the aggregated sinks            ``q_far @ sink_k^T``                        ``sink_v``
+    ==========  ==============================  ==========================================  ==========
 
-    a: (B, G, R*Q, K) rows ordered (head, query); b: (B, G, K, N) or (B, G, N, Dv);
-    frozen: (Q, N) bool, shared by the R query heads of a group.
+    The biases are 0 / -inf masks (``log(0) = -inf`` drops empty codes). The four products are written
+    straight into one logits tensor and the output is accumulated part by part, so the largest tensors
+    of a step are never concatenated or copied (twice as fast on CPU as autograd over cat + softmax).
+
+    Shapes, batch and key/value heads flattened into BG and M = R*Q rows ordered (head, query):
+    q_near, q_far (BG, M, D); span_rk (BG, S, D); far_kq (BG, F, D); codebook (BG, C, D); sink_k (BG, m, D);
+    span_v (BG, S, Dv); far_v (BG, F, Dv); means (BG, C, Dv); sink_v (BG, m, Dv); near_bias (M, S);
+    far_bias (M, F); log_counts (BG, 1, C); frozen (M, F) bool. Returns (BG, M, Dv).
+
+    Gradients reach q_near, q_far, span_rk, far_kq, span_v and far_v. Codewords, statistics and sinks
+    are constants (detached), and the far pairs flagged in ``frozen`` (aggregated by the stop-gradient
+    rule) send no gradient to their key and value.
     """
 
     @staticmethod
-    def forward(ctx, a: Tensor, b: Tensor, frozen: Tensor, pairs_in_a: bool) -> Tensor:
-        ctx.save_for_backward(a, b, frozen)
-        ctx.pairs_in_a = pairs_in_a
-        return a @ b
+    def forward(ctx, q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, means, sink_v,
+                near_bias, far_bias, log_counts, frozen):  # fmt: skip
+        sizes = (span_rk.shape[1], far_kq.shape[1], codebook.shape[1], sink_k.shape[1])
+        logits = q_near.new_empty(*q_near.shape[:2], sum(sizes))  # (BG, M, N)
+        near, far, code, sink = logits.split(sizes, dim=-1)
+        torch.baddbmm(near_bias, q_near, span_rk.mT, out=near)
+        torch.baddbmm(far_bias, q_far, far_kq.mT, out=far)
+        torch.baddbmm(log_counts, q_far, codebook.mT, out=code)
+        torch.bmm(q_far, sink_k.mT, out=sink)
+        probs = torch.softmax(logits, dim=-1)  # (BG, M, N)
+        del logits, near, far, code, sink
+
+        p_near, p_far, p_code, p_sink = probs.split(sizes, dim=-1)
+        out = torch.bmm(p_near, span_v)  # (BG, M, Dv)
+        out.baddbmm_(p_far, far_v).baddbmm_(p_code, means).baddbmm_(p_sink, sink_v)
+        ctx.sizes = sizes
+        ctx.save_for_backward(q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, means, sink_v,
+                              frozen, probs, out)  # fmt: skip
+        return out
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-        a, b, frozen = ctx.saved_tensors
+    def backward(ctx, grad_out):
+        (q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, means, sink_v,
+         frozen, probs, out) = ctx.saved_tensors  # fmt: skip
+        needs = ctx.needs_input_grad
 
-        def thaw(x: Tensor) -> Tensor:  # zero the frozen pairs; rows are (head, query)
-            return x.unflatten(-2, (-1, frozen.shape[0])).masked_fill(frozen, 0.0).flatten(-3, -2)
+        # softmax backward: d logits = P * (dP - rowsum(dO * O)), with dP = dO @ V^T part by part
+        grad_logits = torch.empty_like(probs)
+        for part, values in zip(grad_logits.split(ctx.sizes, dim=-1), (span_v, far_v, means, sink_v)):
+            torch.bmm(grad_out, values.mT, out=part)
+        grad_logits.sub_((grad_out * out).sum(-1, keepdim=True)).mul_(probs)
+        g_near, g_far, g_code, g_sink = grad_logits.split(ctx.sizes, dim=-1)
+        p_near, p_far, _, _ = probs.split(ctx.sizes, dim=-1)
+        g_far_thawed, p_far_thawed = g_far.masked_fill(frozen, 0.0), p_far.masked_fill(frozen, 0.0)
 
-        grad_a = grad @ b.mT if ctx.needs_input_grad[0] else None
-        grad_b = None
-        if ctx.needs_input_grad[1]:
-            grad_b = thaw(a).mT @ grad if ctx.pairs_in_a else a.mT @ thaw(grad)
-        return grad_a, grad_b, None, None
+        grad_q_near = g_near @ span_rk if needs[0] else None
+        grad_q_far = (g_far @ far_kq).baddbmm_(g_code, codebook).baddbmm_(g_sink, sink_k) if needs[1] else None
+        grad_span_rk = g_near.mT @ q_near if needs[2] else None
+        grad_far_kq = g_far_thawed.mT @ q_far if needs[3] else None
+        grad_span_v = p_near.mT @ grad_out if needs[6] else None
+        grad_far_v = p_far_thawed.mT @ grad_out if needs[7] else None
+        return (grad_q_near, grad_q_far, grad_span_rk, grad_far_kq, None, None, grad_span_v, grad_far_v,
+                None, None, None, None, None, None)  # fmt: skip
 
 
 def vq_attention_chunk(
@@ -296,21 +337,18 @@ def vq_attention_chunk(
     out = None if keep_graph else q.new_empty(B, T, H, Dv)
     pieces = []
     masks = {}  # most steps share their masks; they depend on t0 only near the sequence start
+    codebook_bg = codebook.expand(B, G, C, D).reshape(B * G, C, D)
 
     t0 = start
     for Q, (q_s, k_s, v_s, z_s, cos_s, sin_s) in zip(steps, chunks):
-        S, F = P + Q, Q - 1  # span keys; only the first F of them can be far
+        S, F, M = P + Q, Q - 1, R * Q  # span keys, of which the first F can be far; query rows per group
         n_sink = max(0, min(sinks, t0 - P))  # sinks far for the whole step (aggregated)
         cos_s, sin_s = cos_s.to(dt), sin_s.to(dt)  # (Q, D)
-        mask_key = (Q, min(t0, P), t0 % L, n_sink)
-        if mask_key not in masks:
-            frozen = _aggregated_pairs(t0, Q, W, L, dev)  # (Q, F)
-            masks[mask_key] = (
-                _span_bias(t0, Q, W, dt, dev),  # (Q, S + F)
-                torch.cat((frozen, frozen.new_zeros(Q, C + n_sink)), dim=1),  # far columns (Q, F + C + m)
-                torch.cat((frozen.new_zeros(Q, S), frozen, frozen.new_zeros(Q, C + n_sink)), dim=1),  # all columns
-            )
-        span_bias, frozen_logits, frozen_values = masks[mask_key]
+        mask_key = (Q, min(t0, P), t0 % L)
+        if mask_key not in masks:  # per query, repeated for the R heads of a group: rows (head, query)
+            bias = _span_bias(t0, Q, W, dt, dev).repeat(R, 1)  # (M, S + F)
+            masks[mask_key] = (bias[:, :S], bias[:, S:], _aggregated_pairs(t0, Q, W, L, dev).repeat(R, 1))
+        near_bias, far_bias, frozen = masks[mask_key]
 
         # Queries grouped by key/value head: (B, G, R, Q, D).
         q_s = q_s.to(dt).unflatten(2, (G, R)).permute(0, 2, 3, 1, 4).contiguous()
@@ -323,20 +361,25 @@ def vq_attention_chunk(
         span_kq = torch.cat((buf_kq, _straight_through(k_s, z_s, codebook, t0, sinks)), dim=2)
         span_v = torch.cat((buf_v, v_s), dim=2)  # (B, G, S, Dv)
         span_z = torch.cat((buf_z, z_s), dim=2)  # (B, G, S)
-
-        # Columns of the W-rotated queries: far span keys, one per code (mean value), aggregated sinks.
         means = sums / counts.clamp(min=1.0)[..., None]  # (B, G, C, Dv)
-        far_k = torch.cat((span_kq[:, :, :F], codebook.expand(B, G, C, D), sink_k[:, :, :n_sink]), dim=2)
-        values = torch.cat((span_v, span_v[:, :, :F], means, sink_v[:, :, :n_sink]), dim=2)  # (B, G, N, Dv)
-        logits = torch.cat(
-            (q_near.flatten(2, 3) @ span_rk.mT, _FrozenPairsMatmul.apply(q_far.flatten(2, 3), far_k.mT, frozen_logits, False)),
-            dim=-1,
-        ).unflatten(2, (R, Q))  # (B, G, R, Q, N), N = S + F + C + n_sink
-        logits[..., : S + F] += span_bias  # causal, near / far
-        logits[..., S + F : S + F + C] += counts.log()[:, :, None, None, :]  # empty codes: -inf
-        probs = torch.softmax(logits, dim=-1).flatten(2, 3)  # (B, G, R*Q, N)
-        o = _FrozenPairsMatmul.apply(probs, values, frozen_values, True).unflatten(2, (R, Q))  # (B, G, R, Q, Dv)
-        o = o.permute(0, 3, 1, 2, 4).flatten(2, 3)  # (B, Q, H, Dv)
+
+        o = _StepAttention.apply(
+            q_near.view(B * G, M, D),
+            q_far.view(B * G, M, D),
+            span_rk.view(B * G, S, D),
+            span_kq[:, :, :F].flatten(0, 1),  # (BG, F, D)
+            codebook_bg,
+            sink_k[:, :, :n_sink].flatten(0, 1),  # (BG, m, D)
+            span_v.view(B * G, S, Dv),
+            span_v[:, :, :F].flatten(0, 1),  # (BG, F, Dv)
+            means.view(B * G, C, Dv),
+            sink_v[:, :, :n_sink].flatten(0, 1),  # (BG, m, Dv)
+            near_bias,
+            far_bias,
+            counts.log().view(B * G, 1, C),  # empty codes: -inf
+            frozen,
+        )  # (BG, M, Dv)
+        o = o.view(B, G, R, Q, Dv).permute(0, 3, 1, 2, 4).reshape(B, Q, H, Dv)
         if keep_graph:
             pieces.append(o)
         else:
