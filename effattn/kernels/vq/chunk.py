@@ -38,6 +38,9 @@ from effattn.kernels.vq.naive import check_vq_inputs, compute_dtype
 # overhead but widen the span every query is scored against (W - 1 + TILE keys, plus TILE - 1 far
 # ones); 64 is the fastest on a 2-core AVX-512 CPU for W = 256, C = 512 (see effattn/bench.py).
 TILE = 64
+# Positions per segment: the per-position work (RoPE, quantization, layouts) of a segment's steps
+# is done in one go, leaving the step loop only the attention itself. Bounds the working memory.
+SEGMENT = 1024
 
 
 @dataclass
@@ -146,17 +149,21 @@ def _pad_front(x: Tensor, size: int, dim: int) -> Tensor:
     return torch.cat((x.new_zeros(shape), x), dim=dim)
 
 
-def _steps(start: int, T: int, L: int) -> list[int]:
-    """Lengths of the steps covering positions ``start .. start + T - 1``.
+def _segments(start: int, T: int, L: int) -> list[tuple[int, int]]:
+    """Segments ``(step_len, n_steps)`` of equal steps covering positions ``start .. start + T - 1``.
 
     Steps hold ``max(1, TILE // L)`` whole blocks of L and start at multiples of L, so the
     statistics at a step's start only hold pairs that the stop-gradient rule aggregates; an
-    unaligned ``start`` (continuing a state) first completes its block.
+    unaligned ``start`` (continuing a state) first completes its block, and a shorter last step
+    ends the sequence. Each of these two gets a segment of its own.
     """
     per_step = L * max(1, TILE // L)
+    per_segment = max(1, SEGMENT // per_step)
     head = min(T, -start % L)
     body, tail = divmod(T - head, per_step)
-    return ([head] if head else []) + [per_step] * body + ([tail] if tail else [])
+    segments = [(head, 1)] if head else []
+    segments += [(per_step, min(per_segment, body - i)) for i in range(0, body, per_segment)]
+    return segments + ([(tail, 1)] if tail else [])
 
 
 def _span_bias(t0: int, Q: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -327,9 +334,10 @@ def vq_attention_chunk(
     buf_rk, buf_kq = _pad_front(recent_rk, P, 2), _pad_front(recent_kq, P, 2)  # (B, G, P, D)
     buf_v, buf_z = _pad_front(state.recent_v.to(dt), P, 2), _pad_front(state.recent_codes, P, 2)
 
-    # split() gives autograd one node per input rather than one slice per step.
-    steps = _steps(start, T, L)
-    chunks = zip(*(x.split(steps, dim=1) for x in (q, k, v, codes)), cos.split(steps), sin.split(steps))
+    # split() gives autograd one node per input rather than one slice per segment.
+    segments = _segments(start, T, L)
+    sizes = [Q * n for Q, n in segments]
+    chunks = zip(*(x.split(sizes, dim=1) for x in (q, k, v, codes)), cos.split(sizes), sin.split(sizes))
 
     # Under autograd, writing steps into one output would copy the whole gradient per step, so the
     # steps are concatenated; without it they go straight into the output.
@@ -338,63 +346,70 @@ def vq_attention_chunk(
     pieces = []
     masks = {}  # most steps share their masks; they depend on t0 only near the sequence start
     codebook_bg = codebook.expand(B, G, C, D).reshape(B * G, C, D)
+    ones = torch.ones(B, G, max(sizes), dtype=dt, device=dev)
 
     t0 = start
-    for Q, (q_s, k_s, v_s, z_s, cos_s, sin_s) in zip(steps, chunks):
+    for (Q, n), (q_g, k_g, v_g, z_g, cos_g, sin_g) in zip(segments, chunks):
         S, F, M = P + Q, Q - 1, R * Q  # span keys, of which the first F can be far; query rows per group
-        n_sink = max(0, min(sinks, t0 - P))  # sinks far for the whole step (aggregated)
-        cos_s, sin_s = cos_s.to(dt), sin_s.to(dt)  # (Q, D)
-        mask_key = (Q, min(t0, P), t0 % L)
-        if mask_key not in masks:  # per query, repeated for the R heads of a group: rows (head, query)
-            bias = _span_bias(t0, Q, W, dt, dev).repeat(R, 1)  # (M, S + F)
-            masks[mask_key] = (bias[:, :S], bias[:, S:], _aggregated_pairs(t0, Q, W, L, dev).repeat(R, 1))
-        near_bias, far_bias, frozen = masks[mask_key]
+        cos_g, sin_g = cos_g.to(dt), sin_g.to(dt)  # (n*Q, D)
 
-        # Queries grouped by key/value head: (B, G, R, Q, D).
-        q_s = q_s.to(dt).unflatten(2, (G, R)).permute(0, 2, 3, 1, 4).contiguous()
-        q_near = apply_rope(q_s, cos_s, sin_s) * scale
-        q_far = apply_rope(q_s, far_cos, far_sin) * scale  # rotated by the clipped distance W
+        # Queries grouped by key/value head and step, each step's rows contiguous: (B, G, n, R, Q, D).
+        q_g = q_g.to(dt).view(B, n, Q, G, R, D).permute(0, 3, 1, 4, 2, 5).contiguous()
+        cos_q, sin_q = cos_g.view(n, 1, Q, D), sin_g.view(n, 1, Q, D)
+        q_near = apply_rope(q_g, cos_q, sin_q) * scale
+        q_far = apply_rope(q_g, far_cos, far_sin) * scale  # rotated by the clipped distance W
 
-        # The span: the W-1 recent keys then the step's own.
-        k_s, v_s, z_s = k_s.to(dt).transpose(1, 2), v_s.to(dt).transpose(1, 2), z_s.long().transpose(1, 2)
-        span_rk = torch.cat((buf_rk, apply_rope(k_s, cos_s, sin_s)), dim=2)  # (B, G, S, D)
-        span_kq = torch.cat((buf_kq, _straight_through(k_s, z_s, codebook, t0, sinks)), dim=2)
-        span_v = torch.cat((buf_v, v_s), dim=2)  # (B, G, S, Dv)
-        span_z = torch.cat((buf_z, z_s), dim=2)  # (B, G, S)
-        means = sums / counts.clamp(min=1.0)[..., None]  # (B, G, C, Dv)
+        # The W-1 recent keys then the segment's own; step j's span is entries [j*Q, j*Q + S).
+        k_g, v_g, z_g = k_g.to(dt).transpose(1, 2), v_g.to(dt).transpose(1, 2), z_g.long().transpose(1, 2)
+        all_rk = torch.cat((buf_rk, apply_rope(k_g, cos_g, sin_g)), dim=2)  # (B, G, P + n*Q, D)
+        all_kq = torch.cat((buf_kq, _straight_through(k_g, z_g, codebook, t0, sinks)), dim=2)
+        all_v = torch.cat((buf_v, v_g), dim=2)  # (B, G, P + n*Q, Dv)
+        all_z = torch.cat((buf_z, z_g), dim=2)  # (B, G, P + n*Q)
+        n_new = min(n * Q, max(0, sinks - t0))  # sinks are read only once aggregated, so add them now
+        sink_k = torch.cat((sink_k, k_g[:, :, :n_new].detach()), dim=2)
+        sink_v = torch.cat((sink_v, v_g[:, :, :n_new].detach()), dim=2)
 
-        o = _StepAttention.apply(
-            q_near.view(B * G, M, D),
-            q_far.view(B * G, M, D),
-            span_rk.view(B * G, S, D),
-            span_kq[:, :, :F].flatten(0, 1),  # (BG, F, D)
-            codebook_bg,
-            sink_k[:, :, :n_sink].flatten(0, 1),  # (BG, m, D)
-            span_v.view(B * G, S, Dv),
-            span_v[:, :, :F].flatten(0, 1),  # (BG, F, Dv)
-            means.view(B * G, C, Dv),
-            sink_v[:, :, :n_sink].flatten(0, 1),  # (BG, m, Dv)
-            near_bias,
-            far_bias,
-            counts.log().view(B * G, 1, C),  # empty codes: -inf
-            frozen,
-        )  # (BG, M, Dv)
-        o = o.view(B, G, R, Q, Dv).permute(0, 3, 1, 2, 4).reshape(B, Q, H, Dv)
-        if keep_graph:
-            pieces.append(o)
-        else:
-            out[:, t0 - start : t0 - start + Q] = o
+        for j in range(n):
+            t_j, lo = t0 + j * Q, j * Q  # first position of the step, its span's start in the buffers
+            n_sink = max(0, min(sinks, t_j - P))  # sinks far for the whole step (aggregated)
+            mask_key = (Q, min(t_j, P), t_j % L)
+            if mask_key not in masks:  # per query, repeated for the R heads of a group: rows (head, query)
+                bias = _span_bias(t_j, Q, W, dt, dev).repeat(R, 1)  # (M, S + F)
+                masks[mask_key] = (bias[:, :S], bias[:, S:], _aggregated_pairs(t_j, Q, W, L, dev).repeat(R, 1))
+            near_bias, far_bias, frozen = masks[mask_key]
+            means = sums / counts.clamp(min=1.0)[..., None]  # (B, G, C, Dv)
 
-        # The first Q span keys leave the span for good: fold them (detached) into the statistics.
-        first = max(0, sinks - (t0 - P), -(t0 - P))  # padding and sinks are never counted
-        z_out, v_out = span_z[:, :, first:Q], span_v[:, :, first:Q].detach()
-        counts.scatter_add_(2, z_out, torch.ones_like(z_out, dtype=dt))
-        sums.scatter_add_(2, z_out[..., None].expand(-1, -1, -1, Dv), v_out)
-        n_new = min(Q, max(0, sinks - t0))  # sink positions in this step, kept exact for later steps
-        sink_k = torch.cat((sink_k, k_s[:, :, :n_new].detach()), dim=2)
-        sink_v = torch.cat((sink_v, v_s[:, :, :n_new].detach()), dim=2)
-        buf_rk, buf_kq, buf_v, buf_z = (x[:, :, Q:] for x in (span_rk, span_kq, span_v, span_z))
-        t0 += Q
+            o = _StepAttention.apply(
+                q_near[:, :, j].flatten(0, 1).flatten(1, 2),  # (BG, M, D)
+                q_far[:, :, j].flatten(0, 1).flatten(1, 2),
+                all_rk[:, :, lo : lo + S].flatten(0, 1),  # (BG, S, D)
+                all_kq[:, :, lo : lo + F].flatten(0, 1),  # (BG, F, D)
+                codebook_bg,  # (BG, C, D)
+                sink_k[:, :, :n_sink].flatten(0, 1),  # (BG, m, D)
+                all_v[:, :, lo : lo + S].flatten(0, 1),  # (BG, S, Dv)
+                all_v[:, :, lo : lo + F].flatten(0, 1),  # (BG, F, Dv)
+                means.view(B * G, C, Dv),
+                sink_v[:, :, :n_sink].flatten(0, 1),  # (BG, m, Dv)
+                near_bias,
+                far_bias,
+                counts.log().view(B * G, 1, C),  # empty codes: -inf
+                frozen,
+            ).view(B, G, R, Q, Dv)
+            o = o.permute(0, 3, 1, 2, 4)  # (B, Q, G, R, Dv)
+            if keep_graph:
+                pieces.append(o.reshape(B, Q, H, Dv))
+            else:
+                out[:, t_j - start : t_j - start + Q].view(B, Q, G, R, Dv).copy_(o)
+
+            # The step's first Q span keys leave the span for good: fold them (detached) into the
+            # statistics. Padding before position 0 and sinks are never counted.
+            first = lo + max(0, sinks - (t_j - P), P - t_j)
+            z_out, v_out = all_z[:, :, first : lo + Q], all_v[:, :, first : lo + Q].detach()
+            counts.scatter_add_(2, z_out, ones[:, :, : z_out.shape[2]])
+            sums.scatter_add_(2, z_out[..., None].expand(-1, -1, -1, Dv), v_out)
+
+        buf_rk, buf_kq, buf_v, buf_z = (x[:, :, n * Q :] for x in (all_rk, all_kq, all_v, all_z))
+        t0 += n * Q
 
     out = torch.cat(pieces, dim=1).to(in_dtype) if keep_graph else out
     if not return_state:
