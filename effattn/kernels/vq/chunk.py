@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from effattn.kernels.rope import apply_rope
+from effattn.kernels.rope import apply_rope, rotate_half
 from effattn.kernels.vq.naive import check_vq_inputs, compute_dtype
 
 # Queries per step (rounded to a multiple of block_size). Larger steps amortise PyTorch's per-op
@@ -142,6 +142,16 @@ def _last(x: Tensor, n: int, dim: int) -> Tensor:
     return x.narrow(dim, size - min(n, size), min(n, size))
 
 
+def _rope_near_far(
+    x: Tensor, cos: Tensor, sin: Tensor, far_cos: Tensor, far_sin: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """``scale * rope(x, cos, sin)`` and ``scale * rope(x, far_cos, far_sin)``, sharing ``rotate_half(x)``."""
+    turned = rotate_half(x)
+    near = torch.addcmul(x * (cos * scale), turned, sin * scale)
+    far = torch.addcmul(x * (far_cos * scale), turned, far_sin * scale)
+    return near, far
+
+
 def _pad_front(x: Tensor, size: int, dim: int) -> Tensor:
     """Prepend zeros to ``x`` along ``dim`` up to ``size`` entries."""
     shape = list(x.shape)
@@ -200,20 +210,22 @@ class _StepAttention(torch.autograd.Function):
     ==========  ==============================  ==========================================  ==========
     columns     keys                            logits                                      values
     ==========  ==============================  ==========================================  ==========
-    near (S)    the span                        ``q_near @ span_rk^T + near_bias``          ``span_v``
+    near (S)    the span                        ``q_near @ span_rk^T + near masks``         ``span_v``
     far (F)     the first F span keys           ``q_far @ far_kq^T + far_bias``             ``far_v``
     codes (C)   the codewords                   ``q_far @ codebook^T + log(counts)``        ``means``
     sinks (m)   the aggregated sinks            ``q_far @ sink_k^T``                        ``sink_v``
     ==========  ==============================  ==========================================  ==========
 
-    The biases are 0 / -inf masks (``log(0) = -inf`` drops empty codes). The four products are written
-    straight into one logits tensor and the output is accumulated part by part, so the largest tensors
-    of a step are never concatenated or copied (twice as fast on CPU as autograd over cat + softmax).
+    The masks are 0 / -inf biases (``log(0) = -inf`` drops empty codes); the near ones are added only on
+    the column bands where they mask something, ``near_masks = [(columns, bias), ...]``. The four
+    products are written straight into one logits tensor and the output is accumulated part by part,
+    so the largest tensors of a step are never concatenated or copied (about twice as fast on CPU as
+    autograd over cat + softmax).
 
     Shapes, batch and key/value heads flattened into BG and M = R*Q rows ordered (head, query):
     q_near, q_far (BG, M, D); span_rk (BG, S, D); far_kq (BG, F, D); codebook (BG, C, D); sink_k (BG, m, D);
-    span_v (BG, S, Dv); far_v (BG, F, Dv); means (BG, C, Dv); sink_v (BG, m, Dv); near_bias (M, S);
-    far_bias (M, F); log_counts (BG, 1, C); frozen (M, F) bool. Returns (BG, M, Dv).
+    span_v (BG, S, Dv); far_v (BG, F, Dv); means (BG, C, Dv); sink_v (BG, m, Dv); near_masks: biases
+    (M, band width); far_bias (M, F); log_counts (BG, 1, C); frozen (M, F) bool. Returns (BG, M, Dv).
 
     Gradients reach q_near, q_far, span_rk, far_kq, span_v and far_v. Codewords, statistics and sinks
     are constants (detached), and the far pairs flagged in ``frozen`` (aggregated by the stop-gradient
@@ -222,11 +234,13 @@ class _StepAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, means, sink_v,
-                near_bias, far_bias, log_counts, frozen):  # fmt: skip
+                near_masks, far_bias, log_counts, frozen):  # fmt: skip
         sizes = (span_rk.shape[1], far_kq.shape[1], codebook.shape[1], sink_k.shape[1])
         logits = q_near.new_empty(*q_near.shape[:2], sum(sizes))  # (BG, M, N)
         near, far, code, sink = logits.split(sizes, dim=-1)
-        torch.baddbmm(near_bias, q_near, span_rk.mT, out=near)
+        torch.bmm(q_near, span_rk.mT, out=near)
+        for columns, bias in near_masks:
+            near[..., columns] += bias
         torch.baddbmm(far_bias, q_far, far_kq.mT, out=far)
         torch.baddbmm(log_counts, q_far, codebook.mT, out=code)
         torch.bmm(q_far, sink_k.mT, out=sink)
@@ -346,7 +360,7 @@ def vq_attention_chunk(
     pieces = []
     masks = {}  # most steps share their masks; they depend on t0 only near the sequence start
     codebook_bg = codebook.expand(B, G, C, D).reshape(B * G, C, D)
-    ones = torch.ones(B, G, max(sizes), dtype=dt, device=dev)
+    ones = torch.ones(B, G, max(Q for Q, _ in segments), dtype=dt, device=dev)  # one count per leaving key
 
     t0 = start
     for (Q, n), (q_g, k_g, v_g, z_g, cos_g, sin_g) in zip(segments, chunks):
@@ -355,9 +369,7 @@ def vq_attention_chunk(
 
         # Queries grouped by key/value head and step, each step's rows contiguous: (B, G, n, R, Q, D).
         q_g = q_g.to(dt).view(B, n, Q, G, R, D).permute(0, 3, 1, 4, 2, 5).contiguous()
-        cos_q, sin_q = cos_g.view(n, 1, Q, D), sin_g.view(n, 1, Q, D)
-        q_near = apply_rope(q_g, cos_q, sin_q) * scale
-        q_far = apply_rope(q_g, far_cos, far_sin) * scale  # rotated by the clipped distance W
+        q_near, q_far = _rope_near_far(q_g, cos_g.view(n, 1, Q, D), sin_g.view(n, 1, Q, D), far_cos, far_sin, scale)
 
         # The W-1 recent keys then the segment's own; step j's span is entries [j*Q, j*Q + S).
         k_g, v_g, z_g = k_g.to(dt).transpose(1, 2), v_g.to(dt).transpose(1, 2), z_g.long().transpose(1, 2)
@@ -375,8 +387,11 @@ def vq_attention_chunk(
             mask_key = (Q, min(t_j, P), t_j % L)
             if mask_key not in masks:  # per query, repeated for the R heads of a group: rows (head, query)
                 bias = _span_bias(t_j, Q, W, dt, dev).repeat(R, 1)  # (M, S + F)
-                masks[mask_key] = (bias[:, :S], bias[:, S:], _aggregated_pairs(t_j, Q, W, L, dev).repeat(R, 1))
-            near_bias, far_bias, frozen = masks[mask_key]
+                near_masks = [(slice(0, S), bias[:, :S])]
+                if t_j >= P and F < S - F:  # span columns F .. S-F-1 are near for every query: no mask
+                    near_masks = [(slice(0, F), bias[:, :F]), (slice(S - F, S), bias[:, S - F : S])]
+                masks[mask_key] = (near_masks, bias[:, S:], _aggregated_pairs(t_j, Q, W, L, dev).repeat(R, 1))
+            near_masks, far_bias, frozen = masks[mask_key]
             means = sums / counts.clamp(min=1.0)[..., None]  # (B, G, C, Dv)
 
             o = _StepAttention.apply(
@@ -390,7 +405,7 @@ def vq_attention_chunk(
                 all_v[:, :, lo : lo + F].flatten(0, 1),  # (BG, F, Dv)
                 means.view(B * G, C, Dv),
                 sink_v[:, :, :n_sink].flatten(0, 1),  # (BG, m, Dv)
-                near_bias,
+                near_masks,
                 far_bias,
                 counts.log().view(B * G, 1, C),  # empty codes: -inf
                 frozen,
