@@ -204,28 +204,38 @@ def _aggregated_pairs(t0: int, Q: int, window: int, block_size: int, device: tor
     return s <= torch.div(t, block_size, rounding_mode="floor") * block_size - window
 
 
+def _scratch(workspace: dict, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """A buffer reused from step to step. A fresh multi-megabyte tensor per step is handed back to the
+    operating system when freed, and the page faults of its next first touch cost about as much as
+    the step's arithmetic."""
+    buffer = workspace.get(name)
+    if buffer is None or buffer.shape != shape:
+        buffer = workspace[name] = like.new_empty(shape)
+    return buffer
+
+
 class _StepAttention(torch.autograd.Function):
     """Softmax attention of one step's queries over its four column groups, with a hand-written backward.
 
-    ==========  ==============================  ==========================================  ==========
-    columns     keys                            logits                                      values
-    ==========  ==============================  ==========================================  ==========
-    near (S)    the span                        ``q_near @ span_rk^T + near masks``         ``span_v``
-    far (F)     the first F span keys           ``q_far @ far_kq^T + far_bias``             ``far_v``
-    codes (C)   the codewords                   ``q_far @ codebook^T + log(counts)``        ``means``
-    sinks (m)   the aggregated sinks            ``q_far @ sink_k^T``                        ``sink_v``
-    ==========  ==============================  ==========================================  ==========
+    ==========  ====================  ==========================================  ==================
+    columns     keys                  logits                                      values
+    ==========  ====================  ==========================================  ==================
+    near (S)    the span              ``q_near @ span_rk^T + near masks``         ``span_v``
+    far (F)     first F span keys     ``q_far @ far_kq^T + far_bias``             ``far_v``
+    codes (C)   the codewords         ``q_far @ codebook^T + log(counts)``        ``sums / counts``
+    sinks (m)   aggregated sinks      ``q_far @ sink_k^T``                        ``sink_v``
+    ==========  ====================  ==========================================  ==================
 
     The masks are 0 / -inf biases (``log(0) = -inf`` drops empty codes); the near ones are added only on
     the column bands where they mask something, ``near_masks = [(columns, bias), ...]``. The four
     products are written straight into one logits tensor and the output is accumulated part by part,
-    so the largest tensors of a step are never concatenated or copied (about twice as fast on CPU as
-    autograd over cat + softmax).
+    so the largest tensors of a step are never concatenated or copied; without autograd, the step's
+    buffers come from ``workspace`` and are reused (the returned output too: copy it before the next step).
 
     Shapes, batch and key/value heads flattened into BG and M = R*Q rows ordered (head, query):
     q_near, q_far (BG, M, D); span_rk (BG, S, D); far_kq (BG, F, D); codebook (BG, C, D); sink_k (BG, m, D);
-    span_v (BG, S, Dv); far_v (BG, F, Dv); means (BG, C, Dv); sink_v (BG, m, Dv); near_masks: biases
-    (M, band width); far_bias (M, F); log_counts (BG, 1, C); frozen (M, F) bool. Returns (BG, M, Dv).
+    span_v (BG, S, Dv); far_v (BG, F, Dv); counts (BG, C); sums (BG, C, Dv); sink_v (BG, m, Dv);
+    near_masks: biases (M, band width); far_bias (M, F); frozen (M, F) bool. Returns (BG, M, Dv).
 
     Gradients reach q_near, q_far, span_rk, far_kq, span_v and far_v. Codewords, statistics and sinks
     are constants (detached), and the far pairs flagged in ``frozen`` (aggregated by the stop-gradient
@@ -233,23 +243,27 @@ class _StepAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, means, sink_v,
-                near_masks, far_bias, log_counts, frozen):  # fmt: skip
+    def forward(ctx, q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, counts, sums, sink_v,
+                near_masks, far_bias, frozen, workspace):  # fmt: skip
+        BG, M, _ = q_near.shape
         sizes = (span_rk.shape[1], far_kq.shape[1], codebook.shape[1], sink_k.shape[1])
-        logits = q_near.new_empty(*q_near.shape[:2], sum(sizes))  # (BG, M, N)
+        shape = (BG, M, sum(sizes))
+        saved = any(ctx.needs_input_grad)  # tensors saved for the backward pass cannot be reused
+
+        logits = _scratch(workspace, "logits", shape, q_near)  # (BG, M, N)
         near, far, code, sink = logits.split(sizes, dim=-1)
         torch.bmm(q_near, span_rk.mT, out=near)
         for columns, bias in near_masks:
             near[..., columns] += bias
-        torch.baddbmm(far_bias, q_far, far_kq.mT, out=far)
-        torch.baddbmm(log_counts, q_far, codebook.mT, out=code)
+        torch.bmm(q_far, far_kq.mT, out=far).add_(far_bias)
+        torch.bmm(q_far, codebook.mT, out=code).add_(counts.log()[:, None, :])
         torch.bmm(q_far, sink_k.mT, out=sink)
-        probs = torch.softmax(logits, dim=-1)  # (BG, M, N)
-        del logits, near, far, code, sink
+        probs = torch.softmax(logits, dim=-1, out=None if saved else _scratch(workspace, "probs", shape, q_near))
 
+        means = torch.div(sums, counts.clamp(min=1.0)[..., None], out=None if saved else _scratch(workspace, "means", sums.shape, sums))
         p_near, p_far, p_code, p_sink = probs.split(sizes, dim=-1)
-        out = torch.bmm(p_near, span_v)  # (BG, M, Dv)
-        out.baddbmm_(p_far, far_v).baddbmm_(p_code, means).baddbmm_(p_sink, sink_v)
+        out = torch.bmm(p_near, span_v, out=None if saved else _scratch(workspace, "out", (BG, M, span_v.shape[2]), q_near))
+        out.baddbmm_(p_far, far_v).baddbmm_(p_code, means).baddbmm_(p_sink, sink_v)  # (BG, M, Dv)
         ctx.sizes = sizes
         ctx.save_for_backward(q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, means, sink_v,
                               frozen, probs, out)  # fmt: skip
@@ -277,7 +291,7 @@ class _StepAttention(torch.autograd.Function):
         grad_span_v = p_near.mT @ grad_out if needs[6] else None
         grad_far_v = p_far_thawed.mT @ grad_out if needs[7] else None
         return (grad_q_near, grad_q_far, grad_span_rk, grad_far_kq, None, None, grad_span_v, grad_far_v,
-                None, None, None, None, None, None)  # fmt: skip
+                None, None, None, None, None, None, None)  # fmt: skip
 
 
 def vq_attention_chunk(
@@ -359,6 +373,7 @@ def vq_attention_chunk(
     out = None if keep_graph else q.new_empty(B, T, H, Dv)
     pieces = []
     masks = {}  # most steps share their masks; they depend on t0 only near the sequence start
+    workspace = {}  # step buffers reused without autograd
     codebook_bg = codebook.expand(B, G, C, D).reshape(B * G, C, D)
     ones = torch.ones(B, G, max(Q for Q, _ in segments), dtype=dt, device=dev)  # one count per leaving key
 
@@ -392,8 +407,6 @@ def vq_attention_chunk(
                     near_masks = [(slice(0, F), bias[:, :F]), (slice(S - F, S), bias[:, S - F : S])]
                 masks[mask_key] = (near_masks, bias[:, S:], _aggregated_pairs(t_j, Q, W, L, dev).repeat(R, 1))
             near_masks, far_bias, frozen = masks[mask_key]
-            means = sums / counts.clamp(min=1.0)[..., None]  # (B, G, C, Dv)
-
             o = _StepAttention.apply(
                 q_near[:, :, j].flatten(0, 1).flatten(1, 2),  # (BG, M, D)
                 q_far[:, :, j].flatten(0, 1).flatten(1, 2),
@@ -403,12 +416,13 @@ def vq_attention_chunk(
                 sink_k[:, :, :n_sink].flatten(0, 1),  # (BG, m, D)
                 all_v[:, :, lo : lo + S].flatten(0, 1),  # (BG, S, Dv)
                 all_v[:, :, lo : lo + F].flatten(0, 1),  # (BG, F, Dv)
-                means.view(B * G, C, Dv),
+                counts.view(B * G, C),
+                sums.view(B * G, C, Dv),
                 sink_v[:, :, :n_sink].flatten(0, 1),  # (BG, m, Dv)
                 near_masks,
                 far_bias,
-                counts.log().view(B * G, 1, C),  # empty codes: -inf
                 frozen,
+                workspace,
             ).view(B, G, R, Q, Dv)
             o = o.permute(0, 3, 1, 2, 4)  # (B, Q, G, R, Dv)
             if keep_graph:
