@@ -351,7 +351,8 @@ def vq_attention_chunk(
 
     codebook = codebook.detach().to(dt)  # (G, C, D)
     far_cos, far_sin = far_cos.to(dt), far_sin.to(dt)
-    counts, sums = state.counts.clone(), state.sums.clone()  # (B, G, C), (B, G, C, Dv), updated in place
+    counts = state.counts.reshape(B * G, C).clone()  # (BG, C), updated in place step by step
+    sums = state.sums.reshape(B * G, C, Dv).clone()  # (BG, C, Dv)
     sink_k, sink_v = state.sink_k.to(dt), state.sink_v.to(dt)  # (B, G, m, D), (B, G, m, Dv)
 
     # The last W - 1 keys (rotated, quantized), values and codes, zero-padded before position 0.
@@ -375,7 +376,7 @@ def vq_attention_chunk(
     masks = {}  # most steps share their masks; they depend on t0 only near the sequence start
     workspace = {}  # step buffers reused without autograd
     codebook_bg = codebook.expand(B, G, C, D).reshape(B * G, C, D)
-    ones = torch.ones(B, G, max(Q for Q, _ in segments), dtype=dt, device=dev)  # one count per leaving key
+    ones = torch.ones(B * G, max(Q for Q, _ in segments), dtype=dt, device=dev)  # one count per leaving key
 
     t0 = start
     for (Q, n), (q_g, k_g, v_g, z_g, cos_g, sin_g) in zip(segments, chunks):
@@ -396,6 +397,10 @@ def vq_attention_chunk(
         sink_k = torch.cat((sink_k, k_g[:, :, :n_new].detach()), dim=2)
         sink_v = torch.cat((sink_v, v_g[:, :, :n_new].detach()), dim=2)
 
+        # The steps work on batch and key/value heads flattened: (BG, ...).
+        q_near, q_far = q_near.flatten(0, 1).flatten(2, 3), q_far.flatten(0, 1).flatten(2, 3)  # (BG, n, M, D)
+        rk_bg, kq_bg, v_bg, z_bg = (x.flatten(0, 1) for x in (all_rk, all_kq, all_v, all_z))  # (BG, P + n*Q, ...)
+        sink_k_bg, sink_v_bg = sink_k.flatten(0, 1), sink_v.flatten(0, 1)  # (BG, m, D), (BG, m, Dv)
         for j in range(n):
             t_j, lo = t0 + j * Q, j * Q  # first position of the step, its span's start in the buffers
             n_sink = max(0, min(sinks, t_j - P))  # sinks far for the whole step (aggregated)
@@ -408,17 +413,17 @@ def vq_attention_chunk(
                 masks[mask_key] = (near_masks, bias[:, S:], _aggregated_pairs(t_j, Q, W, L, dev).repeat(R, 1))
             near_masks, far_bias, frozen = masks[mask_key]
             o = _StepAttention.apply(
-                q_near[:, :, j].flatten(0, 1).flatten(1, 2),  # (BG, M, D)
-                q_far[:, :, j].flatten(0, 1).flatten(1, 2),
-                all_rk[:, :, lo : lo + S].flatten(0, 1),  # (BG, S, D)
-                all_kq[:, :, lo : lo + F].flatten(0, 1),  # (BG, F, D)
+                q_near[:, j],  # (BG, M, D)
+                q_far[:, j],
+                rk_bg[:, lo : lo + S],  # (BG, S, D)
+                kq_bg[:, lo : lo + F],  # (BG, F, D)
                 codebook_bg,  # (BG, C, D)
-                sink_k[:, :, :n_sink].flatten(0, 1),  # (BG, m, D)
-                all_v[:, :, lo : lo + S].flatten(0, 1),  # (BG, S, Dv)
-                all_v[:, :, lo : lo + F].flatten(0, 1),  # (BG, F, Dv)
-                counts.view(B * G, C),
-                sums.view(B * G, C, Dv),
-                sink_v[:, :, :n_sink].flatten(0, 1),  # (BG, m, Dv)
+                sink_k_bg[:, :n_sink],  # (BG, m, D)
+                v_bg[:, lo : lo + S],  # (BG, S, Dv)
+                v_bg[:, lo : lo + F],  # (BG, F, Dv)
+                counts,  # (BG, C)
+                sums,  # (BG, C, Dv)
+                sink_v_bg[:, :n_sink],  # (BG, m, Dv)
                 near_masks,
                 far_bias,
                 frozen,
@@ -433,9 +438,9 @@ def vq_attention_chunk(
             # The step's first Q span keys leave the span for good: fold them (detached) into the
             # statistics. Padding before position 0 and sinks are never counted.
             first = lo + max(0, sinks - (t_j - P), P - t_j)
-            z_out, v_out = all_z[:, :, first : lo + Q], all_v[:, :, first : lo + Q].detach()
-            counts.scatter_add_(2, z_out, ones[:, :, : z_out.shape[2]])
-            sums.scatter_add_(2, z_out[..., None].expand(-1, -1, -1, Dv), v_out)
+            z_out, v_out = z_bg[:, first : lo + Q], v_bg[:, first : lo + Q].detach()
+            counts.scatter_add_(1, z_out, ones[:, : z_out.shape[1]])
+            sums.scatter_add_(1, z_out[..., None].expand(-1, -1, Dv), v_out)
 
         buf_rk, buf_kq, buf_v, buf_z = (x[:, :, n * Q :] for x in (all_rk, all_kq, all_v, all_z))
         t0 += n * Q
@@ -461,7 +466,7 @@ def vq_attention_chunk(
         recent_sin=recent(state.recent_sin, sin, dim=0),
         sink_k=sink_k.to(k.dtype),
         sink_v=sink_v.to(v.dtype),
-        counts=counts,
-        sums=sums,
+        counts=counts.view(B, G, C),
+        sums=sums.view(B, G, C, Dv),
     )
     return out, new_state
