@@ -259,3 +259,27 @@ def test_state_from_other_settings_is_rejected():
     other_batch = make_inputs(2, 8, 2, 1, 8, 4, 5, 3)
     with pytest.raises(ValueError, match=r"state.counts has shape \(1, 1, 5\) but these inputs need \(2, 1, 5\)"):
         vq_attention_chunk(**other_batch, window=3, block_size=2, state=state)
+
+
+@pytest.mark.slow
+def test_bench_attention_measures_every_point(tmp_path):
+    from effattn.bench import bench_attention, format_table, plot_bench
+
+    kwargs = dict(heads=2, kv_heads=1, head_dim=8, window=8, codebook_size=4, block_size=4, repeats=1)
+    results = bench_attention(["sdpa", "vq", "vq_naive"], [96], **kwargs)  # one subprocess per point
+    assert [(r["kind"], r["length"]) for r in results] == [("sdpa", 96), ("vq", 96), ("vq_naive", 96)]
+    assert all(r["time_s"] > 0 and r["peak_mem_bytes"] >= 0 and r["output_bytes"] == 96 * 2 * 8 * 4 for r in results)
+    table = format_table(results)
+    assert table.count("\n") == 1 + len(results) and "| vq | 96 | " in table
+    assert plot_bench(results, tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_bench_attention_rejects_bad_settings():
+    from effattn.bench import bench_attention
+
+    with pytest.raises(ValueError, match=r"Unknown attention kind\(s\) \['flash'\]"):
+        bench_attention(["flash"], [64])
+    with pytest.raises(ValueError, match="vq_naive is quadratic in memory"):
+        bench_attention(["vq_naive"], [16384])
+    with pytest.raises(ValueError, match="heads=9 is not a multiple of kv_heads=2"):
+        bench_attention(["vq"], [64], kv_heads=2)
