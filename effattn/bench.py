@@ -153,17 +153,23 @@ def _max_rss_bytes() -> int:
 
 
 def _assign_codes(k: torch.Tensor, codebook: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Nearest codeword of every key, a few thousand positions at a time (flat memory).
+    """Nearest codeword of every key, ``chunk`` positions at a time in one reused buffer (flat memory).
 
     k: (B, T, G, D), codebook: (G, C, D) -> (B, T, G) int64.
     """
-    half_norms = 0.5 * codebook.float().square().sum(-1)  # (G, C)
-    pieces = []
-    for piece in k.split(chunk, dim=1):
+    B, T, G, D = k.shape
+    codebook = codebook.float()
+    neg_half_norms = -0.5 * codebook.square().sum(-1)[:, None, :]  # (G, 1, C)
+    codes = torch.empty(B, T, G, dtype=torch.int64, device=k.device)
+    scores = None
+    for i in range(0, T, chunk):
+        piece = k[:, i : i + chunk].float().permute(2, 0, 1, 3).reshape(G, -1, D)  # (G, B*n, D)
+        if scores is None or scores.shape[1] != piece.shape[1]:
+            scores = piece.new_empty(G, piece.shape[1], codebook.shape[1])
         # argmin |k - c|^2 = argmax (k.c - |c|^2 / 2)
-        scores = torch.einsum("btgd,gcd->btgc", piece.float(), codebook.float()) - half_norms
-        pieces.append(scores.argmax(-1))
-    return torch.cat(pieces, dim=1)
+        torch.baddbmm(neg_half_norms, piece, codebook.mT, out=scores)  # (G, B*n, C)
+        codes[:, i : i + chunk] = scores.argmax(-1).view(G, B, -1).permute(1, 2, 0)
+    return codes
 
 
 def _layer(kind: str, spec: dict, T: int, device: str):
