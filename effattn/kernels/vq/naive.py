@@ -20,13 +20,15 @@ still gets its gradient through the logit. Here the rule is applied by masking, 
 gradients of both implementations agree.
 
 Relation to the paper (Lingle 2023, ``VQAttention`` in the reference JAX code): there the state
-carried between blocks (the previous block's keys/values and the aggregated cache) is wrapped in
-``stop_gradient`` unless ``grad_thru_cache`` is set, so a query gets key/value gradients only from
-its own block. We stop gradients only where the blockwise kernel really aggregates; the ``W - 1``
-exact keys carried from the previous blocks keep their gradients within one call (state passed
-between calls is detached, as in the paper). The paper also stops the gradient of the codebook
-(it is learnt by EMA / a separate loss); here, likewise, the codebook gets no gradient from
-attention: it is reached only through ``.detach()``.
+carried between blocks (the previous block's quantized keys and values, and the aggregated cache)
+is wrapped in ``stop_gradient`` unless ``grad_thru_cache`` is set, so keys and values get gradients
+only from queries of their own block: pairs with ``s < floor(t / L) * L`` are cut. Our cut,
+``s <= floor(t / L) * L - W``, is a subset of it: we stop gradients only where the blockwise kernel
+really aggregates, and the ``W - 1`` exact keys carried from earlier blocks keep theirs within one
+call (a state passed between calls is detached, as in the paper). In both, the query keeps its
+gradient through every logit, and the codebook gets none from attention (the paper learns it by
+EMA through a separate loss; here it is reached only through ``.detach()``). Unlike the paper, near
+keys are not quantized: they keep exact RoPE, which is what a converted RoPE model expects.
 """
 
 import torch
