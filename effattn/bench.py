@@ -78,7 +78,9 @@ def bench_attention(
     if heads % kv_heads:
         raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}; pick kv_heads dividing heads.")
     if repeats < 1 or any(n < 1 for n in lengths):
-        raise ValueError(f"repeats ({repeats}) and every length ({list(lengths)}) must be at least 1; pass positive values.")
+        raise ValueError(
+            f"repeats ({repeats}) and every length ({list(lengths)}) must be at least 1; pass positive values."
+        )
     if "vq_naive" in kinds and max(lengths) > NAIVE_MAX_LENGTH:
         raise ValueError(
             f"vq_naive is quadratic in memory and limited to lengths <= {NAIVE_MAX_LENGTH}, got {max(lengths)}; "

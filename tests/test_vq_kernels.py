@@ -49,8 +49,8 @@ def run_in_pieces(inputs, sizes, **kwargs):
     """Feed the sequence to the chunk kernel piece by piece, carrying the state."""
     state, outs, i = None, [], 0
     for n in sizes:
-        piece = {name: x[:, i : i + n] if x.dim() >= 2 and name not in ("codebook", "cos", "sin") else x for name, x in inputs.items()}
-        piece["cos"], piece["sin"] = inputs["cos"][i : i + n], inputs["sin"][i : i + n]
+        piece = dict(inputs, cos=inputs["cos"][i : i + n], sin=inputs["sin"][i : i + n])
+        piece.update({name: inputs[name][:, i : i + n] for name in ("q", "k", "v", "codes")})
         out, state = vq_attention_chunk(**piece, **kwargs, state=state, return_state=True)
         outs.append(out)
         i += n
@@ -179,7 +179,8 @@ def test_sinks_keep_exact_keys(kernel):
     out = kernel(**inputs, window=W, block_size=4, sinks=sinks)
 
     exact = dict(inputs)
-    exact["codebook"] = torch.cat((inputs["codebook"], inputs["k"][0, :sinks].transpose(0, 1)), dim=1)  # (G, C+sinks, D)
+    sink_keys = inputs["k"][0, :sinks].transpose(0, 1)  # (G, sinks, D)
+    exact["codebook"] = torch.cat((inputs["codebook"], sink_keys), dim=1)  # (G, C + sinks, D)
     exact["codes"] = inputs["codes"].clone()
     exact["codes"][0, :sinks] = C + torch.arange(sinks)[:, None]
     assert_close("output", kernel(**exact, window=W, block_size=4), out, 1e-12)
@@ -220,7 +221,11 @@ def bad(**changes):
 
 
 INVALID = [
-    (bad(k=torch.randn(1, 8, 4, 8), v=torch.randn(1, 8, 4, 4), codebook=torch.randn(4, 5, 8), codes=torch.zeros(1, 8, 4, dtype=torch.long)), {}, "6 heads, which is not a multiple of the 4 key/value heads"),
+    (
+        bad(k=torch.randn(1, 8, 4, 8), v=torch.randn(1, 8, 4, 4), codebook=torch.randn(4, 5, 8), codes=torch.zeros(1, 8, 4, dtype=torch.long)),
+        {},
+        "6 heads, which is not a multiple of the 4 key/value heads",
+    ),
     (bad(q=torch.randn(8, 6, 8)), {}, r"q must have 4 dimensions .* got shape \(8, 6, 8\)"),
     (bad(k=torch.randn(1, 7, 2, 8)), {}, "must share batch and time sizes"),
     (bad(codebook=torch.randn(2, 5, 6)), {}, r"codebook must have shape .* got \(2, 5, 6\)"),

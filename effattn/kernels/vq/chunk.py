@@ -250,7 +250,10 @@ class _StepAttention(torch.autograd.Function):
         shape = (BG, M, sum(sizes))
         saved = any(ctx.needs_input_grad)  # tensors saved for the backward pass cannot be reused
 
-        logits = _scratch(workspace, "logits", shape, q_near)  # (BG, M, N)
+        def buffer(name, shape, like):  # a fresh tensor (out=None) when it is saved for backward
+            return None if saved else _scratch(workspace, name, shape, like)
+
+        logits = _scratch(workspace, "logits", shape, q_near)  # (BG, M, N), never saved
         near, far, code, sink = logits.split(sizes, dim=-1)
         torch.bmm(q_near, span_rk.mT, out=near)
         for columns, bias in near_masks:
@@ -258,11 +261,11 @@ class _StepAttention(torch.autograd.Function):
         torch.bmm(q_far, far_kq.mT, out=far).add_(far_bias)
         torch.bmm(q_far, codebook.mT, out=code).add_(counts.log()[:, None, :])
         torch.bmm(q_far, sink_k.mT, out=sink)
-        probs = torch.softmax(logits, dim=-1, out=None if saved else _scratch(workspace, "probs", shape, q_near))
+        probs = torch.softmax(logits, dim=-1, out=buffer("probs", shape, q_near))
 
-        means = torch.div(sums, counts.clamp(min=1.0)[..., None], out=None if saved else _scratch(workspace, "means", sums.shape, sums))
+        means = torch.div(sums, counts.clamp(min=1.0)[..., None], out=buffer("means", sums.shape, sums))
         p_near, p_far, p_code, p_sink = probs.split(sizes, dim=-1)
-        out = torch.bmm(p_near, span_v, out=None if saved else _scratch(workspace, "out", (BG, M, span_v.shape[2]), q_near))
+        out = torch.bmm(p_near, span_v, out=buffer("out", (BG, M, span_v.shape[2]), q_near))
         out.baddbmm_(p_far, far_v).baddbmm_(p_code, means).baddbmm_(p_sink, sink_v)  # (BG, M, Dv)
         ctx.sizes = sizes
         ctx.save_for_backward(q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, means, sink_v,
