@@ -53,9 +53,10 @@ def main() -> None:
     load_after = os.getloadavg()[0]
 
     info = machine_info()
+    threads = "/".join(str(n) for n in sorted({r["threads"] for r in results}))  # as used by the measurements
     print(f"Command: `python {shlex.join(sys.argv)}`\n")
     print(
-        f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['threads']} threads, torch {info['torch']}, "
+        f"Machine: {info['cpu']}, {info['cores']} cores, {threads} torch threads, torch {info['torch']}, "
         f"Python {info['python']}{', GPU ' + info['gpu'] if 'gpu' in info else ''}; "
         f"1-minute load average {load_before:.2f} before, {load_after:.2f} after.\n"
     )
