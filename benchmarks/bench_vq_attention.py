@@ -63,8 +63,9 @@ def main() -> None:
     print(
         f"One causal attention layer forward, batch 1, {args.heads} query heads, {args.kv_heads} key/value heads, "
         f"head_dim {args.head_dim}, {args.dtype}; VQ: window {args.window}, codebook {args.codebook_size}, "
-        f"block_size {args.block_size}, sinks {args.sinks}. Median of {args.repeats} runs; peak memory is the "
-        f"peak RSS growth during one forward pass over the inputs (fresh process per point), output included.\n"
+        f"block_size {args.block_size}, sinks {args.sinks}. Median wall and process CPU time of {args.repeats} runs; "
+        f"peak memory is the peak RSS growth during one forward pass over the inputs (fresh process per point), "
+        f"output included.\n"
     )
     print(format_table(results))
     if args.json:

@@ -3,7 +3,8 @@
 Every (kind, length) point runs in a fresh Python subprocess, so that its memory is its own:
 
 * time: median wall time of ``repeats`` forward passes (``torch.inference_mode``, batch 1), after a
-  warm-up call on a short sequence and the memory pass below;
+  warm-up call on a short sequence and the memory pass below; also the median CPU time of the
+  process (all threads), which, with one thread, stays meaningful on a machine shared with other jobs;
 * memory (CPU): the peak resident set size (RSS) reached during one forward pass minus the RSS just
   before it, inputs already allocated. The kernel's high-water mark is reset right before the pass
   (``/proc/self/clear_refs``, Linux) and read back from ``VmHWM``, so earlier peaks (imports,
@@ -66,8 +67,8 @@ def bench_attention(
         timeout_s: limit per point.
 
     Returns:
-        One dict per (kind, length) with ``kind, length, time_s, time_min_s, peak_mem_bytes,
-        output_bytes`` and the settings used.
+        One dict per (kind, length) with ``kind, length, time_s, time_min_s, cpu_time_s,
+        peak_mem_bytes, output_bytes`` and the settings used.
     """
     dtype_name = str(dtype).removeprefix("torch.")
     unknown = [kind for kind in kinds if kind not in KINDS]
@@ -245,17 +246,19 @@ def _measure(spec: dict) -> dict:
         output_bytes = out.numel() * out.element_size()
         del out
 
-        times = []
+        times, cpu_times = [], []
         for _ in range(spec["repeats"]):
             sync()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             run()
             sync()
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
 
     return dict(
         time_s=statistics.median(times),
         time_min_s=min(times),
+        cpu_time_s=statistics.median(cpu_times),
         peak_mem_bytes=max(0, peak - before),
         output_bytes=output_bytes,
         threads=torch.get_num_threads(),
@@ -283,16 +286,19 @@ def machine_info() -> dict:
 
 
 def format_table(results: list[dict]) -> str:
-    """Markdown table of ``bench_attention`` results, with the speed-up over SDPA at each length."""
-    sdpa_time = {r["length"]: r["time_s"] for r in results if r["kind"] == "sdpa"}
+    """Markdown table of ``bench_attention`` results, with speed-ups over SDPA at each length."""
+    sdpa = {r["length"]: r for r in results if r["kind"] == "sdpa"}
     lines = [
-        "| kind | length | time (s) | speed-up vs sdpa | peak memory (MiB) | of which output (MiB) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| kind | length | time (s) | speed-up vs sdpa | CPU time (s) | CPU-time speed-up "
+        "| peak memory (MiB) | of which output (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(results, key=lambda r: (r["length"], r["kind"])):
-        speedup = f"{sdpa_time[r['length']] / r['time_s']:.1f}x" if r["length"] in sdpa_time else "-"
+        ref = sdpa.get(r["length"])
+        speedup = f"{ref['time_s'] / r['time_s']:.1f}x" if ref else "-"
+        cpu_speedup = f"{ref['cpu_time_s'] / r['cpu_time_s']:.1f}x" if ref else "-"
         lines.append(
-            f"| {r['kind']} | {r['length']} | {r['time_s']:.3f} | {speedup} | "
+            f"| {r['kind']} | {r['length']} | {r['time_s']:.3f} | {speedup} | {r['cpu_time_s']:.3f} | {cpu_speedup} | "
             f"{r['peak_mem_bytes'] / 2**20:.1f} | {r['output_bytes'] / 2**20:.1f} |"
         )
     return "\n".join(lines)
