@@ -222,7 +222,12 @@ def bad(**changes):
 
 INVALID = [
     (
-        bad(k=torch.randn(1, 8, 4, 8), v=torch.randn(1, 8, 4, 4), codebook=torch.randn(4, 5, 8), codes=torch.zeros(1, 8, 4, dtype=torch.long)),
+        bad(
+            k=torch.randn(1, 8, 4, 8),
+            v=torch.randn(1, 8, 4, 4),
+            codebook=torch.randn(4, 5, 8),
+            codes=torch.zeros(1, 8, 4, dtype=torch.long),
+        ),
         {},
         "6 heads, which is not a multiple of the 4 key/value heads",
     ),
