@@ -171,7 +171,7 @@ def _assign_codes(k: torch.Tensor, codebook: torch.Tensor, chunk: int = 1024) ->
             scores = piece.new_empty(G, piece.shape[1], codebook.shape[1])
         # argmin |k - c|^2 = argmax (k.c - |c|^2 / 2)
         torch.baddbmm(neg_half_norms, piece, codebook.mT, out=scores)  # (G, B*n, C)
-        codes[:, i : i + chunk] = scores.argmax(-1).view(G, B, -1).permute(1, 2, 0)
+        codes[:, i : i + chunk] = scores.max(-1).indices.view(G, B, -1).permute(1, 2, 0)  # faster than argmax
     return codes
 
 
