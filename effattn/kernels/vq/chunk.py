@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from effattn.kernels.rope import apply_rope, rotate_half
+from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.naive import check_vq_inputs, compute_dtype
 
 # Queries per step (rounded to a multiple of block_size). Larger steps amortise PyTorch's per-op
@@ -142,16 +142,6 @@ def _last(x: Tensor, n: int, dim: int) -> Tensor:
     return x.narrow(dim, size - min(n, size), min(n, size))
 
 
-def _rope_near_far(
-    x: Tensor, cos: Tensor, sin: Tensor, far_cos: Tensor, far_sin: Tensor, scale: float
-) -> tuple[Tensor, Tensor]:
-    """``scale * rope(x, cos, sin)`` and ``scale * rope(x, far_cos, far_sin)``, sharing ``rotate_half(x)``."""
-    turned = rotate_half(x)
-    near = torch.addcmul(x * (cos * scale), turned, sin * scale)
-    far = torch.addcmul(x * (far_cos * scale), turned, far_sin * scale)
-    return near, far
-
-
 def _pad_front(x: Tensor, size: int, dim: int) -> Tensor:
     """Prepend zeros to ``x`` along ``dim`` up to ``size`` entries."""
     shape = list(x.shape)
@@ -225,6 +215,10 @@ class _StepAttention(torch.autograd.Function):
     codes (C)   the codewords         ``q_far @ codebook^T + log(counts)``        ``sums / counts``
     sinks (m)   aggregated sinks      ``q_far @ sink_k^T``                        ``sink_v``
     ==========  ====================  ==========================================  ==================
+
+    ``q_near`` are the queries rotated to their positions and ``span_rk`` the keys to theirs;
+    ``q_far`` are the queries unrotated and the far keys (span keys quantized, codewords, sinks) are
+    rotated by -W, which gives the ReRoPE logit ``<rope(q, W), k>``. All keys carry the logit scale.
 
     The masks are 0 / -inf biases (``log(0) = -inf`` drops empty codes); the near ones are added only on
     the column bands where they mask something, ``near_masks = [(columns, bias), ...]``. The four
@@ -352,8 +346,12 @@ def vq_attention_chunk(
     dev = q.device
     start = state.seen
 
-    codebook = codebook.detach().to(dt)  # (G, C, D)
-    far_cos, far_sin = far_cos.to(dt), far_sin.to(dt)
+    # Far logits <rope(q, W), k> = <q, rope(k, -W)>: the far keys and codewords are turned by -W
+    # instead of the queries by +W (G instead of H rotations, none per query), and every key, near
+    # or far, carries the logit scale.
+    far_cos, far_sin = far_cos.to(dt) * scale, far_sin.to(dt) * -scale  # rotation by -W, scaled
+    codebook = codebook.detach().to(dt)  # (G, C, D), for the codes of the keys
+    codebook_far = apply_rope(codebook, far_cos, far_sin)  # (G, C, D), the code columns' keys
     counts = state.counts.reshape(B * G, C).clone()  # (BG, C), updated in place step by step
     sums = state.sums.reshape(B * G, C, Dv).clone()  # (BG, C, Dv)
     sink_k, sink_v = state.sink_k.to(dt), state.sink_v.to(dt)  # (B, G, m, D), (B, G, m, Dv)
@@ -361,8 +359,9 @@ def vq_attention_chunk(
     # The last W - 1 keys (rotated, quantized), values and codes, zero-padded before position 0.
     n_recent = state.recent_k.shape[2]
     recent_k = state.recent_k.to(dt)
-    recent_rk = apply_rope(recent_k, state.recent_cos.to(dt), state.recent_sin.to(dt))
-    recent_kq = _straight_through(recent_k, state.recent_codes, codebook, start - n_recent, sinks)
+    recent_rk = apply_rope(recent_k, state.recent_cos.to(dt) * scale, state.recent_sin.to(dt) * scale)
+    recent_k_hat = _straight_through(recent_k, state.recent_codes, codebook, start - n_recent, sinks)
+    recent_kq = apply_rope(recent_k_hat, far_cos, far_sin)
     buf_rk, buf_kq = _pad_front(recent_rk, P, 2), _pad_front(recent_kq, P, 2)  # (B, G, P, D)
     buf_v, buf_z = _pad_front(state.recent_v.to(dt), P, 2), _pad_front(state.recent_codes, P, 2)
 
@@ -378,7 +377,7 @@ def vq_attention_chunk(
     pieces = []
     masks = {}  # most steps share their masks; they depend on t0 only near the sequence start
     workspace = {}  # step buffers reused without autograd
-    codebook_bg = codebook.expand(B, G, C, D).reshape(B * G, C, D)
+    codebook_bg = codebook_far.expand(B, G, C, D).reshape(B * G, C, D)
     ones = torch.ones(B * G, max(Q for Q, _ in segments), dtype=dt, device=dev)  # one count per leaving key
 
     t0 = start
@@ -387,13 +386,15 @@ def vq_attention_chunk(
         cos_g, sin_g = cos_g.to(dt), sin_g.to(dt)  # (n*Q, D)
 
         # Queries grouped by key/value head and step, each step's rows contiguous: (B, G, n, R, Q, D).
-        q_g = q_g.to(dt).view(B, n, Q, G, R, D).permute(0, 3, 1, 4, 2, 5).contiguous()
-        q_near, q_far = _rope_near_far(q_g, cos_g.view(n, 1, Q, D), sin_g.view(n, 1, Q, D), far_cos, far_sin, scale)
+        # The far columns take them as they are; the near ones rotated to their positions.
+        q_far = q_g.to(dt).view(B, n, Q, G, R, D).permute(0, 3, 1, 4, 2, 5).contiguous()
+        q_near = apply_rope(q_far, cos_g.view(n, 1, Q, D), sin_g.view(n, 1, Q, D))
 
         # The W-1 recent keys then the segment's own; step j's span is entries [j*Q, j*Q + S).
         k_g, v_g, z_g = k_g.to(dt).transpose(1, 2), v_g.to(dt).transpose(1, 2), z_g.long().transpose(1, 2)
-        all_rk = torch.cat((buf_rk, apply_rope(k_g, cos_g, sin_g)), dim=2)  # (B, G, P + n*Q, D)
-        all_kq = torch.cat((buf_kq, _straight_through(k_g, z_g, codebook, t0, sinks)), dim=2)
+        all_rk = torch.cat((buf_rk, apply_rope(k_g, cos_g * scale, sin_g * scale)), dim=2)  # (B, G, P + n*Q, D)
+        k_hat = _straight_through(k_g, z_g, codebook, t0, sinks)
+        all_kq = torch.cat((buf_kq, apply_rope(k_hat, far_cos, far_sin)), dim=2)
         all_v = torch.cat((buf_v, v_g), dim=2)  # (B, G, P + n*Q, Dv)
         all_z = torch.cat((buf_z, z_g), dim=2)  # (B, G, P + n*Q)
         n_new = min(n * Q, max(0, sinks - t0))  # sinks are read only once aggregated, so add them now
@@ -403,7 +404,8 @@ def vq_attention_chunk(
         # The steps work on batch and key/value heads flattened: (BG, ...).
         q_near, q_far = q_near.flatten(0, 1).flatten(2, 3), q_far.flatten(0, 1).flatten(2, 3)  # (BG, n, M, D)
         rk_bg, kq_bg, v_bg, z_bg = (x.flatten(0, 1) for x in (all_rk, all_kq, all_v, all_z))  # (BG, P + n*Q, ...)
-        sink_k_bg, sink_v_bg = sink_k.flatten(0, 1), sink_v.flatten(0, 1)  # (BG, m, D), (BG, m, Dv)
+        sink_k_bg = apply_rope(sink_k, far_cos, far_sin).flatten(0, 1)  # (BG, m, D)
+        sink_v_bg = sink_v.flatten(0, 1)  # (BG, m, Dv)
         for j in range(n):
             t_j, lo = t0 + j * Q, j * Q  # first position of the step, its span's start in the buffers
             n_sink = max(0, min(sinks, t_j - P))  # sinks far for the whole step (aggregated)
