@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--omp-wait-policy", choices=["active", "passive"], help="OMP_WAIT_POLICY of the measurements")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--plot", type=Path, help="also save a time/memory plot here (PNG)")
     args = parser.parse_args()
@@ -45,6 +46,7 @@ def main() -> None:
         heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, window=args.window,
         codebook_size=args.codebook_size, block_size=args.block_size, sinks=args.sinks,
         dtype=args.dtype, repeats=args.repeats, threads=args.threads, device=args.device,
+        omp_wait_policy=args.omp_wait_policy,
     )  # fmt: skip
     load_before = os.getloadavg()[0]
     results = bench_attention(args.kinds.split(","), args.lengths, **settings)
@@ -58,7 +60,8 @@ def main() -> None:
     print(
         f"Machine: {info['cpu']}, {info['cores']} cores, {threads} torch threads, torch {info['torch']}, "
         f"Python {info['python']}{', GPU ' + info['gpu'] if 'gpu' in info else ''}; "
-        f"1-minute load average {load_before:.2f} before, {load_after:.2f} after.\n"
+        f"1-minute load average {load_before:.2f} before, {load_after:.2f} after; "
+        f"OMP_WAIT_POLICY {args.omp_wait_policy or os.environ.get('OMP_WAIT_POLICY', 'unset')}.\n"
     )
     print(
         f"One causal attention layer forward, batch 1, {args.heads} query heads, {args.kv_heads} key/value heads, "

@@ -50,6 +50,7 @@ def bench_attention(
     threads: int | None = None,
     device: str = "cpu",
     seed: int = 0,
+    omp_wait_policy: str | None = None,
     timeout_s: float = 3600.0,
 ) -> list[dict]:
     """Time one attention layer forward and measure its peak memory, per kind and length.
@@ -64,6 +65,10 @@ def bench_attention(
         threads: torch intra-op threads in the subprocess (default: torch's default, all cores).
         device: ``"cpu"`` or ``"cuda"``.
         seed: random seed of the inputs.
+        omp_wait_policy: ``OMP_WAIT_POLICY`` of the subprocesses. ``"passive"`` keeps idle OpenMP threads
+            from spinning: on a machine shared with other jobs, spinning threads that lose their core
+            make every parallel region wait for a time slice, which slows kernels made of many small
+            operations (``vq``) far more than one large fused one (``sdpa``). Default: inherited.
         timeout_s: limit per point.
 
     Returns:
@@ -82,6 +87,8 @@ def bench_attention(
         raise ValueError(
             f"repeats ({repeats}) and every length ({list(lengths)}) must be at least 1; pass positive values."
         )
+    if omp_wait_policy is not None and omp_wait_policy.lower() not in ("active", "passive"):
+        raise ValueError(f"omp_wait_policy must be 'active' or 'passive', got {omp_wait_policy!r}; or leave it unset.")
     if "vq_naive" in kinds and max(lengths) > NAIVE_MAX_LENGTH:
         raise ValueError(
             f"vq_naive is quadratic in memory and limited to lengths <= {NAIVE_MAX_LENGTH}, got {max(lengths)}; "
@@ -100,6 +107,7 @@ def bench_attention(
         threads=threads,
         device=device,
         seed=seed,
+        omp_wait_policy=omp_wait_policy,
     )
     return [_run_point({**settings, "kind": kind, "length": n}, timeout_s) for kind in kinds for n in lengths]
 
@@ -108,6 +116,8 @@ def _run_point(spec: dict, timeout_s: float) -> dict:
     """Measure one point in a fresh interpreter that imports this very copy of effattn."""
     package_root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+    if spec["omp_wait_policy"]:
+        env["OMP_WAIT_POLICY"] = spec["omp_wait_policy"].upper()
     proc = subprocess.run(
         [sys.executable, "-c", "from effattn.bench import _child_main; _child_main()"],
         input=json.dumps(spec),
