@@ -70,9 +70,10 @@ CONFIGS = [
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "B{}-T{}-H{}-G{}-D{}-Dv{}-C{}-W{}-L{}-sinks{}".format(*c))
-@pytest.mark.parametrize("tile", [4, 64])
-def test_chunk_matches_naive(monkeypatch, config, dtype, tile):
+@pytest.mark.parametrize("tile, segment", [(4, 16), (64, 1024)], ids=["small-steps", "default-steps"])
+def test_chunk_matches_naive(monkeypatch, config, dtype, tile, segment):
     monkeypatch.setattr(vq_chunk, "TILE", tile)  # steps of one block and of many blocks
+    monkeypatch.setattr(vq_chunk, "SEGMENT", segment)  # several segments and one
     B, T, H, G, D, Dv, C, W, L, sinks = config
     inputs = make_inputs(B, T, H, G, D, Dv, C, W, dtype)
     grad_out = torch.randn(B, T, H, Dv, dtype=dtype, generator=torch.Generator().manual_seed(1))
