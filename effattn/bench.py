@@ -1,0 +1,346 @@
+"""Attention benchmark: one causal attention layer forward, SDPA against Transformer-VQ.
+
+Every (kind, length) point runs in a fresh Python subprocess, so that its memory is its own:
+
+* time: median wall time of ``repeats`` forward passes (``torch.inference_mode``, batch 1), after a
+  warm-up call on a short sequence and the memory pass below; also the median CPU time of the
+  process (all threads), which, with one thread, stays meaningful on a machine shared with other jobs;
+* memory (CPU): the peak resident set size (RSS) reached during one forward pass minus the RSS just
+  before it, inputs already allocated. The kernel's high-water mark is reset right before the pass
+  (``/proc/self/clear_refs``, Linux) and read back from ``VmHWM``, so earlier peaks (imports,
+  warm-up) cannot hide it; where that is unavailable, ``ru_maxrss`` is used instead. It counts the
+  output tensor (reported separately as ``output_bytes``) and everything the kernel allocates.
+  On CUDA it is ``torch.cuda.max_memory_allocated`` over the pass, minus the memory before it.
+
+Kinds, all taking pre-RoPE q/k and the RoPE tables as inputs, so that every kind pays its own rotations:
+
+* ``sdpa``: RoPE on q and k, then ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``;
+* ``vq``: nearest-codeword codes for the keys (1024 positions at a time) then ``vq_attention_chunk``;
+* ``vq_naive``: the same codes then the quadratic reference ``vq_attention_naive`` (short lengths only).
+"""
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+KINDS = ("sdpa", "vq", "vq_naive")
+NAIVE_MAX_LENGTH = 8192  # vq_naive materialises several (heads, T, T) tensors
+
+
+def bench_attention(
+    kinds: tuple[str, ...] | list[str] = ("sdpa", "vq"),
+    lengths: tuple[int, ...] | list[int] = (1024, 4096, 16384, 32768),
+    *,
+    heads: int = 9,
+    kv_heads: int = 3,
+    head_dim: int = 64,
+    window: int = 256,
+    codebook_size: int = 512,
+    block_size: int = 64,
+    sinks: int = 0,
+    dtype: str | torch.dtype = "float32",
+    repeats: int = 3,
+    threads: int | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    omp_wait_policy: str | None = None,
+    timeout_s: float = 3600.0,
+) -> list[dict]:
+    """Time one attention layer forward and measure its peak memory, per kind and length.
+
+    Args:
+        kinds: any of ``KINDS``.
+        lengths: sequence lengths T (batch 1, causal).
+        heads, kv_heads, head_dim: query heads, key/value heads (``heads % kv_heads == 0``), head size.
+        window, codebook_size, block_size, sinks: Transformer-VQ settings (W, C, L, sinks).
+        dtype: input dtype, e.g. ``"float32"`` or ``"bfloat16"``.
+        repeats: timed passes per point (the median is reported).
+        threads: torch intra-op threads in the subprocess (default: torch's default, all cores).
+        device: ``"cpu"`` or ``"cuda"``.
+        seed: random seed of the inputs.
+        omp_wait_policy: ``OMP_WAIT_POLICY`` of the subprocesses. ``"passive"`` keeps idle OpenMP threads
+            from spinning: on a machine shared with other jobs, spinning threads that lose their core
+            make every parallel region wait for a time slice, which slows kernels made of many small
+            operations (``vq``) far more than one large fused one (``sdpa``). Default: inherited.
+        timeout_s: limit per point.
+
+    Returns:
+        One dict per (kind, length) with ``kind, length, time_s, time_min_s, cpu_time_s,
+        peak_mem_bytes, output_bytes`` and the settings used.
+    """
+    dtype_name = str(dtype).removeprefix("torch.")
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        raise ValueError(f"Unknown attention kind(s) {unknown}; choose among {list(KINDS)}.")
+    if not isinstance(getattr(torch, dtype_name, None), torch.dtype):
+        raise ValueError(f"Unknown dtype {dtype!r}; pass a torch dtype name such as 'float32' or 'bfloat16'.")
+    if heads % kv_heads:
+        raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}; pick kv_heads dividing heads.")
+    if repeats < 1 or any(n < 1 for n in lengths):
+        raise ValueError(
+            f"repeats ({repeats}) and every length ({list(lengths)}) must be at least 1; pass positive values."
+        )
+    if omp_wait_policy is not None and omp_wait_policy.lower() not in ("active", "passive"):
+        raise ValueError(f"omp_wait_policy must be 'active' or 'passive', got {omp_wait_policy!r}; or leave it unset.")
+    if "vq_naive" in kinds and max(lengths) > NAIVE_MAX_LENGTH:
+        raise ValueError(
+            f"vq_naive is quadratic in memory and limited to lengths <= {NAIVE_MAX_LENGTH}, got {max(lengths)}; "
+            f"benchmark it on shorter sequences."
+        )
+    settings = dict(
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        window=window,
+        codebook_size=codebook_size,
+        block_size=block_size,
+        sinks=sinks,
+        dtype=dtype_name,
+        repeats=repeats,
+        threads=threads,
+        device=device,
+        seed=seed,
+        omp_wait_policy=omp_wait_policy,
+    )
+    return [_run_point({**settings, "kind": kind, "length": n}, timeout_s) for kind in kinds for n in lengths]
+
+
+def _run_point(spec: dict, timeout_s: float) -> dict:
+    """Measure one point in a fresh interpreter that imports this very copy of effattn."""
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+    if spec["omp_wait_policy"]:
+        env["OMP_WAIT_POLICY"] = spec["omp_wait_policy"].upper()
+    proc = subprocess.run(
+        [sys.executable, "-c", "from effattn.bench import _child_main; _child_main()"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"Benchmark point {spec['kind']} at length {spec['length']} failed (exit code {proc.returncode}); "
+            f"its error output ends with:\n{proc.stderr[-2000:]}"
+        )
+    return {**spec, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def _child_main() -> None:
+    spec = json.loads(sys.stdin.read())
+    print(json.dumps(_measure(spec)))
+
+
+def _rss_bytes(field: str) -> int:
+    """``VmRSS`` or ``VmHWM`` (peak) of this process from /proc, in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{field} not found in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's RSS high-water mark to its current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _max_rss_bytes() -> int:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+def _assign_codes(k: torch.Tensor, codebook: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Nearest codeword of every key, ``chunk`` positions at a time in one reused buffer (flat memory).
+
+    k: (B, T, G, D), codebook: (G, C, D) -> (B, T, G) int64.
+    """
+    B, T, G, D = k.shape
+    codebook = codebook.float()
+    neg_half_norms = -0.5 * codebook.square().sum(-1)[:, None, :]  # (G, 1, C)
+    codes = torch.empty(B, T, G, dtype=torch.int64, device=k.device)
+    scores = None
+    for i in range(0, T, chunk):
+        piece = k[:, i : i + chunk].float().permute(2, 0, 1, 3).reshape(G, -1, D)  # (G, B*n, D)
+        if scores is None or scores.shape[1] != piece.shape[1]:
+            scores = piece.new_empty(G, piece.shape[1], codebook.shape[1])
+        # argmin |k - c|^2 = argmax (k.c - |c|^2 / 2)
+        torch.baddbmm(neg_half_norms, piece, codebook.mT, out=scores)  # (G, B*n, C)
+        codes[:, i : i + chunk] = scores.max(-1).indices.view(G, B, -1).permute(1, 2, 0)  # faster than argmax
+    return codes
+
+
+def _layer(kind: str, spec: dict, T: int, device: str):
+    """Inputs and a closure running one attention forward on them."""
+    from effattn.kernels.rope import apply_rope, rope_tables
+    from effattn.kernels.vq import vq_attention_chunk, vq_attention_naive
+
+    H, G, D, W, C = spec["heads"], spec["kv_heads"], spec["head_dim"], spec["window"], spec["codebook_size"]
+    dtype = getattr(torch, spec["dtype"])
+    gen = torch.Generator(device=device).manual_seed(spec["seed"])
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    q, k, v = randn(1, T, H, D), randn(1, T, G, D), randn(1, T, G, D)
+    codebook = randn(G, C, D)
+    cos, sin = (x.to(device, dtype) for x in rope_tables(T, D))
+    far_cos, far_sin = (x[0].to(device, dtype) for x in rope_tables(torch.tensor([W]), D))
+
+    if kind == "sdpa":
+
+        def run():
+            q_rot = apply_rope(q, cos[:, None], sin[:, None]).transpose(1, 2)  # (1, H, T, D)
+            k_rot = apply_rope(k, cos[:, None], sin[:, None]).transpose(1, 2)  # (1, G, T, D)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q_rot, k_rot, v.transpose(1, 2), is_causal=True, enable_gqa=True
+            )
+            return out.transpose(1, 2)
+
+    else:
+        kernel = vq_attention_chunk if kind == "vq" else vq_attention_naive
+
+        def run():
+            codes = _assign_codes(k, codebook)
+            return kernel(
+                q, k, v, codebook, codes, cos, sin, far_cos, far_sin,
+                window=W, block_size=spec["block_size"], sinks=spec["sinks"],
+            )  # fmt: skip
+
+    return run
+
+
+def _measure(spec: dict) -> dict:
+    device = spec["device"]
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    cuda = device.startswith("cuda")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    with torch.inference_mode():
+        _layer(spec["kind"], spec, min(spec["length"], 2 * spec["window"] + 64), device)()  # warm-up: library init
+        run = _layer(spec["kind"], spec, spec["length"], device)
+
+        # memory: one pass, high-water mark reset just before it
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        else:
+            peak_was_reset = _reset_peak_rss()
+            before = _rss_bytes("VmRSS") if peak_was_reset else _max_rss_bytes()
+        out = run()
+        sync()
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            peak = _rss_bytes("VmHWM") if peak_was_reset else _max_rss_bytes()
+        output_bytes = out.numel() * out.element_size()
+        del out
+
+        times, cpu_times = [], []
+        for _ in range(spec["repeats"]):
+            sync()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            run()
+            sync()
+            times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
+
+    return dict(
+        time_s=statistics.median(times),
+        time_min_s=min(times),
+        cpu_time_s=statistics.median(cpu_times),
+        peak_mem_bytes=max(0, peak - before),
+        output_bytes=output_bytes,
+        threads=torch.get_num_threads(),
+    )
+
+
+def machine_info() -> dict:
+    """A short description of the machine the benchmark runs on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = dict(
+        cpu=cpu,
+        cores=os.cpu_count(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        python=platform.python_version(),
+    )
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def format_table(results: list[dict]) -> str:
+    """Markdown table of ``bench_attention`` results, with speed-ups over SDPA at each length."""
+    sdpa = {r["length"]: r for r in results if r["kind"] == "sdpa"}
+    lines = [
+        "| kind | length | time (s) | speed-up vs sdpa | CPU time (s) | CPU-time speed-up "
+        "| peak memory (MiB) | of which output (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(results, key=lambda r: (r["length"], r["kind"])):
+        ref = sdpa.get(r["length"])
+        speedup = f"{ref['time_s'] / r['time_s']:.1f}x" if ref else "-"
+        cpu_speedup = f"{ref['cpu_time_s'] / r['cpu_time_s']:.1f}x" if ref else "-"
+        lines.append(
+            f"| {r['kind']} | {r['length']} | {r['time_s']:.3f} | {speedup} | {r['cpu_time_s']:.3f} | {cpu_speedup} | "
+            f"{r['peak_mem_bytes'] / 2**20:.1f} | {r['output_bytes'] / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_bench(results: list[dict], path: str | Path) -> Path:
+    """Save time and peak memory against sequence length, one line per kind, log-log axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FormatStrFormatter
+
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    time_ax, mem_ax = fig.subplots(1, 2)
+    for kind in dict.fromkeys(r["kind"] for r in results):
+        points = sorted((r for r in results if r["kind"] == kind), key=lambda r: r["length"])
+        lengths = [r["length"] for r in points]
+        time_ax.plot(lengths, [r["time_s"] for r in points], marker="o", label=kind)
+        mem_ax.plot(lengths, [max(r["peak_mem_bytes"], 1) / 2**20 for r in points], marker="o", label=kind)
+    for ax, label in ((time_ax, "forward time (s)"), (mem_ax, "peak memory over inputs (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    first = results[0]
+    fig.suptitle(
+        f"one attention layer, batch 1, {first['heads']} heads / {first['kv_heads']} kv heads x {first['head_dim']}, "
+        f"W={first['window']}, C={first['codebook_size']}, {first['dtype']}"
+    )
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    return path

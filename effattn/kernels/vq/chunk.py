@@ -1,0 +1,477 @@
+"""Transformer-VQ attention with ReRoPE: the blockwise, linear-time kernel.
+
+Same semantics as ``naive.py`` (read its docstring first). Queries are processed in steps of about
+``TILE`` positions (a multiple of ``L = block_size``, starting at a multiple of L). For a step
+``[t0, t1)`` the keys split into
+
+* the *span* ``[t0 - W + 1, t1)``: the W - 1 keys carried from earlier steps plus the step's own.
+  Every near pair of the step lies here, and so do its far pairs with keys younger than
+  ``t0 - W + 1`` (at most the first ``t1 - t0 - 1`` span keys); they get per-pair logits;
+* the *aggregated* keys ``s <= t0 - W``, far for the whole step. Their logit
+  ``<rope(q_t, W), codebook[z_s]>`` depends on s only through its code, so they enter the softmax as
+  one column per code, weighted by the number of keys with that code (``counts``, added as a
+  ``log(count)`` bias) and carrying the mean of their values (``sums / counts``). Sinks are kept
+  exact in their own columns.
+
+All columns share one softmax, so a step costs ``O(TILE * (W + TILE + C + sinks))`` wherever it is:
+time is linear in T and the working memory is flat. After the step, the keys that leave the span
+are scatter-added (detached) into the per-code statistics.
+
+Gradients follow the stop-gradient rule of ``naive.py`` exactly: statistics are detached, and far
+span pairs that the rule aggregates (possible when a step holds several blocks of L) pass no
+gradient to their key and value (see :class:`_StepAttention`). The step size is therefore a pure
+performance choice, independent of L when ``L <= TILE``.
+
+The recurrence state is a :class:`VQState`; passing it back in continues the sequence, so any
+chunking of a sequence (down to one token per call) reproduces the output of a single call.
+"""
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from effattn.kernels.rope import apply_rope
+from effattn.kernels.vq.naive import check_vq_inputs, compute_dtype
+
+# Queries per step (rounded to a multiple of block_size). Larger steps amortise PyTorch's per-op
+# overhead but widen the span every query is scored against (W - 1 + TILE keys, plus TILE - 1 far
+# ones); 64 is the fastest on a 2-core AVX-512 CPU for W = 256, C = 512 (see effattn/bench.py).
+TILE = 64
+# Positions per segment: the per-position work (RoPE, quantization, layouts) of a segment's steps
+# is done in one go, leaving the step loop only the attention itself. Bounds the working memory.
+SEGMENT = 1024
+
+
+@dataclass
+class VQState:
+    """Everything needed to continue a sequence; its size does not grow past ``window`` + ``sinks``.
+
+    With ``n = min(seen, window - 1)`` recent and ``m = min(seen, sinks)`` sink positions:
+
+    Attributes:
+        seen: number of positions processed so far (absolute position of the next one).
+        window, sinks: the settings the state was built with.
+        recent_k: (B, G, n, D) pre-RoPE keys of positions ``seen - n .. seen - 1``.
+        recent_v: (B, G, n, Dv) their values.
+        recent_codes: (B, G, n) their codes.
+        recent_cos, recent_sin: (n, D) RoPE table rows of those positions.
+        sink_k: (B, G, m, D) pre-RoPE keys of positions ``0 .. m - 1``.
+        sink_v: (B, G, m, Dv) their values.
+        counts: (B, G, C) number of non-sink keys older than the recent ones, per code (float, exact
+            up to 2**24 keys in float32).
+        sums: (B, G, C, Dv) sum of their values, per code.
+
+    All tensors are detached: gradients never cross calls (truncated backpropagation).
+    """
+
+    seen: int
+    window: int
+    sinks: int
+    recent_k: Tensor
+    recent_v: Tensor
+    recent_codes: Tensor
+    recent_cos: Tensor
+    recent_sin: Tensor
+    sink_k: Tensor
+    sink_v: Tensor
+    counts: Tensor
+    sums: Tensor
+
+    def nbytes(self) -> int:
+        """Total size of the state's tensors in bytes."""
+        return sum(
+            x.numel() * x.element_size() for x in (getattr(self, f.name) for f in fields(self)) if isinstance(x, Tensor)
+        )
+
+
+def _empty_state(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, cos: Tensor, window: int, sinks: int) -> VQState:
+    B, _, G, D = k.shape
+    Dv, C = v.shape[3], codebook.shape[1]
+    stats_dtype = compute_dtype(q.dtype)
+    return VQState(
+        seen=0,
+        window=window,
+        sinks=sinks,
+        recent_k=k.new_zeros(B, G, 0, D),
+        recent_v=v.new_zeros(B, G, 0, Dv),
+        recent_codes=torch.zeros(B, G, 0, dtype=torch.int64, device=k.device),
+        recent_cos=cos.new_zeros(0, D),
+        recent_sin=cos.new_zeros(0, D),
+        sink_k=k.new_zeros(B, G, 0, D),
+        sink_v=v.new_zeros(B, G, 0, Dv),
+        counts=torch.zeros(B, G, C, dtype=stats_dtype, device=k.device),
+        sums=torch.zeros(B, G, C, Dv, dtype=stats_dtype, device=k.device),
+    )
+
+
+def _check_state(state: VQState, k: Tensor, v: Tensor, codebook: Tensor, window: int, sinks: int) -> None:
+    if state.window != window or state.sinks != sinks:
+        raise ValueError(
+            f"The state was built with window={state.window}, sinks={state.sinks} but this call uses "
+            f"window={window}, sinks={sinks}; continue a sequence with the settings that started it."
+        )
+    B, _, G, D = k.shape
+    expected = {"counts": (B, G, codebook.shape[1]), "sums": (B, G, codebook.shape[1], v.shape[3])}
+    expected["recent_k"] = (B, G, min(state.seen, window - 1), D)
+    for name, shape in expected.items():
+        if tuple(getattr(state, name).shape) != shape:
+            raise ValueError(
+                f"state.{name} has shape {tuple(getattr(state, name).shape)} but these inputs need {shape}; "
+                f"pass the state returned for this sequence, batch and codebook."
+            )
+
+
+def _straight_through(k: Tensor, codes: Tensor, codebook: Tensor, first_position: int, sinks: int) -> Tensor:
+    """Quantized keys ``k + (c_z - k).detach()``; keys at absolute positions < sinks stay exact.
+
+    k: (B, G, n, D) for positions ``first_position ..``, codes: (B, G, n), codebook: (G, C, D) detached.
+    """
+    G = codebook.shape[0]
+    codewords = codebook[torch.arange(G, device=k.device)[None, :, None], codes]  # (B, G, n, D)
+    k_hat = k + (codewords - k).detach()
+    n_sink = min(k.shape[2], max(0, sinks - first_position))
+    if n_sink:
+        k_hat = torch.cat((k[:, :, :n_sink], k_hat[:, :, n_sink:]), dim=2)
+    return k_hat
+
+
+def _last(x: Tensor, n: int, dim: int) -> Tensor:
+    """The last ``min(n, size)`` entries of ``x`` along ``dim``."""
+    size = x.shape[dim]
+    return x.narrow(dim, size - min(n, size), min(n, size))
+
+
+def _pad_front(x: Tensor, size: int, dim: int) -> Tensor:
+    """Prepend zeros to ``x`` along ``dim`` up to ``size`` entries."""
+    shape = list(x.shape)
+    shape[dim] = size - x.shape[dim]
+    return torch.cat((x.new_zeros(shape), x), dim=dim)
+
+
+def _segments(start: int, T: int, L: int) -> list[tuple[int, int]]:
+    """Segments ``(step_len, n_steps)`` of equal steps covering positions ``start .. start + T - 1``.
+
+    Steps hold ``max(1, TILE // L)`` whole blocks of L and start at multiples of L, so the
+    statistics at a step's start only hold pairs that the stop-gradient rule aggregates; an
+    unaligned ``start`` (continuing a state) first completes its block, and a shorter last step
+    ends the sequence. Each of these two gets a segment of its own.
+    """
+    per_step = L * max(1, TILE // L)
+    per_segment = max(1, SEGMENT // per_step)
+    head = min(T, -start % L)
+    body, tail = divmod(T - head, per_step)
+    segments = [(head, 1)] if head else []
+    segments += [(per_step, min(per_segment, body - i)) for i in range(0, body, per_segment)]
+    return segments + ([(tail, 1)] if tail else [])
+
+
+def _span_bias(t0: int, Q: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Additive mask (0 or -inf) of the span columns of the Q queries starting at ``t0``.
+
+    The span holds the keys at positions ``t0 - (W-1) + c``, c in [0, S = W-1+Q), and query i sits at
+    column ``W-1+i``, so ``delta = W-1+i-c``. The columns are the S near logits (allowed when
+    ``0 <= delta < W``) followed by the far logits of the first ``Q-1`` span keys (allowed when
+    ``delta >= W``); keys before the sequence start (zero padding) are masked. Returns (Q, S + Q - 1).
+    """
+    P = window - 1
+    c = torch.arange(P + Q, device=device)
+    delta = P + torch.arange(Q, device=device)[:, None] - c  # (Q, S)
+    started = t0 - P + c >= 0  # (S,)
+    near = (delta >= 0) & (delta < window) & started
+    far = (delta[:, : Q - 1] >= window) & started[: Q - 1]
+    allowed = torch.cat((near, far), dim=1)  # (Q, S + Q - 1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def _aggregated_pairs(t0: int, Q: int, window: int, block_size: int, device: torch.device) -> Tensor:
+    """(Q, Q - 1) bool: which (query, far span key) pairs of the step the stop-gradient rule aggregates.
+
+    Query ``t = t0 + i`` and key ``s = t0 - (W-1) + c`` are aggregated when ``s <= floor(t/L)*L - W``.
+    """
+    t = t0 + torch.arange(Q, device=device)[:, None]
+    s = t0 - (window - 1) + torch.arange(Q - 1, device=device)
+    return s <= torch.div(t, block_size, rounding_mode="floor") * block_size - window
+
+
+def _scratch(workspace: dict, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """A buffer reused from step to step. A fresh multi-megabyte tensor per step is handed back to the
+    operating system when freed, and the page faults of its next first touch cost about as much as
+    the step's arithmetic."""
+    buffer = workspace.get(name)
+    if buffer is None or buffer.shape != shape:
+        buffer = workspace[name] = like.new_empty(shape)
+    return buffer
+
+
+class _StepAttention(torch.autograd.Function):
+    """Softmax attention of one step's queries over its four column groups, with a hand-written backward.
+
+    ==========  ====================  ==========================================  ==================
+    columns     keys                  logits                                      values
+    ==========  ====================  ==========================================  ==================
+    near (S)    the span              ``q_near @ span_rk^T + near masks``         ``span_v``
+    far (F)     first F span keys     ``q_far @ far_kq^T + far_bias``             ``far_v``
+    codes (C)   the codewords         ``q_far @ codebook^T + log(counts)``        ``sums / counts``
+    sinks (m)   aggregated sinks      ``q_far @ sink_k^T``                        ``sink_v``
+    ==========  ====================  ==========================================  ==================
+
+    ``q_near`` are the queries rotated to their positions and ``span_rk`` the keys to theirs;
+    ``q_far`` are the queries unrotated and the far keys (span keys quantized, codewords, sinks) are
+    rotated by -W, which gives the ReRoPE logit ``<rope(q, W), k>``. All keys carry the logit scale.
+
+    The masks are 0 / -inf biases (``log(0) = -inf`` drops empty codes); the near ones are added only on
+    the column bands where they mask something, ``near_masks = [(columns, bias), ...]``. The four
+    products are written straight into one logits tensor and the output is accumulated part by part,
+    so the largest tensors of a step are never concatenated or copied; without autograd, the step's
+    buffers come from ``workspace`` and are reused (the returned output too: copy it before the next step).
+
+    Shapes, batch and key/value heads flattened into BG and M = R*Q rows ordered (head, query):
+    q_near, q_far (BG, M, D); span_rk (BG, S, D); far_kq (BG, F, D); codebook (BG, C, D); sink_k (BG, m, D);
+    span_v (BG, S, Dv); far_v (BG, F, Dv); counts (BG, C); sums (BG, C, Dv); sink_v (BG, m, Dv);
+    near_masks: biases (M, band width); far_bias (M, F); frozen (M, F) bool. Returns (BG, M, Dv).
+
+    Gradients reach q_near, q_far, span_rk, far_kq, span_v and far_v. Codewords, statistics and sinks
+    are constants (detached), and the far pairs flagged in ``frozen`` (aggregated by the stop-gradient
+    rule) send no gradient to their key and value.
+    """
+
+    @staticmethod
+    def forward(ctx, q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, counts, sums, sink_v,
+                near_masks, far_bias, frozen, workspace):  # fmt: skip
+        BG, M, _ = q_near.shape
+        sizes = (span_rk.shape[1], far_kq.shape[1], codebook.shape[1], sink_k.shape[1])
+        shape = (BG, M, sum(sizes))
+        saved = any(ctx.needs_input_grad)  # tensors saved for the backward pass cannot be reused
+
+        def buffer(name, shape, like):  # a fresh tensor (out=None) when it is saved for backward
+            return None if saved else _scratch(workspace, name, shape, like)
+
+        logits = _scratch(workspace, "logits", shape, q_near)  # (BG, M, N), never saved
+        near, far, code, sink = logits.split(sizes, dim=-1)
+        torch.bmm(q_near, span_rk.mT, out=near)
+        for columns, bias in near_masks:
+            near[..., columns] += bias
+        torch.bmm(q_far, far_kq.mT, out=far).add_(far_bias)
+        torch.bmm(q_far, codebook.mT, out=code).add_(counts.log()[:, None, :])
+        torch.bmm(q_far, sink_k.mT, out=sink)
+        probs = torch.softmax(logits, dim=-1, out=buffer("probs", shape, q_near))
+
+        means = torch.div(sums, counts.clamp(min=1.0)[..., None], out=buffer("means", sums.shape, sums))
+        p_near, p_far, p_code, p_sink = probs.split(sizes, dim=-1)
+        out = torch.bmm(p_near, span_v, out=buffer("out", (BG, M, span_v.shape[2]), q_near))
+        out.baddbmm_(p_far, far_v).baddbmm_(p_code, means).baddbmm_(p_sink, sink_v)  # (BG, M, Dv)
+        ctx.sizes = sizes
+        ctx.save_for_backward(q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, means, sink_v,
+                              frozen, probs, out)  # fmt: skip
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, means, sink_v,
+         frozen, probs, out) = ctx.saved_tensors  # fmt: skip
+        needs = ctx.needs_input_grad
+
+        # softmax backward: d logits = P * (dP - rowsum(dO * O)), with dP = dO @ V^T part by part
+        grad_logits = torch.empty_like(probs)
+        for part, values in zip(grad_logits.split(ctx.sizes, dim=-1), (span_v, far_v, means, sink_v)):
+            torch.bmm(grad_out, values.mT, out=part)
+        grad_logits.sub_((grad_out * out).sum(-1, keepdim=True)).mul_(probs)
+        g_near, g_far, g_code, g_sink = grad_logits.split(ctx.sizes, dim=-1)
+        p_near, p_far, _, _ = probs.split(ctx.sizes, dim=-1)
+        g_far_thawed, p_far_thawed = g_far.masked_fill(frozen, 0.0), p_far.masked_fill(frozen, 0.0)
+
+        grad_q_near = g_near @ span_rk if needs[0] else None
+        grad_q_far = (g_far @ far_kq).baddbmm_(g_code, codebook).baddbmm_(g_sink, sink_k) if needs[1] else None
+        grad_span_rk = g_near.mT @ q_near if needs[2] else None
+        grad_far_kq = g_far_thawed.mT @ q_far if needs[3] else None
+        grad_span_v = p_near.mT @ grad_out if needs[6] else None
+        grad_far_v = p_far_thawed.mT @ grad_out if needs[7] else None
+        return (grad_q_near, grad_q_far, grad_span_rk, grad_far_kq, None, None, grad_span_v, grad_far_v,
+                None, None, None, None, None, None, None)  # fmt: skip
+
+
+def vq_attention_chunk(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    codebook: Tensor,
+    codes: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    far_cos: Tensor,
+    far_sin: Tensor,
+    *,
+    window: int,
+    block_size: int,
+    sinks: int = 0,
+    scale: float | None = None,
+    state: VQState | None = None,
+    return_state: bool = False,
+) -> Tensor | tuple[Tensor, VQState]:
+    """Blockwise linear-time Transformer-VQ attention with ReRoPE; same maths as ``vq_attention_naive``.
+
+    Args:
+        q: (B, T, H, D) pre-RoPE queries.
+        k: (B, T, G, D) pre-RoPE keys, ``H % G == 0``; query head h reads key/value head ``h // (H // G)``.
+        v: (B, T, G, Dv) values.
+        codebook: (G, C, D) one codebook per key/value head, in pre-RoPE key space (gets no gradient).
+        codes: (B, T, G) integer code of every key.
+        cos, sin: (T, D) RoPE tables at this chunk's absolute positions (``state.seen ..``).
+        far_cos, far_sin: (D,) RoPE table at relative position ``window``.
+        window: W >= 1, keys with ``t - s < W`` are exact.
+        block_size: L >= 1, block length of the stop-gradient rule (blocks aligned to multiples of L).
+            It does not change the output; values above ``TILE`` make the steps, and so the work
+            per query, larger.
+        sinks: the first ``sinks`` positions of the sequence are never quantized.
+        scale: logit scale, default ``D ** -0.5``.
+        state: the state returned by the previous call of this sequence, or None to start one.
+        return_state: also return the state after this chunk.
+
+    Returns:
+        (B, T, H, Dv) output in the dtype of ``q``, and the new :class:`VQState` if ``return_state``.
+    """
+    check_vq_inputs(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, block_size, sinks)
+    if state is None:
+        state = _empty_state(q, k, v, codebook, cos, window, sinks)
+    else:
+        _check_state(state, k, v, codebook, window, sinks)
+    B, T, H, D = q.shape
+    G, Dv, C = k.shape[2], v.shape[3], codebook.shape[1]
+    R = H // G  # query heads per key/value head
+    W, L = window, block_size
+    P = W - 1  # exact keys carried from one step to the next
+    scale = D**-0.5 if scale is None else scale
+    in_dtype, dt = q.dtype, compute_dtype(q.dtype)
+    dev = q.device
+    start = state.seen
+
+    # Far logits <rope(q, W), k> = <q, rope(k, -W)>: the far keys and codewords are turned by -W
+    # instead of the queries by +W (G instead of H rotations, none per query), and every key, near
+    # or far, carries the logit scale.
+    far_cos, far_sin = far_cos.to(dt) * scale, far_sin.to(dt) * -scale  # rotation by -W, scaled
+    codebook = codebook.detach().to(dt)  # (G, C, D), for the codes of the keys
+    codebook_far = apply_rope(codebook, far_cos, far_sin)  # (G, C, D), the code columns' keys
+    counts = state.counts.reshape(B * G, C).clone()  # (BG, C), updated in place step by step
+    sums = state.sums.reshape(B * G, C, Dv).clone()  # (BG, C, Dv)
+    sink_k, sink_v = state.sink_k.to(dt), state.sink_v.to(dt)  # (B, G, m, D), (B, G, m, Dv)
+
+    # The last W - 1 keys (rotated, quantized), values and codes, zero-padded before position 0.
+    n_recent = state.recent_k.shape[2]
+    recent_k = state.recent_k.to(dt)
+    recent_rk = apply_rope(recent_k, state.recent_cos.to(dt) * scale, state.recent_sin.to(dt) * scale)
+    recent_k_hat = _straight_through(recent_k, state.recent_codes, codebook, start - n_recent, sinks)
+    recent_kq = apply_rope(recent_k_hat, far_cos, far_sin)
+    buf_rk, buf_kq = _pad_front(recent_rk, P, 2), _pad_front(recent_kq, P, 2)  # (B, G, P, D)
+    buf_v, buf_z = _pad_front(state.recent_v.to(dt), P, 2), _pad_front(state.recent_codes, P, 2)
+
+    # split() gives autograd one node per input rather than one slice per segment.
+    segments = _segments(start, T, L)
+    sizes = [Q * n for Q, n in segments]
+    chunks = zip(*(x.split(sizes, dim=1) for x in (q, k, v, codes)), cos.split(sizes), sin.split(sizes))
+
+    # Under autograd, writing steps into one output would copy the whole gradient per step, so the
+    # steps are concatenated; without it they go straight into the output.
+    keep_graph = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    out = None if keep_graph else q.new_empty(B, T, H, Dv)
+    pieces = []
+    masks = {}  # most steps share their masks; they depend on t0 only near the sequence start
+    workspace = {}  # step buffers reused without autograd
+    codebook_bg = codebook_far.expand(B, G, C, D).reshape(B * G, C, D)
+    ones = torch.ones(B * G, max(Q for Q, _ in segments), dtype=dt, device=dev)  # one count per leaving key
+
+    t0 = start
+    for (Q, n), (q_g, k_g, v_g, z_g, cos_g, sin_g) in zip(segments, chunks):
+        S, F, M = P + Q, Q - 1, R * Q  # span keys, of which the first F can be far; query rows per group
+        cos_g, sin_g = cos_g.to(dt), sin_g.to(dt)  # (n*Q, D)
+
+        # Queries grouped by key/value head and step, each step's rows contiguous: (B, G, n, R, Q, D).
+        # The far columns take them as they are; the near ones rotated to their positions.
+        q_far = q_g.to(dt).view(B, n, Q, G, R, D).permute(0, 3, 1, 4, 2, 5).contiguous()
+        q_near = apply_rope(q_far, cos_g.view(n, 1, Q, D), sin_g.view(n, 1, Q, D))
+
+        # The W-1 recent keys then the segment's own; step j's span is entries [j*Q, j*Q + S).
+        k_g, v_g, z_g = k_g.to(dt).transpose(1, 2), v_g.to(dt).transpose(1, 2), z_g.long().transpose(1, 2)
+        all_rk = torch.cat((buf_rk, apply_rope(k_g, cos_g * scale, sin_g * scale)), dim=2)  # (B, G, P + n*Q, D)
+        k_hat = _straight_through(k_g, z_g, codebook, t0, sinks)
+        all_kq = torch.cat((buf_kq, apply_rope(k_hat, far_cos, far_sin)), dim=2)
+        all_v = torch.cat((buf_v, v_g), dim=2)  # (B, G, P + n*Q, Dv)
+        all_z = torch.cat((buf_z, z_g), dim=2)  # (B, G, P + n*Q)
+        n_new = min(n * Q, max(0, sinks - t0))  # sinks are read only once aggregated, so add them now
+        sink_k = torch.cat((sink_k, k_g[:, :, :n_new].detach()), dim=2)
+        sink_v = torch.cat((sink_v, v_g[:, :, :n_new].detach()), dim=2)
+
+        # The steps work on batch and key/value heads flattened: (BG, ...).
+        q_near, q_far = q_near.flatten(0, 1).flatten(2, 3), q_far.flatten(0, 1).flatten(2, 3)  # (BG, n, M, D)
+        rk_bg, kq_bg, v_bg, z_bg = (x.flatten(0, 1) for x in (all_rk, all_kq, all_v, all_z))  # (BG, P + n*Q, ...)
+        sink_k_bg = apply_rope(sink_k, far_cos, far_sin).flatten(0, 1)  # (BG, m, D)
+        sink_v_bg = sink_v.flatten(0, 1)  # (BG, m, Dv)
+        for j in range(n):
+            t_j, lo = t0 + j * Q, j * Q  # first position of the step, its span's start in the buffers
+            n_sink = max(0, min(sinks, t_j - P))  # sinks far for the whole step (aggregated)
+            mask_key = (Q, min(t_j, P), t_j % L)
+            if mask_key not in masks:  # per query, repeated for the R heads of a group: rows (head, query)
+                bias = _span_bias(t_j, Q, W, dt, dev).repeat(R, 1)  # (M, S + F)
+                near_masks = [(slice(0, S), bias[:, :S])]
+                if t_j >= P and F < S - F:  # span columns F .. S-F-1 are near for every query: no mask
+                    near_masks = [(slice(0, F), bias[:, :F]), (slice(S - F, S), bias[:, S - F : S])]
+                masks[mask_key] = (near_masks, bias[:, S:], _aggregated_pairs(t_j, Q, W, L, dev).repeat(R, 1))
+            near_masks, far_bias, frozen = masks[mask_key]
+            o = _StepAttention.apply(
+                q_near[:, j],  # (BG, M, D)
+                q_far[:, j],
+                rk_bg[:, lo : lo + S],  # (BG, S, D)
+                kq_bg[:, lo : lo + F],  # (BG, F, D)
+                codebook_bg,  # (BG, C, D)
+                sink_k_bg[:, :n_sink],  # (BG, m, D)
+                v_bg[:, lo : lo + S],  # (BG, S, Dv)
+                v_bg[:, lo : lo + F],  # (BG, F, Dv)
+                counts,  # (BG, C)
+                sums,  # (BG, C, Dv)
+                sink_v_bg[:, :n_sink],  # (BG, m, Dv)
+                near_masks,
+                far_bias,
+                frozen,
+                workspace,
+            ).view(B, G, R, Q, Dv)
+            o = o.permute(0, 3, 1, 2, 4)  # (B, Q, G, R, Dv)
+            if keep_graph:
+                pieces.append(o.reshape(B, Q, H, Dv))
+            else:
+                out[:, t_j - start : t_j - start + Q].view(B, Q, G, R, Dv).copy_(o)
+
+            # The step's first Q span keys leave the span for good: fold them (detached) into the
+            # statistics. Padding before position 0 and sinks are never counted.
+            first = lo + max(0, sinks - (t_j - P), P - t_j)
+            z_out, v_out = z_bg[:, first : lo + Q], v_bg[:, first : lo + Q].detach()
+            counts.scatter_add_(1, z_out, ones[:, : z_out.shape[1]])
+            sums.scatter_add_(1, z_out[..., None].expand(-1, -1, Dv), v_out)
+
+        buf_rk, buf_kq, buf_v, buf_z = (x[:, :, n * Q :] for x in (all_rk, all_kq, all_v, all_z))
+        t0 += n * Q
+
+    out = torch.cat(pieces, dim=1).to(in_dtype) if keep_graph else out
+    if not return_state:
+        return out
+
+    # The new state keeps the pre-RoPE inputs of the last W - 1 positions (exact, in their dtype).
+    n_recent = min(start + T, P)
+
+    def recent(previous: Tensor, current: Tensor, dim: int) -> Tensor:
+        return _last(torch.cat((_last(previous, n_recent, dim), _last(current, n_recent, dim)), dim=dim), n_recent, dim)
+
+    new_state = VQState(
+        seen=start + T,
+        window=W,
+        sinks=sinks,
+        recent_k=recent(state.recent_k, k.detach().transpose(1, 2), dim=2),
+        recent_v=recent(state.recent_v, v.detach().transpose(1, 2), dim=2),
+        recent_codes=recent(state.recent_codes, codes.long().transpose(1, 2), dim=2),
+        recent_cos=recent(state.recent_cos, cos, dim=0),
+        recent_sin=recent(state.recent_sin, sin, dim=0),
+        sink_k=sink_k.to(k.dtype),
+        sink_v=sink_v.to(v.dtype),
+        counts=counts.view(B, G, C),
+        sums=sums.view(B, G, C, Dv),
+    )
+    return out, new_state
