@@ -50,7 +50,7 @@ class Teacher(_Section):
 
 
 class Data(_Section):
-    sources: list[str] = Field(["mix"], description="built-in corpora, text files/folders, *.jsonl, or hf:NAME[:SPLIT]")
+    sources: list[str] = Field(["mix"], description="built-in corpora, text files/folders, *.jsonl, or hf:ORG/NAME[/CONFIG][:SPLIT]")
     text_key: str = "text"  # the field holding the text in JSONL and hub datasets
     seq_len: int = Field(256, ge=2)
 

@@ -4,7 +4,8 @@ Sources (recipe `data.sources`):
   * a built-in training corpus (`mix`, `plays`, `poems`, `docs`);
   * a UTF-8 text file, or a folder of `.txt` files;
   * a `.jsonl` file, one JSON object per line, the text under `data.text_key`;
-  * `hf:ORG/NAME[:SPLIT]`, a Hugging Face Hub dataset (needs the optional `datasets` library).
+  * `hf:ORG/NAME[/CONFIG][:SPLIT]`, a Hugging Face Hub dataset (needs the optional `datasets` library),
+    e.g. hf:Salesforce/wikitext/wikitext-103-raw-v1:train.
 
 Everything is tokenized once at the start; documents are joined with the EOS token and cut into
 blocks of `seq_len` tokens. The order is an endless stream: sample k is block `perm_e[k mod N]` of
@@ -88,9 +89,11 @@ def _jsonl_texts(path: Path, key: str) -> list[str]:
 
 def _hub_texts(source: str, key: str) -> list[str]:
     datasets = _need_datasets(source)
-    name, _, split = source.removeprefix("hf:").partition(":")
+    path, _, split = source.removeprefix("hf:").partition(":")
+    parts = path.split("/")  # ORG/NAME[/CONFIG]
+    name, config = "/".join(parts[:2]), "/".join(parts[2:]) or None
     try:
-        ds = datasets.load_dataset(name, split=split or "train")
+        ds = datasets.load_dataset(name, config, split=split or "train")
     except Exception as exc:  # noqa: BLE001 - network, missing dataset, bad split: one line
         raise EffattnError(f"could not load the hub dataset {name!r} ({type(exc).__name__}: {str(exc)[:160]})",
                            "check the name, split and network, or export the text to a .jsonl file") from None
@@ -111,13 +114,18 @@ def source_texts(source: str, text_key: str = "text") -> list[str]:
     return [load_text(source)]
 
 
-def training_blocks(tokenizer, sources: list[str], seq_len: int, text_key: str = "text") -> torch.Tensor:
+def read_sources(sources: list[str], text_key: str = "text") -> dict[str, list[str]]:
+    """source -> its documents; read before any model is loaded, so bad data fails fast."""
+    return {source: source_texts(source, text_key) for source in sources}
+
+
+def training_blocks(tokenizer, texts: dict[str, list[str]], seq_len: int) -> torch.Tensor:
     """All training text as blocks: LongTensor [N, seq_len] (each source cut separately, then stacked)."""
     eos = tokenizer.eos_token_id
     blocks = []
-    for source in sources:
+    for source, documents in texts.items():
         ids: list[int] = []
-        docs = tokenizer(source_texts(source, text_key), add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        docs = tokenizer(documents, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         for doc in docs:
             ids.extend(doc)
             if eos is not None:

@@ -42,7 +42,7 @@ from ..io.load import as_ref, load_model
 from ..io.save import save_model
 from ..io.writer import write_json
 from .config import Optimizer, Recipe, Schedule, Student, Train
-from .data import BlockStream, check_disjoint, check_source, training_blocks
+from .data import BlockStream, check_disjoint, read_sources, training_blocks
 from .heldout import evaluate_student, held_out_sets, score_teacher
 from .losses import heal_loss
 from .params import conversion_modules, count_params, native, select_trainable
@@ -134,7 +134,8 @@ def prepare_student(student: Student, run: RunFolder, accelerator, say, command:
         done = (run.student_request.exists() and json.loads(run.student_request.read_text()) == request
                 and (run.student / "effattn.json").exists())
         if not done:
-            say(f"converting {student.model} (to={student.convert.to}, {student.convert.options()}) ...")
+            options = "".join(f", {k}={v}" for k, v in student.convert.options().items())
+            say(f"converting {student.model} (to={student.convert.to}{options}) ...")
             convert(student.model, run.student, to=student.convert.to, options=student.convert.options(),
                     force=True, measure=False, command=command)
             write_json(run.student_request, request)
@@ -164,9 +165,8 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     """
     if recipe.output is None:
         raise EffattnError("the recipe has no output folder", "pass -o OUT, or set output: in the recipe")
-    for source in recipe.data.sources:
-        check_source(source)
     check_disjoint(recipe.data.sources, recipe.eval.corpora)
+    texts = read_sources(recipe.data.sources, recipe.data.text_key)
 
     from accelerate.utils import set_seed
 
@@ -207,8 +207,8 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
 
     # -- data -------------------------------------------------------------------------------------
     say(f"tokenizing {', '.join(recipe.data.sources)} ...")
-    stream = BlockStream(training_blocks(tokenizer, recipe.data.sources, recipe.data.seq_len, recipe.data.text_key),
-                         recipe.train.seed)
+    stream = BlockStream(training_blocks(tokenizer, texts, recipe.data.seq_len), recipe.train.seed)
+    del texts
     held_out = held_out_sets(tokenizer, recipe.eval) if main else []
     if main and teacher is not None:
         score_teacher(teacher, held_out, recipe.eval.batch_size, accelerator.autocast)
