@@ -222,10 +222,9 @@ def finetune(
 ):
     """Heal (fine-tune) a converted model with a recipe; resumes from OUT's checkpoints by itself.
 
-    Several processes: `torchrun --nproc_per_node N -m effattn.cli finetune RECIPE ...` or `accelerate launch`.
+    Several processes: `torchrun --nproc_per_node N -m effattn.cli finetune RECIPE ...` (CPUs or GPUs), or
+    `accelerate launch --multi_gpu --num_processes N -m effattn.cli finetune RECIPE ...` on GPUs.
     """
-    from rich.progress import TextColumn as Text
-
     from .finetune import finetune as run_finetune
     from .finetune import load_recipe, plan_finetune
 
@@ -238,23 +237,19 @@ def finetune(
         out.print(_kv_table(_plan_rows(plan), title="effattn finetune --dry-run"))
         return
     command = "effattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    progress = Progress(Text("{task.description}"), BarColumn(), MofNCompleteColumn(), Text("loss {task.fields[loss]:.4f}"),
-                        Text("{task.fields[tok_s]:,.0f} tok/s"), TimeElapsedColumn(), Text("ETA"), TimeRemainingColumn(),
-                        console=err, disable=as_json)
-    with progress:
+    with _training_progress(enabled=not as_json) as progress:
         result = run_finetune(resolved, resume=resume, force=force, progress=progress, command=command,
                               log=lambda line: err.print(line, highlight=False))
     if result.out is None:  # not the main process
         return
+    teacher = result.record["finetune"]["teacher_eval"]
     if as_json:
         return _print_json({"output": result.out, "steps": result.steps, "tokens": result.tokens,
                             "seconds": result.seconds, "final_loss": result.final_loss, "resumed_from": result.resumed_from,
-                            "start_eval": result.start_eval, "final_eval": result.final_eval,
-                            "teacher_eval": result.record["finetune"]["teacher_eval"]})
+                            "start_eval": result.start_eval, "final_eval": result.final_eval, "teacher_eval": teacher})
     table = Table(title=f"effattn finetune · {result.out}", title_justify="left")
     for col in ("held-out", "teacher", "before", "after"):
         table.add_column(col, justify="left" if col == "held-out" else "right")
-    teacher = result.record["finetune"]["teacher_eval"]
     for corpus, after in result.final_eval.items():
         before = result.start_eval[corpus]
         table.add_row(f"perplexity · {corpus}", f"{teacher[corpus]:,.2f}" if corpus in teacher else "—",
@@ -265,6 +260,13 @@ def finetune(
     out.print(f"{result.steps} steps, {result.tokens:,} tokens, {result.seconds / 60:.1f} min of training; "
               f"final loss {result.final_loss:.4f}")
     out.print(f"[green]wrote[/] {result.out}")
+
+
+def _training_progress(enabled: bool) -> Progress:
+    """step, loss, tokens/s, elapsed and ETA (the fine-tune fills in the `loss` and `tok_s` fields)."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tok_s]:,.0f} tok/s"),
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=not enabled)
 
 
 def _plan_rows(plan) -> list[tuple[str, str]]:

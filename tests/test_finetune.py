@@ -376,3 +376,10 @@ def test_torchrun_two_processes_end_with_the_same_model(heal, tmp_path):
     assert json.loads((out / "effattn.json").read_text())["finetune"]["processes"] == 2
     single = finetune(heal(*recipe, "train.batch_size=4", output="single"))
     assert_same_weights(load_file(out / "model.safetensors"), load_file(single.out / "model.safetensors"), atol=1e-5)
+
+
+def test_output_cannot_overwrite_the_student(heal):
+    student = converted_student(heal)
+    with pytest.raises(EffattnError, match="is also student.model"):
+        finetune(heal(f"student.model={student}", "student.convert=null", output="mqa"), force=True)
+    assert (student / "model.safetensors").exists()

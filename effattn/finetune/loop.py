@@ -60,11 +60,11 @@ class FinetuneResult:
     steps: int
     tokens: int
     seconds: float  # training time, summed over resumed sessions
-    final_loss: float
-    start_eval: dict[str, dict[str, float]] | None
+    final_loss: float  # mean training loss of the last 10 steps (main process; nan elsewhere)
+    start_eval: dict[str, dict[str, float]] | None  # held-out metrics before / after (main process)
     final_eval: dict[str, dict[str, float]] | None
-    resumed_from: int | None
-    record: dict[str, Any] | None
+    resumed_from: int | None  # the checkpoint step this session started from
+    record: dict[str, Any] | None  # the written effattn.json (main process)
 
 
 def tokens_per_step(recipe: Recipe, processes: int) -> int:
@@ -153,6 +153,31 @@ def sync_conversion_buffers(modules: list[torch.nn.Module], accelerator) -> None
                 buf.copy_(accelerator.reduce(buf, "mean"))
 
 
+def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.Tensor],
+                   recipe: Recipe) -> tuple[dict[str, torch.Tensor], float | None]:
+    """One optimizer step over micro-batches [B, T] of this process: forward, loss, backward,
+    (gradients all-reduced on the last one), clip, update. Returns the loss terms averaged over the
+    micro-batches, and the gradient norm before clipping."""
+    sums: dict[str, torch.Tensor] = {}
+    grad_norm = None
+    for ids in batches:
+        ids = ids.to(accelerator.device)
+        with accelerator.accumulate(model):  # no all-reduce until the last micro-batch; loss / grad_accum
+            with accelerator.autocast():
+                logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+                with torch.no_grad():
+                    teacher_logits = None if teacher is None else teacher(input_ids=ids, use_cache=False).logits
+                terms = heal_loss(recipe.loss, logits, teacher_logits, ids, model)
+            accelerator.backward(terms["loss"])
+            if accelerator.sync_gradients and recipe.train.max_grad_norm:
+                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), recipe.train.max_grad_norm))
+            optimizer.step()  # a no-op until the last micro-batch
+            optimizer.zero_grad(set_to_none=True)
+        for k, v in terms.items():
+            sums[k] = sums.get(k, 0.0) + v.detach().float() / len(batches)
+    return sums, grad_norm
+
+
 def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progress=None,
              log: Callable[[str], None] | None = None, command: str | None = None) -> FinetuneResult:
     """Run `recipe` and write the fine-tuned model to `recipe.output`; resumes from its checkpoints.
@@ -174,6 +199,9 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     main, world, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
     say = log if (log and main) else (lambda _: None)
     run = RunFolder(recipe.output)
+    for role, spec in (("student.model", recipe.student.model), ("teacher.model", recipe.teacher.model)):
+        if spec and Path(spec).expanduser().absolute() == run.out:
+            raise EffattnError(f"the output folder {run.out} is also {role}", "write the healed model to another -o")
     recipe_dict = recipe.to_dict()
     start = decide_start(run, recipe_dict, resume=resume, force=force)
     accelerator.wait_for_everyone()
@@ -227,7 +255,14 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
         model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by us once per optimizer step
 
+    def evaluate_now() -> dict[str, dict[str, float]]:  # main process only
+        result = evaluate_student(accelerator.unwrap_model(model), held_out, recipe.eval.batch_size,
+                                  accelerator.autocast)
+        say(_eval_line(step, result))
+        return result
+
     metrics = MetricsLog(run.metrics)
+    step = 0
     if start.checkpoint is not None:
         accelerator.load_state(str(start.checkpoint))
         state = read_state(start.checkpoint)
@@ -236,15 +271,13 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
         if main:
             metrics.keep_until(step)
     else:
-        step = samples = tokens = 0
+        samples = tokens = 0
         seconds = 0.0
         start_eval = None
         if main:
             metrics.path.write_text("")
-            start_eval = evaluate_student(accelerator.unwrap_model(model), held_out, recipe.eval.batch_size,
-                                          accelerator.autocast)
+            start_eval = evaluate_now()
             metrics.append({"kind": "eval", "step": 0, "eval": start_eval})
-            say(_eval_line(0, start_eval))
         accelerator.wait_for_everyone()
     resumed_from = step if start.checkpoint is not None else None
     say(f"training {trainable:,} of {total:,} parameters for {steps} steps of "
@@ -255,55 +288,38 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
                 "recipe": recipe_dict, "start_eval": start_eval}
 
     # -- the loop ---------------------------------------------------------------------------------
-    B, T, accum = recipe.train.batch_size, recipe.data.seq_len, recipe.train.grad_accum
+    B, accum = recipe.train.batch_size, recipe.train.grad_accum
+    step_tokens = tokens_per_step(recipe, world)
     use_teacher = teacher is not None and recipe.loss.kl > 0
     task = progress.add_task("healing", total=steps, completed=step, loss=float("nan"), tok_s=0.0) if (progress and main) else None
     last_saved = step if start.checkpoint is not None else None
     session_t0, session_tokens = time.perf_counter(), 0
     while step < steps:
         t0 = time.perf_counter()
-        sums: dict[str, torch.Tensor] = {}
-        grad_norm = None
-        for micro in range(accum):
-            ids = stream.take(samples + (micro * world + rank) * B, B).to(accelerator.device)  # (B, T)
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
-                    with torch.no_grad():
-                        teacher_logits = teacher(input_ids=ids, use_cache=False).logits if use_teacher else None
-                    terms = heal_loss(recipe.loss, logits, teacher_logits, ids, model)
-                accelerator.backward(terms["loss"])
-                if accelerator.sync_gradients and recipe.train.max_grad_norm:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), recipe.train.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            for k, v in terms.items():
-                sums[k] = sums.get(k, 0.0) + v.detach().float() / accum
+        batches = [stream.take(samples + (micro * world + rank) * B, B) for micro in range(accum)]  # accum x (B, T)
+        sums, grad_norm = optimizer_step(accelerator, model, teacher if use_teacher else None, optimizer, batches,
+                                         recipe)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         sync_conversion_buffers(conv_modules, accelerator)
         step += 1
         samples += accum * world * B
-        tokens += accum * world * B * T
+        tokens += step_tokens
         keys = sorted(sums)
         values = accelerator.reduce(torch.stack([sums[k] for k in keys]), "mean").tolist()
         dt = time.perf_counter() - t0
         seconds += dt
-        session_tokens += accum * world * B * T
+        session_tokens += step_tokens
         if main:
-            record = {"kind": "train", "step": step, **dict(zip(keys, values)), "lr": lr,
-                      "grad_norm": None if grad_norm is None else float(grad_norm), "tokens": tokens,
-                      "tokens_per_s": accum * world * B * T / dt}
+            record = {"kind": "train", "step": step, **dict(zip(keys, values)), "lr": lr, "grad_norm": grad_norm,
+                      "tokens": tokens, "tokens_per_s": step_tokens / dt}
             metrics.append(record)
             if task is not None:
                 progress.update(task, completed=step, loss=record["loss"],
                                 tok_s=session_tokens / (time.perf_counter() - session_t0))
         if recipe.eval.every and step % recipe.eval.every == 0 and step < steps:
             if main:
-                result = evaluate_student(accelerator.unwrap_model(model), held_out, recipe.eval.batch_size,
-                                          accelerator.autocast)
-                metrics.append({"kind": "eval", "step": step, "eval": result})
-                say(_eval_line(step, result))
+                metrics.append({"kind": "eval", "step": step, "eval": evaluate_now()})
             accelerator.wait_for_everyone()
         if recipe.checkpoint.every and step % recipe.checkpoint.every == 0 and step < steps:
             save_checkpoint(accelerator, run, state_now(), recipe.checkpoint.keep)
@@ -312,21 +328,36 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     # -- the end: evaluate, checkpoint, write the model -------------------------------------------
     final_eval = None
     if main:
-        final_eval = evaluate_student(accelerator.unwrap_model(model), held_out, recipe.eval.batch_size,
-                                      accelerator.autocast)
+        final_eval = evaluate_now()
         if not any(r.get("kind") == "eval" and r["step"] == steps for r in metrics.records()):
             metrics.append({"kind": "eval", "step": steps, "eval": final_eval})
-        say(_eval_line(steps, final_eval))
     if last_saved != steps:  # a kill while writing the model below resumes here, with nothing left to train
         save_checkpoint(accelerator, run, state_now(), recipe.checkpoint.keep)
     final = native(accelerator.unwrap_model(model))
     out = record = None
-    losses = [r["loss"] for r in metrics.records() if r.get("kind") == "train"][-10:] if main else []
-    final_loss = sum(losses) / len(losses) if losses else float("nan")
+    final_loss = float("nan")
     if main:
+        train_records = [r for r in metrics.records() if r.get("kind") == "train"]
+        final_loss = sum(r["loss"] for r in train_records[-10:]) / len(train_records[-10:])
         plot_curves(metrics.records(), run.curves, teacher_eval, title=f"effattn finetune · {run.out.name}")
-        record = _record(student_record, recipe, student_path, teacher_spec, command, trainable, total, steps, tokens,
-                         world, seconds, final_loss, start_eval, final_eval, teacher_eval)
+        record = extend_record(student_record, recipe.student.model, {
+            "command": command,
+            "recipe": recipe_dict,
+            "student": recipe.student.model,
+            "teacher": teacher_spec,
+            "params": recipe.train.params,
+            "trainable_params": trainable,
+            "total_params": total,
+            "steps": steps,
+            "tokens": tokens,
+            "processes": world,
+            "seconds": round(seconds, 1),
+            "final_loss": final_loss,  # mean training loss of the last 10 steps
+            "final_terms": {k: train_records[-1][k] for k in ("kl", "ce", "aux") if k in train_records[-1]},
+            "start_eval": start_eval,
+            "final_eval": final_eval,
+            "teacher_eval": teacher_eval,
+        })
         out = save_model(final, tokenizer, run.out, record, card=finetune_card(run.out.name, record), dtype=save_dtype,
                          force=True, side_files=Checkpoint(student_path).side_files(),
                          extra_files={"recipe.yaml": run.recipe, "metrics.jsonl": run.metrics, "curves.png": run.curves})
@@ -340,29 +371,11 @@ def _eval_line(step: int, result: dict[str, dict[str, float]]) -> str:
     return f"eval @ step {step}: " + "; ".join(parts)
 
 
-def _record(student_record, recipe: Recipe, student_path: Path, teacher_spec, command, trainable, total, steps,
-            tokens, world, seconds, final_loss, start_eval, final_eval, teacher_eval) -> dict[str, Any]:
-    """The student's effattn.json extended with a `finetune` section (an earlier one kept as `previous`)."""
-    record = dict(student_record or {"source": {"model": recipe.student.model, "path": str(student_path)}})
+def extend_record(student_record: dict[str, Any] | None, student: str, finetune: dict[str, Any]) -> dict[str, Any]:
+    """The student's effattn.json with a `finetune` section added (an earlier one kept as its `previous`)."""
+    record = dict(student_record or {"source": {"model": student}})
     previous = record.pop("finetune", None)
     record["effattn_version"] = __version__
     record["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    record["finetune"] = {
-        "command": command,
-        "recipe": recipe.to_dict(),
-        "student": recipe.student.model,
-        "teacher": teacher_spec,
-        "params": recipe.train.params,
-        "trainable_params": trainable,
-        "total_params": total,
-        "steps": steps,
-        "tokens": tokens,
-        "processes": world,
-        "seconds": round(seconds, 1),
-        "final_loss": final_loss,  # mean training loss of the last 10 steps
-        "start_eval": start_eval,
-        "final_eval": final_eval,
-        "teacher_eval": teacher_eval,
-        **({"previous": previous} if previous else {}),
-    }
+    record["finetune"] = finetune | ({"previous": previous} if previous else {})
     return record

@@ -27,9 +27,10 @@ def plot_curves(records: list[dict[str, Any]], path: Path, teacher: dict[str, fl
     corpora = sorted({c for r in evals for c in r["eval"]})
     for i, corpus in enumerate(corpora):
         points = [(r["step"], r["eval"][corpus]["perplexity"]) for r in evals if corpus in r["eval"]]
-        line, = ax_ppl.plot(*zip(*points), marker="o", ms=3, label=corpus, color=f"C{i}")
+        label = Path(corpus).name  # a file corpus by its name, not its whole path
+        line, = ax_ppl.plot(*zip(*points), marker="o", ms=3, label=label, color=f"C{i}")
         if teacher and corpus in teacher:
-            ax_ppl.axhline(teacher[corpus], ls="--", lw=1, color=line.get_color(), label=f"{corpus} (teacher)")
+            ax_ppl.axhline(teacher[corpus], ls="--", lw=1, color=line.get_color(), label=f"{label} (teacher)")
     ax_ppl.set(xlabel="step", ylabel="perplexity", yscale="log", title="held-out perplexity")
     ax_ppl.grid(alpha=0.3, which="both")
     if corpora:
@@ -77,7 +78,7 @@ def finetune_card(name: str, record: dict[str, Any]) -> str:
         f"- trained: {ft['params']} ({ft['trainable_params']:,} of {ft['total_params']:,} parameters)",
         f"- {ft['steps']} steps, {ft['tokens']:,} tokens on {', '.join(ft['recipe']['data']['sources'])}, "
         f"{ft['processes']} process(es), {ft['seconds'] / 60:.1f} min",
-        f"- loss: {_loss_terms(ft['recipe']['loss'])}; final training loss {ft['final_loss']:.4f}",
+        f"- loss: {_loss_terms(ft['recipe']['loss'], ft['final_terms'])}; final training loss {ft['final_loss']:.4f}",
         "",
         "## Measured",
         "",
@@ -105,13 +106,14 @@ def finetune_card(name: str, record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _loss_terms(loss: dict[str, Any]) -> str:
+def _loss_terms(loss: dict[str, Any], present: list[str]) -> str:
     terms = []
     if loss["kl"]:
         terms.append(f"{loss['kl']} x KL(teacher‖student) at T={loss['temperature']}")
     if loss["ce"]:
         terms.append(f"{loss['ce']} x cross-entropy")
-    terms.append(f"{loss['aux_weight']} x conversion terms")
+    if "aux" in present:
+        terms.append(f"{loss['aux_weight']} x the conversion's own terms")
     return " + ".join(terms)
 
 
