@@ -217,8 +217,9 @@ def stop_after_checkpoint(monkeypatch, at_step: int):
     monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)
 
 
-def test_stopped_run_resumes_to_exactly_the_uninterrupted_result(heal, monkeypatch):
-    recipe = ["train.grad_accum=2", "loss.ce=0.5"]
+@pytest.mark.parametrize("params", ["all", "lora"])
+def test_stopped_run_resumes_to_exactly_the_uninterrupted_result(heal, monkeypatch, params):
+    recipe = ["train.grad_accum=2", "loss.ce=0.5", f"train.params={params}", "train.lora.dropout=0.1"]
     reference = finetune(heal(*recipe, output="reference"))
     stop_after_checkpoint(monkeypatch, at_step=8)
     with pytest.raises(Stop):

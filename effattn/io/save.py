@@ -59,7 +59,17 @@ def save_model(
         if card is not None:
             (tmp / "README.md").write_text(card)
         write_json(tmp / "effattn.json", record)
+        _usual_permissions(tmp)
     return out.absolute()
+
+
+def _usual_permissions(folder: Path) -> None:
+    """Some writers create private (0600) files; an output folder gets the user's usual file mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
