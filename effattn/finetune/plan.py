@@ -29,8 +29,9 @@ from .data import check_disjoint, check_source
 from .loop import TEACHER_DTYPE, resolve_teacher, tokens_per_step, total_steps
 from .params import count_params, select_trainable
 
-# Measured step time / (FLOPs / matmul FLOP/s) on SmolLM2-135M, 4x256-token batches, 2 CPU cores.
-EFFICIENCY = 0.5
+# Achieved / measured-matmul FLOP/s of heal-gqa steps on SmolLM2-135M (4x256 tokens, 2 shared CPU
+# cores, load average ~6): 23 / 65 GFLOP/s. An idle machine does better, so times are upper-ish bounds.
+EFFICIENCY = 0.35
 RUNTIME_BYTES = 2**29  # Python, torch, tokenizer, tokenized text: ~0.5 GiB measured
 LOGIT_COPIES = 6  # student logits, their log-softmax and gradient, teacher logits and log-softmax, the KL terms
 
