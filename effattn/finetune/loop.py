@@ -16,7 +16,8 @@ module supplies the data order, the loss and the bookkeeping:
     the EMA of the statistics averaged over processes, and it keeps every process identical. Such a
     module should keep its EMA state (e.g. cluster sizes and sums, van den Oord et al. 2017,
     App. A.1) in buffers and derive the codebook from them;
-  * only the main process evaluates, logs and writes; checkpoints hold every process's RNG state.
+  * only the main process evaluates, logs and writes; checkpoints hold every process's RNG state
+    (on several nodes, OUT must be on a filesystem every node sees).
 """
 
 from __future__ import annotations
