@@ -131,7 +131,7 @@ def test_every_builtin_recipe_validates(capsys, name):
 def test_recipes_ls_and_cp(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "recipes", "ls", "--json")
     names = {r["name"]: r["description"] for r in json.loads(out)}
-    assert code == 0 and "heal-gqa" in names and "CPU" in names["heal-gqa"]
+    assert code == 0 and "heal-gqa" in names and "CPU" in names["heal-gqa"] and "GPU" in names["heal-gqa-gpu"]
     code, out, _ = run_cli(capsys, "recipes", "cp", "heal-gqa", tmp_path / "mine.yaml")
     assert code == 0 and (tmp_path / "mine.yaml").read_text() == builtin_recipes()["heal-gqa"].read_text()
     code, _, err = run_cli(capsys, "recipes", "cp", "heal-gqa", tmp_path / "mine.yaml")
