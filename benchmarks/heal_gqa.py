@@ -37,10 +37,11 @@ def main() -> None:
     parser.add_argument("--method", default=None, help="GQA method for the conversion (default: the conversion's default)")
     parser.add_argument("--recipe", default="heal-gqa")
     parser.add_argument("-o", "--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--tag", default="", help="suffix for the result files of a variant (e.g. attn-lr1e-3)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=50")
     args = parser.parse_args()
-    name = args.method or "default"
-    converted = args.out / f"llama-mqa-{name}"
+    name = (args.method or "default") + (f"-{args.tag}" if args.tag else "")
+    converted = args.out / f"llama-mqa-{args.method or 'default'}"
     healed = args.out / f"llama-mqa-{name}-healed"
     if not (converted / "effattn.json").exists():
         options = {"method": args.method} if args.method else {}
@@ -69,7 +70,7 @@ def main() -> None:
             "agreement_converted": before.agreement[corpus], "agreement_healed": after.agreement[corpus],
             "kl_converted": before.kl[corpus], "kl_healed": after.kl[corpus],
         }
-    report = {"method": name, "recipe": args.recipe, "overrides": args.overrides, **run, "cpus": os.cpu_count(),
+    report = {"method": args.method or "default", "tag": args.tag, "recipe": args.recipe, "overrides": args.overrides, **run, "cpus": os.cpu_count(),
               "eval": {"tokens_per_corpus": 8192, "context": 512}, "results": rows}
     (args.out / f"results-{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     plot = Path(__file__).parent / "results" / f"heal-gqa-{name}.png"
@@ -78,7 +79,8 @@ def main() -> None:
 
     print(f"\n{run['steps']} steps, {run['tokens']:,} tokens, fine-tune wall time {run['wall_seconds'] / 60:.1f} min "
           f"(load average at the end {run['load_average'][1]:.1f} on {os.cpu_count()} CPUs)\n")
-    print("| held-out | original | MQA (" + name + ") | healed | gap recovered | top-1 agreement before → after |")
+    print(f"| held-out | original | MQA ({args.method or 'default'}) | healed | gap recovered "
+          "| top-1 agreement before → after |")
     print("|---|---|---|---|---|---|")
     for corpus, r in rows.items():
         print(f"| {corpus} | {r['original']:.2f} | {r['converted']:,.2f} | {r['healed']:.2f} | "
