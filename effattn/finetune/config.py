@@ -13,8 +13,7 @@ they get exactly the same checks and type coercion as the file.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import copy
 import re
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -163,12 +162,6 @@ class Recipe(_Section):
 NOT_TRAINING = ("description", "output", "checkpoint", "eval")
 
 
-def training_fingerprint(recipe: dict[str, Any]) -> str:
-    """A hash of everything in a recipe dict that decides the trained weights."""
-    keep = {k: v for k, v in recipe.items() if k not in NOT_TRAINING}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def recipe_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
     """'key.path: old -> new' for every training-relevant leaf that differs."""
     diffs = []
@@ -205,7 +198,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """A copy of `data` with `a.b.c=VALUE` overrides applied; VALUE is parsed as YAML (50, 1e-4, [a, b], null)."""
-    data = json.loads(json.dumps(data))  # deep copy of plain YAML data
+    data = copy.deepcopy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*", key):
