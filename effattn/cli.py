@@ -162,6 +162,134 @@ def eval_(
     out.print(eval_table(report))
 
 
+recipes_app = typer.Typer(no_args_is_help=True, help="Built-in fine-tuning recipes: list, copy, validate.")
+app.add_typer(recipes_app, name="recipes")
+RecipeArg = typer.Argument(..., help="recipe YAML file or built-in recipe name (`effattn recipes ls`)")
+OverridesArg = typer.Argument(None, help="KEY=VALUE overrides with dotted keys, e.g. train.max_steps=50")
+
+
+@recipes_app.command("ls")
+def recipes_ls(as_json: bool = JsonOpt):
+    """List the built-in recipes."""
+    from .finetune.config import read_yaml
+    from .finetune.recipes import builtin_recipes
+
+    rows = [{"name": name, "description": read_yaml(path).get("description", ""), "path": str(path)}
+            for name, path in builtin_recipes().items()]
+    if as_json:
+        return _print_json(rows)
+    table = Table(title="built-in recipes (`effattn recipes cp NAME FILE` to edit one)", title_justify="left")
+    table.add_column("name", style="bold")
+    table.add_column("description")
+    for row in rows:
+        table.add_row(row["name"], row["description"])
+    out.print(table)
+
+
+@recipes_app.command("cp")
+def recipes_cp(
+    name: str = typer.Argument(..., help="built-in recipe name"),
+    file: Path = typer.Argument(..., help="destination file (or folder)"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing file"),
+):
+    """Copy built-in recipe NAME to FILE, to edit it."""
+    from .finetune.recipes import copy_recipe
+
+    out.print(f"[green]wrote[/] {copy_recipe(name, file, force=force)}")
+
+
+@recipes_app.command("validate")
+def recipes_validate(recipe: str = RecipeArg, overrides: Optional[list[str]] = OverridesArg, as_json: bool = JsonOpt):
+    """Check a recipe (with overrides) against the schema and print it with every default filled in."""
+    from .finetune.config import load_recipe
+
+    resolved = load_recipe(recipe, overrides)
+    if as_json:
+        return _print_json(resolved.to_dict())
+    out.print(resolved.to_yaml(), highlight=False, markup=False)
+    out.print(f"[green]valid:[/] {recipe}")
+
+
+@app.command()
+def finetune(
+    recipe: str = RecipeArg,
+    overrides: Optional[list[str]] = OverridesArg,
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="output folder (overrides `output:` in the recipe)"),
+    resume: bool = typer.Option(False, "--resume", help="continue from OUT's last checkpoint, even with a changed recipe"),
+    force: bool = typer.Option(False, "--force", help="start over, replacing OUT"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="show the resolved run, sizes and estimates; train nothing"),
+    as_json: bool = JsonOpt,
+):
+    """Heal (fine-tune) a converted model with a recipe; resumes from OUT's checkpoints by itself.
+
+    Several processes: `torchrun --nproc_per_node N -m effattn.cli finetune RECIPE ...` (CPUs or GPUs), or
+    `accelerate launch --multi_gpu --num_processes N -m effattn.cli finetune RECIPE ...` on GPUs.
+    """
+    from .finetune import finetune as run_finetune
+    from .finetune import load_recipe, plan_finetune
+
+    resolved = load_recipe(recipe, overrides, output=output)
+    if dry_run:
+        plan = plan_finetune(resolved)
+        if as_json:
+            return _print_json(plan)
+        out.print(resolved.to_yaml(), highlight=False, markup=False)
+        out.print(_kv_table(_plan_rows(plan), title="effattn finetune --dry-run"))
+        return
+    command = "effattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    with _training_progress(enabled=not as_json) as progress:
+        result = run_finetune(resolved, resume=resume, force=force, progress=progress, command=command,
+                              log=lambda line: err.print(line, highlight=False))
+    if result.out is None:  # not the main process
+        return
+    teacher = result.record["finetune"]["teacher_eval"]
+    if as_json:
+        return _print_json({"output": result.out, "steps": result.steps, "tokens": result.tokens,
+                            "seconds": result.seconds, "final_loss": result.final_loss, "resumed_from": result.resumed_from,
+                            "start_eval": result.start_eval, "final_eval": result.final_eval, "teacher_eval": teacher})
+    table = Table(title=f"effattn finetune · {result.out}", title_justify="left")
+    for col in ("held-out", "teacher", "before", "after"):
+        table.add_column(col, justify="left" if col == "held-out" else "right")
+    for corpus, after in result.final_eval.items():
+        before = result.start_eval[corpus]
+        table.add_row(f"perplexity · {corpus}", f"{teacher[corpus]:,.2f}" if corpus in teacher else "—",
+                      f"{before['perplexity']:,.2f}", f"{after['perplexity']:,.2f}")
+        if "agreement" in after:
+            table.add_row(f"agreement · {corpus}", "100%", f"{before['agreement']:.1%}", f"{after['agreement']:.1%}")
+    out.print(table)
+    out.print(f"{result.steps} steps, {result.tokens:,} tokens, {result.seconds / 60:.1f} min of training; "
+              f"final loss {result.final_loss:.4f}")
+    out.print(f"[green]wrote[/] {result.out}")
+
+
+def _training_progress(enabled: bool) -> Progress:
+    """step, loss, tokens/s, elapsed and ETA (the fine-tune fills in the `loss` and `tok_s` fields)."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tok_s]:,.0f} tok/s"),
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=not enabled)
+
+
+def _plan_rows(plan) -> list[tuple[str, str]]:
+    student, teacher, mem, est = plan["student"], plan["teacher"], plan["memory_bytes_per_process"], plan["est_seconds"]
+    rows = [("student", student["model"])]
+    rows += [(f"  {k}", v) for k, v in (student["conversion"] or {}).items()]
+    rows += [
+        ("trains", f"{student['trains']}: {student['trainable']:,} of {student['params']:,} parameters "
+                   f"({student['trainable'] / student['params']:.1%})"),
+        ("teacher", f"{teacher['model']} ({teacher['params']:,} parameters)" if teacher["model"] else "none"),
+        ("processes", plan["processes"]),
+        ("steps", f"{plan['steps']:,}"),
+        ("tokens per step", f"{plan['tokens_per_step']:,}"),
+        ("tokens", f"{plan['tokens']:,}"),
+        ("estimated memory / process", f"~{mem['total'] / 2**30:,.1f} GiB ("
+         + ", ".join(f"{k.replace('_', ' ')} {v / 2**30:,.2f}" for k, v in mem.items() if k != "total") + ")"),
+        ("estimated time", f"~{est['training'] / 60:,.1f} min training + ~{est['evaluation'] / 60:,.1f} min evaluation "
+                           f"({plan['est_basis']})"),
+        ("written", "nothing (dry run)"),
+    ]
+    return rows
+
+
 @contextmanager
 def _null():
     yield

@@ -1,0 +1,287 @@
+"""Fine-tuning recipes: typed, frozen, validated YAML.
+
+A recipe is a YAML file whose sections map onto the models below (`extra="forbid"` everywhere but
+in `student.convert`, whose options pass through to `effattn.convert.convert`). Problems are
+reported as one EffattnError naming each bad key by its dotted path, with the value and the fix:
+
+    train.max_step: unknown key (did you mean 'max_steps'?)
+    train.max_steps = 'many': Input should be a valid integer
+
+Command-line overrides (`train.max_steps=50`) are applied to the raw mapping before validation, so
+they get exactly the same checks and type coercion as the file.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..errors import EffattnError, did_you_mean
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ConvertStep(BaseModel):
+    """Run a conversion first; every key but `to` is passed to the conversion as an option
+    (`kv_heads`, `method`, `calib`, `calib_tokens`, ...), which validates it."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    to: str
+
+    def options(self) -> dict[str, Any]:
+        return {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+
+
+class Student(_Section):
+    model: str = Field(description="a converted folder, or the model to convert when `convert` is set")
+    convert: ConvertStep | None = None
+
+
+class Teacher(_Section):
+    model: str | None = Field(None, description="default: the model the student was converted from (effattn.json)")
+
+
+class Data(_Section):
+    sources: list[str] = Field(["mix"], description="built-in corpora, text files/folders, *.jsonl, or hf:ORG/NAME[/CONFIG][:SPLIT]")
+    text_key: str = "text"  # the field holding the text in JSONL and hub datasets
+    seq_len: int = Field(256, ge=2)
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _one_or_many(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("sources")
+    @classmethod
+    def _not_empty(cls, v):
+        if not v:
+            raise ValueError("list at least one training source")
+        return v
+
+
+class Lora(_Section):
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class Train(_Section):
+    batch_size: int = Field(4, ge=1, description="sequences per process per micro-batch")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps (or set max_tokens)")
+    max_tokens: int | None = Field(None, ge=1, description="training tokens, rounded up to whole steps")
+    params: Literal["all", "attention", "lora"] = "all"
+    lora: Lora = Lora()
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = 0
+    max_grad_norm: float | None = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _steps_or_tokens(self):
+        if (self.max_steps is None) == (self.max_tokens is None):
+            raise ValueError("set exactly one of train.max_steps and train.max_tokens")
+        return self
+
+
+class Optimizer(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)  # adamw
+    eps: float = Field(1e-8, gt=0)  # adamw
+    momentum: float = Field(0.9, ge=0)  # sgd
+
+
+class Schedule(_Section):
+    name: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for cosine and linear")
+
+
+class Loss(_Section):
+    kl: float = Field(1.0, ge=0, description="weight of KL(teacher || student) on the logits")
+    temperature: float = Field(1.0, gt=0)
+    ce: float = Field(0.0, ge=0, description="weight of next-token cross-entropy")
+    aux_weight: float = Field(1.0, ge=0, description="weight of conversion-specific terms (effattn_aux_loss)")
+
+    @model_validator(mode="after")
+    def _something_to_learn(self):
+        if self.kl == 0 and self.ce == 0:
+            raise ValueError("loss.kl and loss.ce are both 0; give at least one a positive weight")
+        return self
+
+
+class Eval(_Section):
+    every: int = Field(0, ge=0, description="evaluate every N steps (0: only before and after training)")
+    corpora: list[str] = ["shakespeare", "britannica"]
+    tokens: int = Field(4096, ge=2, description="tokens per corpus")
+    seq_len: int = Field(512, ge=2)
+    batch_size: int = Field(2, ge=1)
+
+    @field_validator("corpora", mode="before")
+    @classmethod
+    def _one_or_many(cls, v):
+        return [v] if isinstance(v, str) else v
+
+
+class Checkpoint(_Section):
+    every: int = Field(0, ge=0, description="save a resumable checkpoint every N steps (0: only at the end)")
+    keep: int = Field(2, ge=1, description="checkpoints kept; older ones are deleted")
+
+
+class Recipe(_Section):
+    description: str = ""
+    student: Student
+    teacher: Teacher = Teacher()
+    data: Data = Data()
+    train: Train
+    optimizer: Optimizer = Optimizer()
+    schedule: Schedule = Schedule()
+    loss: Loss = Loss()
+    eval: Eval = Eval()
+    checkpoint: Checkpoint = Checkpoint()
+    output: str | None = Field(None, description="output folder (-o overrides)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
+
+
+# Sections that change what the run writes or when, not the weights it trains: a checkpoint can be
+# resumed with different values here.
+NOT_TRAINING = ("description", "output", "checkpoint", "eval")
+
+
+def recipe_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """'key.path: old -> new' for every training-relevant leaf that differs."""
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        if not prefix and key in NOT_TRAINING:
+            continue
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += recipe_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return diffs
+
+
+# -- reading and overriding ----------------------------------------------------------------------
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise EffattnError(f"recipe file {path} not found",
+                           "pass a YAML file or a built-in recipe name (`effattn recipes ls`)")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where else ""
+        raise EffattnError(f"{path} is not valid YAML{line} ({getattr(exc, 'problem', exc)})",
+                           "fix the syntax; `effattn recipes cp heal-gqa FILE` writes a valid example") from None
+    if not isinstance(data, dict):
+        raise EffattnError(f"{path} does not hold a mapping of recipe sections (got {type(data).__name__})",
+                           "start from `effattn recipes cp heal-gqa FILE`")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of `data` with `a.b.c=VALUE` overrides applied; VALUE is parsed as YAML (50, 1e-4, [a, b], null)."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*", key):
+            raise EffattnError(f"override {item!r} is not KEY=VALUE with a dotted key",
+                               "write e.g. train.max_steps=50 or data.sources=[mix,notes.txt]")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise EffattnError(f"override {item!r}: {'.'.join(parts[: i + 1])} is a value ({child!r}), not a section",
+                                   f"set {'.'.join(parts[: i + 1])}=VALUE instead")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        problems = [_explain(e) for e in exc.errors()]
+        raise EffattnError(f"{source} is invalid: " + "; ".join(problems),
+                           "fix these keys (`effattn recipes cp heal-gqa FILE` shows every section)") from None
+
+
+def load_recipe(recipe: str | Path, overrides: list[str] | None = None, *, output: str | Path | None = None) -> Recipe:
+    """Read a recipe file or built-in recipe name, apply overrides and `output`, validate."""
+    from .recipes import recipe_path
+
+    path = recipe_path(str(recipe))
+    data = apply_overrides(read_yaml(path), list(overrides or []))
+    if output is not None:
+        data["output"] = str(output)
+    return validate_recipe(data, source=str(recipe))
+
+
+# -- error messages ------------------------------------------------------------------------------
+
+def _explain(error: dict[str, Any]) -> str:
+    loc = [str(p) for p in error["loc"]]
+    path = ".".join(loc) or "recipe"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        valid = _fields_at(loc[:-1])
+        hint = did_you_mean(loc[-1], valid) or (f" (valid: {', '.join(valid)})" if valid else "")
+        return f"{path}: unknown key{hint}"
+    if kind == "missing":
+        return f"{path}: required key is missing"
+    msg = error["msg"].removeprefix("Value error, ")
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", error.get("ctx", {}).get("expected", ""))
+        msg += did_you_mean(str(error.get("input")), choices)
+    if kind in ("value_error", "assertion_error") and not loc:
+        return msg
+    return f"{path} = {error.get('input')!r}: {msg}" if "input" in error and not isinstance(error["input"], dict) else f"{path}: {msg}"
+
+
+def _fields_at(loc: list[str]) -> list[str]:
+    """The valid keys of the section at `loc` (e.g. ['train'] -> Train's fields)."""
+    model: Any = Recipe
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _model_in(field.annotation)
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (Union, type(int | None)):
+        for arg in get_args(annotation):
+            found = _model_in(arg)
+            if found:
+                return found
+    return None

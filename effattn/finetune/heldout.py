@@ -1,0 +1,65 @@
+"""Periodic evaluation during a fine-tune: perplexity on held-out text and top-1 agreement with the teacher.
+
+The teacher is scored once (its perplexity and its top-1 prediction at every position); each
+evaluation then needs one forward pass of the student only. Numbers use the same blocks as
+`effattn eval` (evenly spread over each corpus), so they are comparable with it at equal settings.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..data.corpora import load_text, token_blocks
+from .config import Eval
+
+
+@dataclass
+class HeldOut:
+    corpus: str
+    blocks: torch.Tensor  # (N, T)
+    teacher_top1: torch.Tensor | None = None  # (N, T)
+    teacher_perplexity: float | None = None
+
+
+@torch.no_grad()
+def score(model, blocks: torch.Tensor, batch_size: int, autocast=nullcontext) -> tuple[float, torch.Tensor]:
+    """(perplexity, top-1 predictions [N, T]) of `model` on blocks [N, T]."""
+    device = next(model.parameters()).device
+    nll, count, top1 = 0.0, 0, []
+    for i in range(0, len(blocks), batch_size):
+        ids = blocks[i : i + batch_size].to(device)
+        with autocast():
+            logits = model(input_ids=ids, use_cache=False).logits.float()  # (B, T, V)
+        logp = F.log_softmax(logits, dim=-1)
+        nll -= logp[:, :-1].gather(-1, ids[:, 1:, None]).sum().item()
+        count += ids[:, 1:].numel()
+        top1.append(logits.argmax(-1).cpu())
+    return math.exp(nll / count), torch.cat(top1)
+
+
+def held_out_sets(tokenizer, cfg: Eval) -> list[HeldOut]:
+    return [HeldOut(c, token_blocks(tokenizer, load_text(c), cfg.seq_len, cfg.tokens, spread=True)) for c in cfg.corpora]
+
+
+def score_teacher(teacher, sets: list[HeldOut], batch_size: int, autocast=nullcontext) -> None:
+    for s in sets:
+        s.teacher_perplexity, s.teacher_top1 = score(teacher, s.blocks, batch_size, autocast)
+
+
+def evaluate_student(model, sets: list[HeldOut], batch_size: int, autocast=nullcontext) -> dict[str, dict[str, float]]:
+    """{corpus: {"perplexity", "agreement"}} with the model in eval mode (restored afterwards)."""
+    was_training = model.training
+    model.eval()
+    out = {}
+    for s in sets:
+        ppl, top1 = score(model, s.blocks, batch_size, autocast)
+        out[s.corpus] = {"perplexity": ppl}
+        if s.teacher_top1 is not None:
+            out[s.corpus]["agreement"] = (top1 == s.teacher_top1).float().mean().item()
+    model.train(was_training)
+    return out

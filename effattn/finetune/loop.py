@@ -1,0 +1,382 @@
+"""The healing fine-tune: one loop for a CPU, a GPU, or many processes and nodes.
+
+`finetune(recipe)` is what `effattn finetune RECIPE` runs. For several processes launch the same
+command with `torchrun --nproc_per_node N -m effattn.cli finetune RECIPE` or `accelerate launch`;
+accelerate supplies the process group (gloo on CPUs, NCCL on GPUs), DistributedDataParallel,
+gradient accumulation without needless all-reduces, mixed precision and the checkpoint state. This
+module supplies the data order, the loss and the bookkeeping:
+
+  * every process reads all the text and takes its own slice of each global micro-batch (data.py),
+    so processes see different data; DDP averages the gradients, so the weights stay identical;
+  * the learning-rate schedule counts optimizer steps, whatever the number of processes;
+  * conversion modules (those exposing `effattn_aux_loss`) may update buffers in their training
+    forward, e.g. EMA codebooks. DDP's buffer broadcast (rank 0 overwriting everyone at each
+    forward, discarding the other processes' updates) is off; instead their floating-point buffers
+    are averaged over processes after every optimizer step. For an EMA of batch statistics that is
+    the EMA of the statistics averaged over processes, and it keeps every process identical. Such a
+    module should keep its EMA state (e.g. cluster sizes and sums, van den Oord et al. 2017,
+    App. A.1) in buffers and derive the codebook from them;
+  * only the main process evaluates, logs and writes; checkpoints hold every process's RNG state
+    (on several nodes, OUT must be on a filesystem every node sees).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..convert import convert, read_record
+from ..errors import EffattnError
+from ..io.checkpoint import Checkpoint
+from ..io.load import as_ref, load_model
+from ..io.save import save_model
+from ..io.writer import write_json
+from .config import Optimizer, Recipe, Schedule, Student, Train
+from .data import BlockStream, check_disjoint, read_sources, training_blocks
+from .heldout import evaluate_student, held_out_sets, score_teacher
+from .losses import heal_loss
+from .params import conversion_modules, count_params, native, select_trainable
+from .report import finetune_card, plot_curves
+from .state import MetricsLog, RunFolder, decide_start, read_state, save_checkpoint
+
+PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # recipe -> accelerate mixed_precision
+TEACHER_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass
+class FinetuneResult:
+    out: Path | None  # the written folder (main process; None elsewhere)
+    model: torch.nn.Module  # the final native model, on every process
+    steps: int
+    tokens: int
+    seconds: float  # training time, summed over resumed sessions
+    final_loss: float  # mean training loss of the last 10 steps (main process; nan elsewhere)
+    start_eval: dict[str, dict[str, float]] | None  # held-out metrics before / after (main process)
+    final_eval: dict[str, dict[str, float]] | None
+    resumed_from: int | None  # the checkpoint step this session started from
+    record: dict[str, Any] | None  # the written effattn.json (main process)
+
+
+def tokens_per_step(recipe: Recipe, processes: int) -> int:
+    return recipe.data.seq_len * recipe.train.batch_size * recipe.train.grad_accum * processes
+
+
+def total_steps(recipe: Recipe, processes: int) -> int:
+    """train.max_steps, or train.max_tokens rounded up to whole optimizer steps."""
+    if recipe.train.max_steps is not None:
+        return recipe.train.max_steps
+    return math.ceil(recipe.train.max_tokens / tokens_per_step(recipe, processes))
+
+
+def lr_multiplier(s: Schedule, steps: int) -> Callable[[int], float]:
+    """Learning rate / peak at optimizer step `step`: linear warm-up, then cosine, linear or constant."""
+
+    def multiplier(step: int) -> float:
+        if step < s.warmup_steps:
+            return (step + 1) / s.warmup_steps
+        if s.name == "constant":
+            return 1.0
+        progress = min(1.0, (step - s.warmup_steps) / max(1, steps - s.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if s.name == "cosine" else 1 - progress
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * shape
+
+    return multiplier
+
+
+def build_optimizer(cfg: Optimizer, params) -> torch.optim.Optimizer:
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def make_accelerator(train: Train):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    # accelerate only forms a CPU process group (gloo) under torchrun when told it is on CPUs
+    return Accelerator(gradient_accumulation_steps=train.grad_accum, mixed_precision=PRECISION[train.precision],
+                       cpu=not torch.accelerator.is_available(),
+                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+
+
+def resolve_teacher(recipe: Recipe, student_record: dict[str, Any] | None, student_path: Path) -> str | None:
+    """teacher.model, else the model the student was converted from; None when no term needs one."""
+    if recipe.teacher.model:
+        return recipe.teacher.model
+    if recipe.loss.kl == 0:
+        return None
+    if recipe.student.convert is not None:
+        return recipe.student.model
+    source = (student_record or {}).get("source")
+    if not source:
+        raise EffattnError(f"no teacher: {student_path} has no effattn.json naming the model it was converted from",
+                           "set teacher.model, or loss.kl=0 to train on cross-entropy alone")
+    return source["model"] if source.get("kind") in ("builtin", "hub") else source["path"]
+
+
+def prepare_student(student: Student, run: RunFolder, accelerator, say, command: str | None) -> Path:
+    """The student's folder: as given, or converted once into OUT/student (reused by a resumed run)."""
+    if student.convert is None:
+        with accelerator.main_process_first():
+            return as_ref(student.model).path
+    request = {"model": student.model, "convert": student.convert.model_dump()}
+    if accelerator.is_main_process:
+        done = (run.student_request.exists() and json.loads(run.student_request.read_text()) == request
+                and (run.student / "effattn.json").exists())
+        if not done:
+            options = "".join(f", {k}={v}" for k, v in student.convert.options().items())
+            say(f"converting {student.model} (to={student.convert.to}{options}) ...")
+            convert(student.model, run.student, to=student.convert.to, options=student.convert.options(),
+                    force=True, measure=False, command=command)
+            write_json(run.student_request, request)
+    accelerator.wait_for_everyone()
+    return run.student
+
+
+def sync_conversion_buffers(modules: list[torch.nn.Module], accelerator) -> None:
+    """Average the floating-point buffers of conversion modules over processes (see the module docstring)."""
+    if accelerator.num_processes == 1:
+        return
+    for module in modules:
+        for buf in module.buffers():
+            if buf.is_floating_point():
+                buf.copy_(accelerator.reduce(buf, "mean"))
+
+
+def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.Tensor],
+                   recipe: Recipe) -> tuple[dict[str, torch.Tensor], float | None]:
+    """One optimizer step over micro-batches [B, T] of this process: forward, loss, backward,
+    (gradients all-reduced on the last one), clip, update. Returns the loss terms averaged over the
+    micro-batches, and the gradient norm before clipping."""
+    sums: dict[str, torch.Tensor] = {}
+    grad_norm = None
+    for ids in batches:
+        ids = ids.to(accelerator.device)
+        with accelerator.accumulate(model):  # no all-reduce until the last micro-batch; loss / grad_accum
+            with accelerator.autocast():
+                logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+                with torch.no_grad():
+                    teacher_logits = None if teacher is None else teacher(input_ids=ids, use_cache=False).logits
+                terms = heal_loss(recipe.loss, logits, teacher_logits, ids, model)
+            accelerator.backward(terms["loss"])
+            if accelerator.sync_gradients and recipe.train.max_grad_norm:
+                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), recipe.train.max_grad_norm))
+            optimizer.step()  # a no-op until the last micro-batch
+            optimizer.zero_grad(set_to_none=True)
+        for k, v in terms.items():
+            sums[k] = sums.get(k, 0.0) + v.detach().float() / len(batches)
+    return sums, grad_norm
+
+
+def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progress=None,
+             log: Callable[[str], None] | None = None, command: str | None = None) -> FinetuneResult:
+    """Run `recipe` and write the fine-tuned model to `recipe.output`; resumes from its checkpoints.
+
+    resume:   continue from OUT's last checkpoint even if the recipe changed (without it, a
+              checkpoint of the same recipe is resumed automatically and a changed recipe is an error).
+    force:    start over, replacing OUT.
+    progress: a rich Progress; the task it gets carries the fields `loss` and `tok_s`.
+    log:      receives one-line messages (resuming, evaluations, ...). Main process only.
+    """
+    if recipe.output is None:
+        raise EffattnError("the recipe has no output folder", "pass -o OUT, or set output: in the recipe")
+    check_disjoint(recipe.data.sources, recipe.eval.corpora)
+    texts = read_sources(recipe.data.sources, recipe.data.text_key)
+
+    from accelerate.utils import set_seed
+
+    accelerator = make_accelerator(recipe.train)
+    main, world, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
+    say = log if (log and main) else (lambda _: None)
+    run = RunFolder(recipe.output)
+    for role, spec in (("student.model", recipe.student.model), ("teacher.model", recipe.teacher.model)):
+        if spec and Path(spec).expanduser().absolute() == run.out:
+            raise EffattnError(f"the output folder {run.out} is also {role}", "write the healed model to another -o")
+    recipe_dict = recipe.to_dict()
+    start = decide_start(run, recipe_dict, resume=resume, force=force)
+    accelerator.wait_for_everyone()
+    if main:
+        if start.wipe:
+            shutil.rmtree(run.out)
+        run.out.mkdir(parents=True, exist_ok=True)
+        run.clean_partial()
+        run.recipe.write_text(recipe.to_yaml())
+    for note in start.notes:
+        say(note)
+    accelerator.wait_for_everyone()
+
+    # -- models -----------------------------------------------------------------------------------
+    set_seed(recipe.train.seed)
+    student_path = prepare_student(recipe.student, run, accelerator, say, command)
+    student_record = read_record(student_path)
+    teacher_spec = resolve_teacher(recipe, student_record, student_path)
+    with accelerator.main_process_first():
+        model, tokenizer, _ = load_model(student_path, dtype="float32")
+        teacher = None
+        if teacher_spec is not None:
+            teacher, _, _ = load_model(teacher_spec, dtype=TEACHER_DTYPE[recipe.train.precision])
+    if teacher is not None:
+        if teacher.config.vocab_size != model.config.vocab_size:
+            raise EffattnError(f"teacher {teacher_spec} and student have different vocabularies "
+                               f"({teacher.config.vocab_size} vs {model.config.vocab_size})",
+                               "distil from the model the student was converted from (teacher.model)")
+        teacher.to(accelerator.device).eval().requires_grad_(False)
+    save_dtype = Checkpoint(student_path).dtype
+
+    # -- data -------------------------------------------------------------------------------------
+    say(f"tokenizing {', '.join(recipe.data.sources)} ...")
+    stream = BlockStream(training_blocks(tokenizer, texts, recipe.data.seq_len), recipe.train.seed)
+    del texts
+    held_out = held_out_sets(tokenizer, recipe.eval) if main else []
+    if main and teacher is not None:
+        score_teacher(teacher, held_out, recipe.eval.batch_size, accelerator.autocast)
+    teacher_eval = {s.corpus: s.teacher_perplexity for s in held_out if s.teacher_perplexity is not None}
+
+    # -- optimisation -----------------------------------------------------------------------------
+    model.train()
+    model = select_trainable(model, recipe.train)
+    trainable, total = count_params(model)
+    conv_modules = conversion_modules(model)
+    steps = total_steps(recipe, world)
+    optimizer = build_optimizer(recipe.optimizer, [p for p in model.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(recipe.schedule, steps))
+    with warnings.catch_warnings():  # torch >= 2.13 renames DDP's broadcast_buffers; accelerate passes the old name
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)  # stepped by us once per optimizer step
+
+    def evaluate_now() -> dict[str, dict[str, float]]:  # main process only
+        result = evaluate_student(accelerator.unwrap_model(model), held_out, recipe.eval.batch_size,
+                                  accelerator.autocast)
+        say(_eval_line(step, result))
+        return result
+
+    metrics = MetricsLog(run.metrics)
+    step = 0
+    if start.checkpoint is not None:
+        accelerator.load_state(str(start.checkpoint))
+        state = read_state(start.checkpoint)
+        step, samples, tokens, seconds = state["step"], state["samples"], state["tokens"], state["seconds"]
+        start_eval = state["start_eval"]
+        if main:
+            metrics.keep_until(step)
+    else:
+        samples = tokens = 0
+        seconds = 0.0
+        start_eval = None
+        if main:
+            metrics.path.write_text("")
+            start_eval = evaluate_now()
+            metrics.append({"kind": "eval", "step": 0, "eval": start_eval})
+        accelerator.wait_for_everyone()
+    resumed_from = step if start.checkpoint is not None else None
+    say(f"training {trainable:,} of {total:,} parameters for {steps} steps of "
+        f"{tokens_per_step(recipe, world):,} tokens on {world} process(es)")
+
+    def state_now() -> dict[str, Any]:
+        return {"step": step, "samples": samples, "tokens": tokens, "seconds": seconds, "processes": world,
+                "recipe": recipe_dict, "start_eval": start_eval}
+
+    # -- the loop ---------------------------------------------------------------------------------
+    B, accum = recipe.train.batch_size, recipe.train.grad_accum
+    step_tokens = tokens_per_step(recipe, world)
+    use_teacher = teacher is not None and recipe.loss.kl > 0
+    task = progress.add_task("healing", total=steps, completed=step, loss=float("nan"), tok_s=0.0) if (progress and main) else None
+    last_saved = step if start.checkpoint is not None else None
+    session_t0, session_tokens = time.perf_counter(), 0
+    while step < steps:
+        t0 = time.perf_counter()
+        batches = [stream.take(samples + (micro * world + rank) * B, B) for micro in range(accum)]  # accum x (B, T)
+        sums, grad_norm = optimizer_step(accelerator, model, teacher if use_teacher else None, optimizer, batches,
+                                         recipe)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        sync_conversion_buffers(conv_modules, accelerator)
+        step += 1
+        samples += accum * world * B
+        tokens += step_tokens
+        keys = sorted(sums)
+        values = accelerator.reduce(torch.stack([sums[k] for k in keys]), "mean").tolist()
+        dt = time.perf_counter() - t0
+        seconds += dt
+        session_tokens += step_tokens
+        if main:
+            record = {"kind": "train", "step": step, **dict(zip(keys, values)), "lr": lr, "grad_norm": grad_norm,
+                      "tokens": tokens, "tokens_per_s": step_tokens / dt}
+            metrics.append(record)
+            if task is not None:
+                progress.update(task, completed=step, loss=record["loss"],
+                                tok_s=session_tokens / (time.perf_counter() - session_t0))
+        if recipe.eval.every and step % recipe.eval.every == 0 and step < steps:
+            if main:
+                metrics.append({"kind": "eval", "step": step, "eval": evaluate_now()})
+            accelerator.wait_for_everyone()
+        if recipe.checkpoint.every and step % recipe.checkpoint.every == 0 and step < steps:
+            save_checkpoint(accelerator, run, state_now(), recipe.checkpoint.keep)
+            last_saved = step
+
+    # -- the end: evaluate, checkpoint, write the model -------------------------------------------
+    final_eval = None
+    if main:
+        final_eval = evaluate_now()
+        if not any(r.get("kind") == "eval" and r["step"] == steps for r in metrics.records()):
+            metrics.append({"kind": "eval", "step": steps, "eval": final_eval})
+    if last_saved != steps:  # a kill while writing the model below resumes here, with nothing left to train
+        save_checkpoint(accelerator, run, state_now(), recipe.checkpoint.keep)
+    final = native(accelerator.unwrap_model(model))
+    out = record = None
+    final_loss = float("nan")
+    if main:
+        train_records = [r for r in metrics.records() if r.get("kind") == "train"]
+        final_loss = sum(r["loss"] for r in train_records[-10:]) / len(train_records[-10:])
+        plot_curves(metrics.records(), run.curves, teacher_eval, title=f"effattn finetune · {run.out.name}")
+        record = extend_record(student_record, recipe.student.model, {
+            "command": command,
+            "recipe": recipe_dict,
+            "student": recipe.student.model,
+            "teacher": teacher_spec,
+            "params": recipe.train.params,
+            "trainable_params": trainable,
+            "total_params": total,
+            "steps": steps,
+            "tokens": tokens,
+            "processes": world,
+            "seconds": round(seconds, 1),
+            "final_loss": final_loss,  # mean training loss of the last 10 steps
+            "final_terms": {k: train_records[-1][k] for k in ("kl", "ce", "aux") if k in train_records[-1]},
+            "start_eval": start_eval,
+            "final_eval": final_eval,
+            "teacher_eval": teacher_eval,
+        })
+        out = save_model(final, tokenizer, run.out, record, card=finetune_card(run.out.name, record), dtype=save_dtype,
+                         force=True, side_files=Checkpoint(student_path).side_files(),
+                         extra_files={"recipe.yaml": run.recipe, "metrics.jsonl": run.metrics, "curves.png": run.curves})
+    accelerator.wait_for_everyone()
+    return FinetuneResult(out, final, steps, tokens, seconds, final_loss, start_eval, final_eval, resumed_from, record)
+
+
+def _eval_line(step: int, result: dict[str, dict[str, float]]) -> str:
+    parts = [f"{c} ppl {m['perplexity']:,.2f}" + (f", agreement {m['agreement']:.1%}" if "agreement" in m else "")
+             for c, m in result.items()]
+    return f"eval @ step {step}: " + "; ".join(parts)
+
+
+def extend_record(student_record: dict[str, Any] | None, student: str, finetune: dict[str, Any]) -> dict[str, Any]:
+    """The student's effattn.json with a `finetune` section added (an earlier one kept as its `previous`)."""
+    record = dict(student_record or {"source": {"model": student}})
+    previous = record.pop("finetune", None)
+    record["effattn_version"] = __version__
+    record["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    record["finetune"] = finetune | ({"previous": previous} if previous else {})
+    return record

@@ -1,0 +1,80 @@
+"""What trains (recipe `train.params`): everything, the attention only, or LoRA adapters.
+
+  all        every parameter
+  attention  each layer's attention module (the family's q/k/v/o projections, norms, and whatever a
+             conversion put there), plus every module that exposes `effattn_aux_loss`
+  lora       peft LoRA adapters on `train.lora.target_modules` (+ the conversion modules as above);
+             merged into the weights before saving, so the output stays a native checkpoint
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+
+from ..errors import EffattnError
+from ..families import family_for
+from .config import Train
+
+
+def conversion_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules that declare conversion-specific state (an `effattn_aux_loss` attribute)."""
+    return [m for m in model.modules() if hasattr(m, "effattn_aux_loss")]
+
+
+def _attention_pattern(model: torch.nn.Module) -> re.Pattern:
+    """Matches parameter names inside any layer's attention module, e.g. model.layers.3.self_attn."""
+    family = family_for(model.config.to_dict())
+    attn_module = family.q_proj.rsplit(".", 1)[0]  # "self_attn.q_proj" -> "self_attn"
+    layer = re.escape(family.layer).replace(r"\{layer\}", r"\d+")
+    return re.compile(rf"(^|\.){layer}{re.escape(attn_module)}\.")
+
+
+def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
+    """Set requires_grad per `train.params`; returns the model to train (peft-wrapped for lora)."""
+    if train.params == "all":
+        model.requires_grad_(True)
+        return model
+    if train.params == "lora":
+        model = _with_lora(model, train)
+    else:
+        pattern = _attention_pattern(model)
+        for name, p in model.named_parameters():
+            p.requires_grad_(bool(pattern.search(name)))
+    for module in conversion_modules(model):
+        module.requires_grad_(True)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise EffattnError(f"train.params={train.params} selects no parameters of this model",
+                           "use train.params=all, or check train.lora.target_modules")
+    return model
+
+
+def _with_lora(model: torch.nn.Module, train: Train) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = train.lora
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), bias="none")
+    try:
+        with warnings.catch_warnings():  # peft calls a transformers API deprecated in 5.x
+            warnings.simplefilter("ignore", FutureWarning)
+            return get_peft_model(model, config)
+    except ValueError as exc:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise EffattnError(f"train.lora.target_modules={list(lora.target_modules)} do not match this model ({exc})",
+                           f"its linear layers are named {', '.join(linear)}") from None
+
+
+def native(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain transformers model to save: LoRA adapters merged into the weights."""
+    from peft import PeftModel
+
+    return model.merge_and_unload() if isinstance(model, PeftModel) else model
+
+
+def count_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters; `parameters()` counts tied tensors once."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)

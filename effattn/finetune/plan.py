@@ -1,0 +1,132 @@
+"""`effattn finetune --dry-run`: what a recipe would do, without loading weights or training.
+
+The student is built on the meta device from its config (or from the conversion's plan when the
+recipe converts first), so parameter counts are exact and cost nothing. Memory and time are
+estimates:
+
+  memory per process = student fp32 weights + gradients and optimizer state of the trainable
+                       parameters + teacher weights + activations of one micro-batch
+                       (per layer ~(12*hidden + 4*intermediate) values per token, the attention
+                       probabilities, and ~6 copies of the [B, T, vocab] logits for the KL)
+  time               = matmul FLOPs per step (student forward 2N, backward 2N + 2N_trainable per
+                       token; teacher forward 2N) / (this device's measured matmul FLOP/s x an
+                       efficiency calibrated on SmolLM2-135M here), plus the evaluations
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from ..convert import convert, read_record
+from ..io.checkpoint import Checkpoint, read_config
+from ..io.load import DTYPES, as_ref
+from .config import Recipe
+from .data import check_disjoint, check_source
+from .loop import TEACHER_DTYPE, resolve_teacher, tokens_per_step, total_steps
+from .params import count_params, select_trainable
+
+# Achieved / measured-matmul FLOP/s of heal-gqa steps on SmolLM2-135M (4x256 tokens, 2 shared CPU
+# cores, load average 5-7): ~22 GFLOP/s achieved, 41-68 measured. A rough, machine-dependent factor.
+EFFICIENCY = 0.45
+RUNTIME_BYTES = 2**29  # Python, torch, tokenizer, tokenized text: ~0.5 GiB measured
+LOGIT_COPIES = 6  # student logits, their log-softmax and gradient, teacher logits and log-softmax, the KL terms
+
+
+def device_flops(dtype: torch.dtype = torch.float32, windows: int = 3, seconds: float = 0.1) -> float:
+    """Matmul FLOP/s of the default device: the best of a few short windows (steadier on a shared machine)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = 0.0
+    for _ in range(windows):
+        runs, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            runs += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 2 * n**3 * runs / (time.perf_counter() - t0))
+    return best
+
+
+def _meta_model(config: dict[str, Any]):
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    import effattn.attention  # noqa: F401 - effattn's own model classes
+
+    cfg = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def plan_finetune(recipe: Recipe, processes: int | None = None) -> dict[str, Any]:
+    """The resolved run: models, parameter counts, tokens per step, memory and time estimates."""
+    processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
+    for source in recipe.data.sources:
+        check_source(source)
+    check_disjoint(recipe.data.sources, recipe.eval.corpora)
+    student = recipe.student
+    if student.convert is not None:
+        plan = convert(student.model, None, to=student.convert.to, options=student.convert.options(), dry_run=True).plan
+        config, conversion, record, path = plan.config, dict(plan.summary), None, None
+    else:
+        path = as_ref(student.model).path
+        config, conversion, record = read_config(path), None, read_record(path)
+    teacher_spec = resolve_teacher(recipe, record, path)
+    teacher_params = Checkpoint(as_ref(teacher_spec).path).num_params if teacher_spec else 0
+
+    model = select_trainable(_meta_model(config), recipe.train)
+    trainable, total = count_params(model)
+    embed = model.get_input_embeddings().weight.numel()
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    # matmul parameters per token: everything but the embedding lookup; a tied lm_head still multiplies
+    compute = total - embed + (vocab * hidden if config.get("tie_word_embeddings") else 0)
+    if recipe.train.params == "all":
+        trainable_compute = compute
+    else:
+        trainable_compute = trainable
+    teacher_compute = teacher_params - embed + (vocab * hidden if config.get("tie_word_embeddings") else 0) if teacher_spec else 0
+
+    steps = total_steps(recipe, processes)
+    per_step = tokens_per_step(recipe, processes)
+    B, T, accum = recipe.train.batch_size, recipe.data.seq_len, recipe.train.grad_accum
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    inter = config.get("intermediate_size", 4 * hidden)
+    act_bytes = 2 if recipe.train.precision != "fp32" else 4
+    optimizer_bytes = {"adamw": 8, "sgd": 4}[recipe.optimizer.name]
+    memory = {
+        "student_weights": total * 4,
+        "gradients_and_optimizer": trainable * (4 + optimizer_bytes),
+        "teacher_weights": teacher_params * DTYPES[TEACHER_DTYPE[recipe.train.precision]].itemsize,
+        "activations": B * T * layers * (12 * hidden + 4 * inter) * act_bytes + B * heads * T * T * act_bytes * 2
+                       + B * T * vocab * 4 * LOGIT_COPIES,
+    }
+    memory["runtime"] = RUNTIME_BYTES
+    memory["total"] = sum(memory.values())
+
+    attention = 4 * layers * T * hidden  # scores and weighted sum per token, causal half of 2 x 2 x T x d x heads
+    flops_token = (4 * compute + 2 * trainable_compute + 3 * attention) + (2 * teacher_compute + attention)
+    step_flops = flops_token * B * T * accum
+    evals = (steps // recipe.eval.every if recipe.eval.every else 0) + 1
+    eval_flops = (evals + (1 if teacher_spec else 0)) * len(recipe.eval.corpora) * recipe.eval.tokens * 2 * compute
+    dtype = torch.bfloat16 if recipe.train.precision == "bf16" and torch.cuda.is_available() else torch.float32
+    flops = device_flops(dtype) * EFFICIENCY
+    return {
+        "recipe": recipe.to_dict(),
+        "student": {"model": student.model, "conversion": conversion, "params": total, "trainable": trainable,
+                    "trains": recipe.train.params},
+        "teacher": {"model": teacher_spec, "params": teacher_params},
+        "processes": processes,
+        "steps": steps,
+        "tokens_per_step": per_step,
+        "tokens": steps * per_step,
+        "memory_bytes_per_process": memory,
+        "est_seconds": {"training": steps * step_flops / flops, "evaluation": eval_flops / flops},
+        "est_basis": f"{flops / 1e9:,.0f} GFLOP/s effective ({EFFICIENCY:.0%} of measured matmul speed)",
+    }

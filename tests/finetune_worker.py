@@ -1,0 +1,41 @@
+"""Run under torchrun by test_finetune: fine-tune a recipe, then write this process's view of the result.
+
+    torchrun --nproc_per_node 2 tests/finetune_worker.py RECIPE REPORT_DIR [KEY=VALUE ...]
+
+Each process writes REPORT_DIR/rank{N}.json with a hash of its final state dict (weights and
+buffers), so the test can check that every process ends with the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from aux_model import register  # noqa: E402
+
+from effattn.finetune import finetune, load_recipe  # noqa: E402
+
+
+def state_hash(model) -> str:
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+if __name__ == "__main__":
+    register()
+    recipe, report = sys.argv[1], Path(sys.argv[2])
+    result = finetune(load_recipe(recipe, sys.argv[3:]))
+    rank = int(os.environ.get("RANK", "0"))
+    report.mkdir(parents=True, exist_ok=True)
+    (report / f"rank{rank}.json").write_text(json.dumps({
+        "hash": state_hash(result.model), "wrote": result.out is not None, "steps": result.steps}))

@@ -1,0 +1,386 @@
+"""Healing fine-tunes on tiny models: the loss falls, runs resume exactly after a kill, every
+process of a torchrun ends with the same model, and what trains is what the recipe says."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import effattn.finetune.loop as loop
+from effattn.convert import convert
+from effattn.errors import EffattnError
+from effattn.finetune import finetune, load_recipe
+from effattn.finetune.data import BlockStream, check_disjoint
+from effattn.finetune.loop import lr_multiplier
+from effattn.finetune.losses import distillation_kl, heal_loss
+from effattn.finetune.config import Loss, Schedule
+
+from .aux_model import make_aux_model, register
+from .test_cli_errors import assert_one_line_error, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_TEXT = "".join(f"{w} the quick brown fox jumps over the lazy dog {i % 7}. pack my box with five dozen jugs.\n"
+                     for i, w in enumerate(["alpha", "beta", "gamma", "delta"] * 150))
+HELD_OUT = "how vexingly quick daft zebras jump! the five boxing wizards jump quickly at dawn.\n" * 40
+
+
+@pytest.fixture
+def heal(tiny, tmp_path):
+    """Factory: heal(*overrides) -> path of a recipe that converts a tiny llama to MQA and heals it."""
+    src = tiny("llama", heads=6, kv_heads=3)
+    (tmp_path / "train.txt").write_text(TRAIN_TEXT)
+    (tmp_path / "held.txt").write_text(HELD_OUT)
+    base = {
+        "student": {"model": str(src), "convert": {"to": "mqa"}},
+        "data": {"sources": [str(tmp_path / "train.txt")], "seq_len": 32},
+        "train": {"max_steps": 12, "batch_size": 2},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 2},
+        "eval": {"every": 4, "corpora": [str(tmp_path / "held.txt")], "seq_len": 64, "tokens": 256},
+        "checkpoint": {"every": 4},
+    }
+    (tmp_path / "heal.yaml").write_text(yaml.safe_dump(base))
+
+    def factory(*overrides, output="out"):
+        return load_recipe(tmp_path / "heal.yaml", list(overrides), output=tmp_path / output)
+
+    factory.recipe_file = tmp_path / "heal.yaml"
+    factory.src = src
+    factory.root = tmp_path
+    return factory
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(out: Path) -> list[float]:
+    return [r["loss"] for r in metrics(out) if r["kind"] == "train"]
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 0.0):
+    assert a.keys() == b.keys()
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= atol, worst
+
+
+# -- the loss and the schedule ----------------------------------------------------------------------
+
+def test_distillation_kl_matches_the_definition_and_vanishes_for_equal_logits():
+    torch.manual_seed(0)
+    s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    for temp in (1.0, 2.0):
+        p = torch.softmax(t / temp, -1)
+        expected = (p * (p.log() - torch.log_softmax(s / temp, -1))).sum(-1).mean() * temp**2
+        torch.testing.assert_close(distillation_kl(s, t, temp), expected, rtol=1e-5, atol=1e-6)
+    assert distillation_kl(t, t, 3.0).abs().item() < 1e-6
+
+
+def test_heal_loss_adds_weighted_terms_and_consumes_aux_losses():
+    module = torch.nn.Linear(2, 2)
+    module.effattn_aux_loss = torch.tensor(0.5)
+    s, t = torch.randn(1, 4, 7), torch.randn(1, 4, 7)
+    ids = torch.randint(0, 7, (1, 4))
+    terms = heal_loss(Loss(kl=2.0, ce=0.5, aux_weight=3.0), s, t, ids, module)
+    torch.testing.assert_close(terms["loss"], 2.0 * terms["kl"] + 0.5 * terms["ce"] + 3.0 * 0.5)
+    assert module.effattn_aux_loss is None  # consumed: never counted twice
+    assert "aux" not in heal_loss(Loss(), s, t, ids, module)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    f = lr_multiplier(Schedule(name="cosine", warmup_steps=4, min_lr_ratio=0.1), steps=20)
+    assert [f(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0) and f(12) == pytest.approx(0.55) and f(20) == pytest.approx(0.1)
+    g = lr_multiplier(Schedule(name="linear", min_lr_ratio=0.0), steps=10)
+    assert g(0) == 1.0 and g(5) == pytest.approx(0.5) and g(10) == 0.0
+
+
+# -- data --------------------------------------------------------------------------------------------
+
+def test_block_stream_is_seeded_and_processes_take_disjoint_samples():
+    blocks = torch.arange(10 * 3).view(10, 3)
+    a, b = BlockStream(blocks, seed=1), BlockStream(blocks, seed=1)
+    assert torch.equal(a.take(0, 25), b.take(0, 25))
+    assert not torch.equal(a.take(0, 10), BlockStream(blocks, seed=2).take(0, 10))
+    epoch = a.take(0, 10)[:, 0].tolist()
+    assert sorted(epoch) == list(range(0, 30, 3))  # an epoch is a permutation of every block
+    world, B = 2, 2  # micro-batch 0: process r takes samples [(0*W + r)*B, ...)
+    rank0, rank1 = a.take(0 * B, B), a.take(1 * B, B)
+    assert not set(rank0[:, 0].tolist()) & set(rank1[:, 0].tolist())
+    assert torch.equal(torch.cat([rank0, rank1]), a.take(0, world * B))  # = one process with batch W*B
+
+
+def test_training_and_evaluation_text_stay_disjoint(tmp_path):
+    with pytest.raises(EffattnError, match="'shakespeare' is an evaluation corpus, held out from training"):
+        check_disjoint(["mix", "shakespeare"], ["britannica"])
+    with pytest.raises(EffattnError, match="'plays' is a training corpus"):
+        check_disjoint(["mix"], ["plays"])
+    text = tmp_path / "t.txt"
+    with pytest.raises(EffattnError, match="both in data.sources and eval.corpora"):
+        check_disjoint([str(text)], [str(tmp_path / "." / "t.txt")])
+
+
+def test_jsonl_source_reads_the_configured_text_field(heal, capsys):
+    rows = [{"body": line, "id": i} for i, line in enumerate(TRAIN_TEXT.splitlines())]
+    jsonl = heal.root / "train.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = finetune(heal(f"data.sources=[{jsonl}]", "data.text_key=body", "train.max_steps=2", "eval.every=0",
+                           "checkpoint.every=0"))
+    assert result.steps == 2 and math.isfinite(result.final_loss)
+    code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", heal.root / "bad", f"data.sources=[{jsonl}]")
+    assert_one_line_error(code, err, "line 1 has no text field 'text' (found: body, id)", "data.text_key")
+
+
+def test_hub_source_without_datasets_is_a_clear_error(heal, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
+    code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", heal.root / "o", "data.sources=[hf:org/name]")
+    assert_one_line_error(code, err, "needs the `datasets` library", "pip install datasets")
+
+
+# -- a run ---------------------------------------------------------------------------------------------
+
+def test_tiny_heal_lowers_the_loss_and_writes_a_native_checkpoint(heal, capsys):
+    out = heal.root / "healed"
+    code, stdout, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    losses = train_losses(out)
+    assert len(losses) == 12 and sum(losses[-3:]) < 0.85 * sum(losses[:3])
+    held = str(heal.root / "held.txt")
+    assert report["final_eval"][held]["perplexity"] < report["start_eval"][held]["perplexity"]
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", "README.md",
+                                               "effattn.json", "recipe.yaml", "metrics.jsonl", "curves.png"}
+    assert not (out / "checkpoints").exists() and not (out / "student").exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary folders left
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = json.loads((out / "effattn.json").read_text())
+    assert record["source"]["model"] == str(heal.src) and record["conversion"]["kv_heads"] == 1
+    ft = record["finetune"]
+    assert (ft["steps"], ft["tokens"], ft["teacher"], ft["processes"]) == (12, 12 * 2 * 32, str(heal.src), 1)
+    assert [r["step"] for r in metrics(out) if r["kind"] == "eval"] == [0, 4, 8, 12]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == 1
+    assert "healed with `effattn finetune`" in (out / "README.md").read_text()
+
+
+def test_dry_run_reports_sizes_and_estimates_and_writes_nothing(heal, capsys):
+    out = heal.root / "dry"
+    code, stdout, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--dry-run", "--json",
+                                "train.params=attention")
+    assert code == 0, err
+    plan = json.loads(stdout)
+    student = plan["student"]
+    assert student["trainable"] < student["params"] and student["trains"] == "attention"
+    assert student["conversion"]["KV heads"] == "3 -> 1"
+    assert plan["teacher"]["model"] == str(heal.src) and plan["teacher"]["params"] > student["params"]
+    assert (plan["steps"], plan["tokens_per_step"], plan["tokens"]) == (12, 64, 12 * 64)
+    assert plan["memory_bytes_per_process"]["total"] > 0 and plan["est_seconds"]["training"] > 0
+    assert plan["recipe"]["output"] == str(out) and not out.exists()
+    code, stdout, _ = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--dry-run")
+    assert code == 0 and "tokens per step" in stdout and "nothing (dry run)" in stdout
+
+
+def test_max_tokens_rounds_up_to_whole_steps(heal):
+    result = finetune(heal("train.max_steps=null", "train.max_tokens=300", "eval.every=0", "checkpoint.every=0"))
+    assert result.steps == 5 and result.tokens == 5 * 64  # ceil(300 / (32 tokens x 2 sequences))
+
+
+# -- resuming ------------------------------------------------------------------------------------------
+
+class Stop(Exception):
+    pass
+
+
+def stop_after_checkpoint(monkeypatch, at_step: int):
+    real = loop.save_checkpoint
+
+    def save_then_stop(accelerator, run, state, keep):
+        path = real(accelerator, run, state, keep)
+        if state["step"] == at_step:
+            raise Stop
+        return path
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)
+
+
+@pytest.mark.parametrize("params", ["all", "lora"])
+def test_stopped_run_resumes_to_exactly_the_uninterrupted_result(heal, monkeypatch, params):
+    recipe = ["train.grad_accum=2", "loss.ce=0.5", f"train.params={params}", "train.lora.dropout=0.1"]
+    reference = finetune(heal(*recipe, output="reference"))
+    stop_after_checkpoint(monkeypatch, at_step=8)
+    with pytest.raises(Stop):
+        finetune(heal(*recipe, output="stopped"))
+    monkeypatch.undo()
+    out = heal.root / "stopped"
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000004", "step-000008"]
+    resumed = finetune(heal(*recipe, output="stopped"))  # no flag: same recipe, resumes by itself
+    assert resumed.resumed_from == 8
+    assert_same_weights(reference.model.state_dict(), resumed.model.state_dict())
+    assert train_losses(out) == train_losses(heal.root / "reference")
+    assert [r["step"] for r in metrics(out)] == [r["step"] for r in metrics(heal.root / "reference")]
+
+
+def test_a_changed_recipe_needs_resume_or_force(heal, monkeypatch, capsys):
+    stop_after_checkpoint(monkeypatch, at_step=4)
+    with pytest.raises(Stop):
+        finetune(heal(output="run"))
+    monkeypatch.undo()
+    out = heal.root / "run"
+    code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "optimizer.lr=1e-3")
+    assert_one_line_error(code, err, "holds a checkpoint (step 4) of a different recipe: optimizer.lr: 0.003 -> 0.001",
+                          "--resume", "--force")
+    code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "eval.every=6")  # eval does not count
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out)
+    assert_one_line_error(code, err, "already holds a finished fine-tune", "--force")
+    code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--force", "train.max_steps=3")
+    assert code == 0 and json.loads((out / "effattn.json").read_text())["finetune"]["steps"] == 3
+
+
+def test_resume_flag_continues_with_a_changed_recipe(heal, monkeypatch):
+    stop_after_checkpoint(monkeypatch, at_step=4)
+    with pytest.raises(Stop):
+        finetune(heal(output="run"))
+    monkeypatch.undo()
+    notes = []
+    result = finetune(heal("train.max_steps=16", output="run"), resume=True, log=notes.append)
+    assert result.resumed_from == 4 and result.steps == 16 and len(train_losses(heal.root / "run")) == 16
+    assert any("train.max_steps: 12 -> 16" in n for n in notes)
+    with pytest.raises(EffattnError, match="nothing to resume"):
+        finetune(heal(output="never-ran"), resume=True)
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_moment_then_resume_matches_the_uninterrupted_run(heal):
+    """kill -9 a real run at a random moment after its first checkpoint; the rerun resumes and ends
+    where an uninterrupted run ends."""
+    recipe = ["train.max_steps=60", "checkpoint.every=2", "checkpoint.keep=1", "eval.every=0", "optimizer.lr=1e-3"]
+    out = heal.root / "killed"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "effattn.cli", "finetune", str(heal.recipe_file), "-o", str(out), *recipe],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while not list((out / "checkpoints").glob("step-*/trainer_state.json")) and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(random.Random().uniform(0, 0.5))
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "effattn.json").exists()
+    resumed = finetune(heal(*recipe, output="killed"))
+    assert resumed.resumed_from is not None and 0 < resumed.resumed_from < 60
+    reference = finetune(heal(*recipe, "checkpoint.every=0", output="reference"))  # checkpoints change no weights
+    assert_same_weights(reference.model.state_dict(), resumed.model.state_dict(), atol=1e-6)
+    assert resumed.final_loss == pytest.approx(reference.final_loss, rel=1e-6)
+    steps = [r["step"] for r in metrics(out) if r["kind"] == "train"]
+    assert steps == list(range(1, 61))  # every step logged exactly once across the kill
+
+
+# -- what trains ---------------------------------------------------------------------------------------
+
+def converted_student(heal) -> Path:
+    return convert(heal.src, heal.root / "mqa", to="mqa", measure=False).out
+
+
+def test_attention_only_leaves_everything_else_untouched(heal):
+    student = converted_student(heal)
+    result = finetune(heal(f"student.model={student}", "student.convert=null", "train.params=attention",
+                           "eval.every=0", "checkpoint.every=0", "train.max_steps=4"))
+    before, after = load_file(student / "model.safetensors"), load_file(result.out / "model.safetensors")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(".self_attn." in k for k in changed)
+    assert any("k_proj" in k for k in changed)
+
+
+def test_teacher_defaults_to_the_model_the_student_was_converted_from(heal, tiny):
+    student = converted_student(heal)
+    result = finetune(heal(f"student.model={student}", "student.convert=null", "eval.every=0", "checkpoint.every=0",
+                           "train.max_steps=2"))
+    assert result.record["finetune"]["teacher"] == str(heal.src)
+    plain = tiny("llama")  # no effattn.json: nobody knows its original
+    with pytest.raises(EffattnError, match="no teacher: .* has no effattn.json"):
+        finetune(heal(f"student.model={plain}", "student.convert=null", output="plain"))
+    result = finetune(heal(f"student.model={plain}", "student.convert=null", "loss.kl=0", "loss.ce=1",
+                           "train.max_steps=2", "eval.every=0", output="ce-only"))
+    assert result.record["finetune"]["teacher"] is None and "agreement" not in result.final_eval[str(heal.root / "held.txt")]
+
+
+def test_lora_adapters_are_merged_into_a_native_checkpoint(heal):
+    student = converted_student(heal)
+    result = finetune(heal(f"student.model={student}", "student.convert=null", "train.params=lora", "train.lora.r=4",
+                           "train.lora.target_modules=[q_proj, v_proj]", "optimizer.lr=1e-2", "eval.every=0",
+                           "checkpoint.every=0", "train.max_steps=4"))
+    assert type(result.model).__name__ == "LlamaForCausalLM"
+    assert not (result.out / "adapter_config.json").exists()
+    before, after = load_file(student / "model.safetensors"), load_file(result.out / "model.safetensors")
+    assert before.keys() == after.keys()  # no lora_A / lora_B left: the adapters are in the weights
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
+    assert json.loads((result.out / "effattn.json").read_text())["finetune"]["trainable_params"] == 2 * 4 * (
+        (48 + 48) + (48 + 8))  # 2 layers x r x (in + out) for q [48->48] and v [48->8]
+
+
+def test_bad_lora_targets_name_the_linear_layers(heal):
+    student = converted_student(heal)
+    with pytest.raises(EffattnError, match="its linear layers are named .*k_proj"):
+        finetune(heal(f"student.model={student}", "student.convert=null", "train.params=lora",
+                      "train.lora.target_modules=[qproj]"))
+
+
+def test_conversion_aux_losses_and_ema_buffers_take_part(heal):
+    """A converted model whose modules expose `effattn_aux_loss` and update EMA buffers in forward
+    (the interface the VQ conversion uses): the term is in the loss, the buffers move, it saves."""
+    register()
+    student = make_aux_model(heal.root / "aux-student", heal.src)
+    result = finetune(heal(f"student.model={student}", "student.convert=null", f"teacher.model={heal.src}",
+                           "loss.aux_weight=0.5", "eval.every=0", "checkpoint.every=0", "train.max_steps=4"))
+    records = [r for r in metrics(result.out) if r["kind"] == "train"]
+    for r in records:
+        assert r["aux"] > 0 and r["loss"] == pytest.approx(r["kl"] + 0.5 * r["aux"], rel=1e-5)
+    saved = load_file(result.out / "model.safetensors")
+    assert saved["model.layers.0.self_attn.probe.ema"].abs().sum() > 0
+    assert not torch.equal(saved["model.layers.1.self_attn.probe.scale"], torch.ones(48))
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_end_with_the_same_model(heal, tmp_path):
+    """2 CPU processes (gloo): different data per process, identical weights and EMA buffers on both,
+    one output written; equal to one process taking both processes' samples in one batch."""
+    register()
+    student = make_aux_model(heal.root / "aux-student", heal.src)
+    recipe = [f"student.model={student}", "student.convert=null", f"teacher.model={heal.src}", "train.max_steps=6",
+              "eval.every=3", "checkpoint.every=3", "loss.ce=0.5"]
+    out, report = heal.root / "ddp", heal.root / "ranks"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(29500 + os.getpid() % 1000),
+                           str(REPO / "tests" / "finetune_worker.py"), str(heal.recipe_file), str(report),
+                           *recipe, f"output={out}"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((report / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["hash"] == ranks[1]["hash"]
+    assert [r["wrote"] for r in ranks] == [True, False]
+    assert json.loads((out / "effattn.json").read_text())["finetune"]["processes"] == 2
+    single = finetune(heal(*recipe, "train.batch_size=4", output="single"))
+    assert_same_weights(load_file(out / "model.safetensors"), load_file(single.out / "model.safetensors"), atol=1e-5)
+
+
+def test_output_cannot_overwrite_the_student(heal):
+    student = converted_student(heal)
+    with pytest.raises(EffattnError, match="is also student.model"):
+        finetune(heal(f"student.model={student}", "student.convert=null", output="mqa"), force=True)
+    assert (student / "model.safetensors").exists()
