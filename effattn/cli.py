@@ -79,13 +79,18 @@ def inspect(
 @app.command()
 def convert(
     model: str = ModelArg,
-    to: str = typer.Option(..., "--to", help="conversion: gqa, mqa (= gqa --kv-heads 1), mha"),
+    to: str = typer.Option(..., "--to", help="conversion: gqa, mqa (= gqa --kv-heads 1), mha, rerope, vq (= vq-init)"),
     kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads after conversion (gqa)"),
     method: Optional[str] = typer.Option(None, "--method", help="conversion method (see `effattn inspect`)"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="output folder"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (keep), float32, bfloat16, float16"),
     calib: Optional[str] = typer.Option(None, "--calib", help="calibration corpus name or text file (calibrated methods)"),
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="calibration tokens (calibrated methods)"),
+    window: Optional[int] = typer.Option(None, "--window", help="rerope/vq: exact-RoPE window W (default 256)"),
+    codebook_size: Optional[int] = typer.Option(None, "--codebook-size", help="vq: codewords per layer and KV head (default 512)"),
+    sinks: Optional[int] = typer.Option(None, "--sinks", help="vq: first positions never quantized (default 0)"),
+    metric: Optional[str] = typer.Option(None, "--metric", help="vq: k-means distance, query (logit error) or key"),
+    kmeans: Optional[str] = typer.Option(None, "--kmeans", help="vq: k-means implementation, torch or sklearn"),
     force: bool = typer.Option(False, "--force", help="replace an existing output folder"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show what would be done; write nothing"),
     measure: Optional[bool] = typer.Option(None, "--eval/--no-eval", help="measure original vs converted for the card (default: models up to 3B)"),
@@ -96,9 +101,46 @@ def convert(
     allow_pickle: bool = PickleOpt,
 ):
     """Convert MODEL's attention and write a native transformers checkpoint to -o OUT."""
+    options = {"kv_heads": kv_heads, "method": method, "calib": calib, "calib_tokens": calib_tokens,
+               "window": window, "codebook_size": codebook_size, "sinks": sinks, "metric": metric, "kmeans": kmeans}
+    _run_conversion(model, output, to, options, dtype=dtype, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
+                    measure=measure, eval_tokens=eval_tokens, as_json=as_json, trust_remote_code=trust_remote_code,
+                    allow_pickle=allow_pickle)
+
+
+@app.command("vq-init")
+def vq_init(
+    model: str = ModelArg,
+    codebook_size: int = typer.Option(512, "--codebook-size", help="codewords per layer and KV head"),
+    window: int = typer.Option(256, "--window", help="W: keys this close keep exact RoPE; older keys are quantized"),
+    sinks: int = typer.Option(0, "--sinks", help="first positions of a sequence that are never quantized"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="output folder"),
+    calib: Optional[str] = typer.Option(None, "--calib", help="calibration corpus name or text file (default: calib)"),
+    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="calibration tokens (default 16384)"),
+    metric: str = typer.Option("query", "--metric", help="k-means distance: query (logit error under the model's queries) or key"),
+    kmeans: str = typer.Option("torch", "--kmeans", help="k-means implementation: torch or sklearn (MiniBatchKMeans)"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (keep), float32, bfloat16, float16"),
+    force: bool = typer.Option(False, "--force", help="replace an existing output folder"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="show what would be done; write nothing"),
+    measure: Optional[bool] = typer.Option(None, "--eval/--no-eval", help="measure original vs converted for the card"),
+    eval_tokens: int = typer.Option(4096, "--eval-tokens", help="tokens per corpus for that measurement"),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size"),
+    as_json: bool = JsonOpt,
+    trust_remote_code: bool = TrustOpt,
+    allow_pickle: bool = PickleOpt,
+):
+    """Transformer-VQ from a pretrained model: ReRoPE window + k-means codebooks (= convert --to vq)."""
+    options = {"codebook_size": codebook_size, "window": window, "sinks": sinks, "calib": calib,
+               "calib_tokens": calib_tokens, "metric": metric, "kmeans": kmeans}
+    _run_conversion(model, output, "vq", options, dtype=dtype, force=force, dry_run=dry_run,
+                    max_shard_size=max_shard_size, measure=measure, eval_tokens=eval_tokens, as_json=as_json,
+                    trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+
+
+def _run_conversion(model, output, to, options, *, dtype, force, dry_run, max_shard_size, measure, eval_tokens,
+                    as_json, trust_remote_code, allow_pickle) -> None:
     from .convert import convert as run_convert
 
-    options = {"kv_heads": kv_heads, "method": method, "calib": calib, "calib_tokens": calib_tokens}
     options = {k: v for k, v in options.items() if v is not None}
     command = "effattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress_bar(not as_json) as progress:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from ..errors import EffattnError, one_of
 from .base import ConvertResult, Plan, convert, read_record
 from .gqa import GQAConversion
+from .vq import ReRoPEConversion, VQConversion
 
-CONVERSIONS = {c.name: c for c in [GQAConversion()]}
+CONVERSIONS = {c.name: c for c in [GQAConversion(), ReRoPEConversion(), VQConversion()]}
 ALIASES = {"mqa": ("gqa", {"kv_heads": 1}), "mha": ("gqa", {"kv_heads": "heads"})}
 
 

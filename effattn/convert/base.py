@@ -49,6 +49,7 @@ class Plan:
 class Conversion(Protocol):
     name: str
     description: str
+    options: tuple[str, ...]  # the option names `plan` accepts (others are refused by the driver)
 
     def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan: ...
 
@@ -131,8 +132,17 @@ def convert(
                                    f"drop --{key.replace('_', '-')} or use --to {to}")
             options[key] = value
     conversion = get_conversion(to)
+    for key, value in options.items():
+        if value is not None and key not in conversion.options:
+            flag = "--" + key.replace("_", "-")
+            users = [c for c in _all_conversions() if key in _all_conversions()[c].options]
+            raise EffattnError(f"{flag} does not apply to --to {to}",
+                               f"drop it ({flag} is for --to {', '.join(users)})" if users else f"drop {flag}")
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)
+    if ckpt.config.get("model_type") == "effattn_vq":
+        raise EffattnError(f"{ref.spec} is already a ReRoPE/VQ model (effattn_vq)",
+                           "convert the model it came from (see its effattn.json), or chain GQA first, then vq")
     family = family_for(ckpt.config)
     target = parse_dtype(dtype)
     plan = conversion.plan(ckpt, family, options | {"dtype": target})
@@ -149,6 +159,8 @@ def convert(
         writer.close()
         write_json(tmp / "config.json", plan.config)
         copy_side_files(ckpt.side_files(), tmp)
+        if hasattr(conversion, "write_extra"):  # e.g. bundled modeling code for trust_remote_code
+            conversion.write_extra(tmp)
         seconds = time.perf_counter() - t0
         measurements = None
         if measure or (measure is None and ckpt.num_params <= 3e9):
@@ -168,6 +180,12 @@ def convert(
 
         (tmp / "README.md").write_text(model_card(out.name, record, plan))
     return ConvertResult(out.absolute(), plan, seconds, measurements, record)
+
+
+def _all_conversions():
+    from . import CONVERSIONS
+
+    return CONVERSIONS
 
 
 def _quick_measure(folder: Path, name: str, ref: ModelRef, eval_tokens: int, trust_remote_code: bool) -> dict[str, Any]:

@@ -288,6 +288,7 @@ def valid_kv_heads(heads: int) -> list[int]:
 
 
 class GQAConversion:
+    options = ("kv_heads", "method", "calib", "calib_tokens")
     name = "gqa"
     description = "change the number of KV heads: GQA, MQA (kv_heads=1) or MHA (kv_heads=heads)"
 

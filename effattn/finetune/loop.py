@@ -40,6 +40,7 @@ from ..convert import convert, read_record
 from ..errors import EffattnError
 from ..io.checkpoint import Checkpoint
 from ..io.load import as_ref, load_model
+from ..convert.vq import export_code_for
 from ..io.save import save_model
 from ..io.writer import write_json
 from .config import Optimizer, Recipe, Schedule, Student, Train
@@ -361,7 +362,8 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
         })
         out = save_model(final, tokenizer, run.out, record, card=finetune_card(run.out.name, record), dtype=save_dtype,
                          force=True, side_files=Checkpoint(student_path).side_files(),
-                         extra_files={"recipe.yaml": run.recipe, "metrics.jsonl": run.metrics, "curves.png": run.curves})
+                         extra_files={"recipe.yaml": run.recipe, "metrics.jsonl": run.metrics, "curves.png": run.curves},
+                         export_code=export_code_for(final))
     accelerator.wait_for_everyone()
     return FinetuneResult(out, final, steps, tokens, seconds, final_loss, start_eval, final_eval, resumed_from, record)
 

@@ -1,0 +1,129 @@
+"""SmolLM2-135M to ReRoPE and Transformer-VQ, zero-shot, evaluated at 2048 tokens.
+
+    python benchmarks/bench_vq_quality.py [--windows 64,256] [--tokens 8192] [--variants rerope,plain,query,sinks]
+
+For each window W: ReRoPE alone (`--to rerope`), then `vq-init` (C=512) variants that add one lever
+at a time:
+  plain   k-means on 8K tokens of one domain (`plays`), plain key distance, no sinks
+  calib   the default calibration mix `calib` (16K tokens: poems, technical prose, code), key distance
+  query   + the query-aware metric (codebooks fitted to the logit error; codes assigned the same way)
+  sinks   + 4 sink positions never quantized
+Evaluation corpora (`shakespeare`: held-out plays, `britannica`: encyclopedic prose) are never used for
+calibration. Also compares torch and scikit-learn k-means on the keys of one layer (time and error).
+Writes the `vq-quality` section of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._util import machine, write_section  # noqa: E402
+
+VARIANTS = {
+    "plain": {"calib": "plays", "calib_tokens": 8192, "metric": "key"},
+    "calib": {"metric": "key"},
+    "query": {"metric": "query"},
+    "sinks": {"metric": "query", "sinks": 4},
+}
+LABELS = {"rerope": "ReRoPE only", "plain": "VQ: 8K tokens of plays, key distance",
+          "calib": "VQ: 16K tokens of `calib`, key distance", "query": "VQ: `calib`, query-aware metric",
+          "sinks": "VQ: `calib`, query metric, 4 sinks"}
+
+
+def kmeans_comparison(layer: int = 10, tokens: int = 16384) -> list[tuple[str, str, str]]:
+    """torch vs sklearn k-means (C=512) on the pre-RoPE keys of one SmolLM2 layer, 3 KV heads."""
+    import torch
+
+    from effattn.convert.kmeans import kmeans
+    from effattn.data.corpora import load_text, token_blocks
+    from effattn.io.load import load_model
+
+    model, tok, _ = load_model("llama")
+    ids = token_blocks(tok, load_text("calib"), 1024, tokens)
+    keys = []
+    attn = model.model.layers[layer].self_attn
+    hook = attn.k_proj.register_forward_hook(lambda m, i, o: keys.append(o.detach()))
+    with torch.no_grad():
+        for i in range(0, len(ids), 4):
+            model(input_ids=ids[i:i + 4], use_cache=False)
+    hook.remove()
+    k = torch.cat([x.reshape(-1, model.config.num_key_value_heads, attn.head_dim) for x in keys]).transpose(0, 1)
+    rows = []
+    for method in ("torch", "sklearn"):
+        r = kmeans(k.contiguous(), 512, method=method)
+        rows.append((method, f"{r.seconds:.1f}", f"{r.error:.3f}"))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--windows", default="64,256")
+    ap.add_argument("--variants", default="rerope,plain,query,sinks")
+    ap.add_argument("--corpora", default="shakespeare,britannica")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--no-kmeans", action="store_true", help="skip the torch/sklearn k-means comparison")
+    args = ap.parse_args()
+    from effattn.convert import convert
+    from effattn.data.corpora import load_text, token_blocks
+    from effattn.evaluate import corpus_scores
+    from effattn.io.load import load_model
+
+    corpora = args.corpora.split(",")
+    original, tok, _ = load_model("llama")
+    blocks = {c: token_blocks(tok, load_text(c), args.context, args.tokens, spread=True) for c in corpora}
+    base = {c: corpus_scores(original, blocks[c])["perplexity"] for c in corpora}
+    rows = [("original", "—", "—", *[f"{base[c]:.2f}" for c in corpora], *["100%" for _ in corpora])]
+    print(rows[-1], flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for window in [int(w) for w in args.windows.split(",")]:
+            for variant in args.variants.split(","):
+                t0 = time.perf_counter()
+                if variant == "rerope":
+                    result = convert("llama", Path(tmp) / variant, to="rerope", options={"window": window}, measure=False)
+                else:
+                    options = {"codebook_size": 512, "window": window} | VARIANTS[variant]
+                    result = convert("llama", Path(tmp) / variant, to="vq", options=options, measure=False)
+                seconds = time.perf_counter() - t0
+                model, _, _ = load_model(result.out)
+                scores = {c: corpus_scores(model, blocks[c], original) for c in corpora}
+                rows.append((LABELS[variant], str(window), f"{seconds:.0f}",
+                             *[f"{scores[c]['perplexity']:.2f} ({scores[c]['perplexity'] / base[c]:.3f}x)" for c in corpora],
+                             *[f"{scores[c]['agreement']:.1%}" for c in corpora]))
+                print(rows[-1], flush=True)
+                del model
+    header = ["model", "W", "convert s", *[f"ppl {c}" for c in corpora], *[f"top-1 agree {c}" for c in corpora]]
+    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                      + ["| " + " | ".join(r) + " |" for r in rows])
+    km = ""
+    if not args.no_kmeans:
+        km_rows = kmeans_comparison()
+        km = ("\nk-means implementations on the pre-RoPE keys of layer 10 (16,384 tokens of `calib`, 3 KV heads, "
+              "C=512, key distance): seconds for the 3 heads and mean squared quantization error per key.\n\n"
+              "| k-means | seconds | error |\n|---|---|---|\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in km_rows)
+              + "\n")
+    write_section("vq-quality", f"""
+## Transformer-VQ from SmolLM2-135M-Instruct, zero-shot, at {args.context} tokens
+
+`python benchmarks/bench_vq_quality.py --windows {args.windows} --variants {args.variants} --tokens {args.tokens}`
+on {machine()}.
+
+Perplexity on {args.tokens:,} tokens per corpus in blocks of {args.context} (evenly spread over each
+corpus; in brackets the ratio to the original) and top-1 agreement with the original. Codebooks:
+C=512 per layer and KV head, fitted layer by layer (`effattn vq-init`); ReRoPE alone is weight-only.
+Calibration never sees the evaluation corpora. Conversion time was measured while other jobs shared
+the 2 cores.
+
+{table}
+{km}""")
+
+
+if __name__ == "__main__":
+    main()

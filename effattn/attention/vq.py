@@ -1,0 +1,292 @@
+"""Transformer-VQ models converted from pretrained RoPE models (Llama, Mistral, Qwen2, Qwen3).
+
+`EffattnVQForCausalLM` is the base family's own model (same modules, same weight names) whose
+attention modules are replaced by `VQAttention`:
+
+* ReRoPE: keys within `vq_window` positions of the query get exact RoPE; older keys see one constant
+  relative position (`vq_window`), so they enter the logits unrotated (pre-RoPE);
+* VQ: those older keys are quantized to a per-layer, per-KV-head codebook (the first `vq_sinks`
+  positions excepted), which lets the blockwise kernel summarise them per code (count, value sum):
+  linear time, and a cache whose size stops growing after the window (`VQCache`);
+* `vq_quantize: false` gives the ReRoPE model alone (no codebook; its cache holds every key).
+
+Codebooks are buffers. In training mode every VQ attention exposes `effattn_aux_loss` (the
+commitment loss ‖k − sg(c)‖², Transformer-VQ's) and updates its codebook by exponential moving
+averages of the keys assigned to each code (averaged over processes when torch.distributed runs).
+
+This module imports nothing from effattn but the kernels, so `effattn vq-init` can bundle it with
+them into one `modeling_effattn_vq.py` that `trust_remote_code=True` loads without effattn.
+"""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from effattn.kernels.vq.chunk import VQState, vq_attention_chunk
+from effattn.kernels.vq.naive import vq_attention_naive
+
+VQ_MODEL_TYPE = "effattn_vq"
+# every VQ setting lives in the config under these names; all other keys belong to the base model
+VQ_DEFAULTS = {
+    "base_model_type": "llama",
+    "vq_quantize": True,
+    "codebook_size": 512,
+    "vq_window": 256,
+    "vq_sinks": 0,
+    "vq_block_size": 64,
+    "vq_ema_decay": 0.99,
+    "vq_commit_weight": 1e-3,
+    "vq_kernel": "chunk",
+}
+_NOT_BASE = {"model_type", "architectures", "auto_map", "transformers_version", *VQ_DEFAULTS}
+# a ReRoPE-only model keeps every key exact: every position is a "sink" to the kernel
+_ALL_SINKS = 1 << 62
+
+
+class EffattnVQConfig(PretrainedConfig):
+    """The base model's config (every key of it, flat) plus the VQ settings of `VQ_DEFAULTS`."""
+
+    model_type = VQ_MODEL_TYPE
+
+    def __init__(self, **kwargs):
+        for key, default in VQ_DEFAULTS.items():
+            setattr(self, key, kwargs.pop(key, default))
+        super().__init__(**kwargs)
+
+    def base_config(self) -> PretrainedConfig:
+        """The base family's config (e.g. a LlamaConfig) with the same settings."""
+        values = {k: v for k, v in self.to_dict().items() if k not in _NOT_BASE}
+        return AutoConfig.for_model(self.base_model_type, **values)
+
+
+def nearest_codes(k: torch.Tensor, codebook: torch.Tensor, metric: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of the nearest codeword of every key: k (B, T, G, D), codebook (G, C, D) -> (B, T, G).
+
+    `metric` (G, D, D) is a whitening map W: the distance is ‖Wᵀ(k − c)‖² (W = I: plain distance).
+    """
+    cb = codebook.to(k.dtype)
+    if metric is not None:
+        w = metric.to(k.dtype)
+        k, cb = torch.einsum("btgd,gde->btge", k, w), torch.einsum("gcd,gde->gce", cb, w)
+    scores = torch.einsum("btgd,gcd->btgc", k, cb) - 0.5 * (cb * cb).sum(-1)  # argmax = nearest
+    return scores.argmax(-1)
+
+
+class VQCache:
+    """Per-layer `VQState`s: the window's keys/values, the sinks and per-code statistics. Its size
+    stops growing once the window is full (for `vq_quantize: false`, every key is kept)."""
+
+    def __init__(self):
+        self.states: dict[int, VQState] = {}
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        state = self.states.get(layer_idx)
+        return 0 if state is None else state.seen
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def nbytes(self) -> int:
+        return sum(state.nbytes() for state in self.states.values())
+
+
+class VQAttention(nn.Module):
+    """A family's attention module (its projections and q/k norms, same names) with ReRoPE+VQ."""
+
+    def __init__(self, attn: nn.Module, config: EffattnVQConfig, layer_idx: int):
+        super().__init__()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            if getattr(attn, name, None) is not None:
+                setattr(self, name, getattr(attn, name))
+        self.has_qk_norm = getattr(attn, "q_norm", None) is not None
+        self.layer_idx = layer_idx
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.config = config
+        kv_heads = config.num_key_value_heads
+        size = max(1, config.codebook_size) if config.vq_quantize else 1
+        self.register_buffer("codebook", torch.randn(kv_heads, size, self.head_dim))
+        self.register_buffer("ema_counts", torch.ones(kv_heads, size))
+        self.register_buffer("ema_sums", self.codebook.clone())
+        # whitening W of the code-assignment distance ‖Wᵀ(k − c)‖² (vq-init --metric query fits it)
+        self.register_buffer("code_metric", torch.eye(self.head_dim).repeat(kv_heads, 1, 1))
+        self.effattn_aux_loss = None
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-RoPE q (B, T, H, D), k and v (B, T, G, D), after the q/k norms where the family has them."""
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, vq_far=None,
+                **kwargs):
+        if vq_far is None:
+            raise ValueError("VQAttention needs vq_far (the RoPE table at the window's relative position); "
+                             "run it inside EffattnVQForCausalLM")
+        cfg = self.config
+        B, T, _ = hidden_states.shape
+        q, k, v = self.project(hidden_states)
+        cos, sin = (x[0].to(q.dtype) for x in position_embeddings)  # (T, D): one sequence layout per batch
+        far_cos, far_sin = (x.to(q.dtype) for x in vq_far)
+        if cfg.vq_quantize:
+            codebook = self.codebook
+            codes = nearest_codes(k.detach(), codebook, self.code_metric)
+            sinks = cfg.vq_sinks
+        else:
+            codebook = k.new_zeros(k.shape[2], 1, k.shape[3])
+            codes = torch.zeros(B, T, k.shape[2], dtype=torch.long, device=k.device)
+            sinks = _ALL_SINKS
+        state = cache.states.get(self.layer_idx) if cache is not None else None
+        args = (q, k, v, codebook.to(q.dtype), codes, cos, sin, far_cos, far_sin)
+        settings = dict(window=cfg.vq_window, block_size=cfg.vq_block_size, sinks=sinks, scale=self.scaling)
+        if cfg.vq_kernel == "naive" and state is None and cache is None:
+            out = vq_attention_naive(*args, **settings)
+        elif cache is not None:
+            out, cache.states[self.layer_idx] = vq_attention_chunk(*args, **settings, state=state, return_state=True)
+        else:
+            out = vq_attention_chunk(*args, **settings)
+        if self.training and cfg.vq_quantize:
+            self._learn_codebook(k, codes, state.seen if state is not None else 0)
+        return self.o_proj(out.reshape(B, T, -1)), None
+
+    def _learn_codebook(self, k: torch.Tensor, codes: torch.Tensor, first_position: int) -> None:
+        """Commitment loss on the keys (their gradient) and an EMA step of the codebook (no gradient)."""
+        cfg = self.config
+        keep = torch.arange(first_position, first_position + k.shape[1], device=k.device) >= cfg.vq_sinks
+        k, codes = k[:, keep], codes[:, keep]
+        if k.shape[1] == 0:
+            self.effattn_aux_loss = None
+            return
+        chosen = self.codebook[torch.arange(k.shape[2], device=k.device), codes].to(k.dtype)  # (B, T, G, D)
+        self.effattn_aux_loss = cfg.vq_commit_weight * (k - chosen.detach()).float().pow(2).sum(-1).mean()
+        with torch.no_grad():
+            onehot = F.one_hot(codes, self.codebook.shape[1]).float()  # (B, T, G, C)
+            counts = onehot.sum((0, 1))  # (G, C)
+            sums = torch.einsum("btgc,btgd->gcd", onehot, k.float())
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(counts)
+                torch.distributed.all_reduce(sums)
+            decay = cfg.vq_ema_decay
+            self.ema_counts.mul_(decay).add_(counts, alpha=1 - decay)
+            self.ema_sums.mul_(decay).add_(sums, alpha=1 - decay)
+            used = self.ema_counts > 1e-6  # codes never used keep their codeword
+            update = self.ema_sums / self.ema_counts.clamp_min(1e-6)[..., None]
+            self.codebook.copy_(torch.where(used[..., None], update, self.codebook))
+
+
+class EffattnVQPreTrainedModel(PreTrainedModel):
+    config_class = EffattnVQConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+class EffattnVQForCausalLM(EffattnVQPreTrainedModel, GenerationMixin):
+    """The base family's causal LM with every attention replaced by `VQAttention`."""
+
+    def __init__(self, config: EffattnVQConfig):
+        super().__init__(config)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        base_config = config.base_config()
+        base_config._attn_implementation = "sdpa"
+        base = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)](base_config)
+        self._no_split_modules = getattr(base, "_no_split_modules", None)
+        self.model, self.lm_head = base.model, base.lm_head
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = VQAttention(layer.self_attn, config, i)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, VQAttention):  # a fresh model (not loaded): random unit-scale codebook
+            with torch.no_grad():
+                module.codebook.normal_()
+                module.ema_counts.fill_(1.0)
+                module.ema_sums.copy_(module.codebook)
+                module.code_metric.copy_(torch.eye(module.head_dim).expand_as(module.code_metric))
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise ValueError("EffattnVQForCausalLM does not support padding: pass sequences of equal length "
+                             "(batch=1 for generation of different prompts)")
+        body = self.model
+        x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        if use_cache and not isinstance(cache, VQCache):
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError(f"EffattnVQForCausalLM needs its own VQCache, got a filled {type(cache).__name__}")
+            cache = VQCache()  # replaces the empty DynamicCache generate() prepares
+        if not use_cache and not isinstance(cache, VQCache):
+            cache = None
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + x.shape[1], device=x.device)[None]
+        elif int(position_ids[0, 0]) != past:
+            raise ValueError(f"position_ids start at {int(position_ids[0, 0])} but the cache holds {past} positions")
+        cos, sin = body.rotary_emb(x, position_ids)
+        far = torch.tensor([[self.config.vq_window]], device=x.device)
+        far_cos, far_sin = (t[0, 0] for t in body.rotary_emb(x, far))
+        for layer in body.layers:
+            x = layer(x, position_embeddings=(cos, sin), position_ids=position_ids, cache=cache,
+                      vq_far=(far_cos, far_sin))
+        x = body.norm(x)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(x[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    def vq_attention_modules(self) -> list[VQAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+
+def register() -> None:
+    """Make `AutoConfig`/`AutoModelForCausalLM` know `effattn_vq` (called by `import effattn`)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        AutoConfig.register(VQ_MODEL_TYPE, EffattnVQConfig)
+        AutoModelForCausalLM.register(EffattnVQConfig, EffattnVQForCausalLM)
+    except ValueError:  # already registered (e.g. a reload)
+        pass
+
+
+def vq_config_from(base: dict, **settings) -> dict:
+    """The config.json dict of a VQ model built on the base model's config dict."""
+    unknown = set(settings) - set(VQ_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown VQ settings {sorted(unknown)}")
+    config = {k: copy.deepcopy(v) for k, v in base.items() if k not in ("architectures", "auto_map")}
+    config["base_model_type"] = base["model_type"]
+    config["model_type"] = VQ_MODEL_TYPE
+    config["architectures"] = ["EffattnVQForCausalLM"]
+    config.update({k: settings.get(k, v) for k, v in VQ_DEFAULTS.items() if k != "base_model_type"})
+    config["auto_map"] = {"AutoConfig": "modeling_effattn_vq.EffattnVQConfig",
+                          "AutoModelForCausalLM": "modeling_effattn_vq.EffattnVQForCausalLM"}
+    return config
+

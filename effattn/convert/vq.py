@@ -1,0 +1,275 @@
+"""ReRoPE and Transformer-VQ conversions (`--to rerope`, `--to vq`, and `effattn vq-init`).
+
+`rerope` is weight-only: the same weights under `EffattnVQForCausalLM` with `vq_quantize: false`
+(exact RoPE inside the window, one constant relative position beyond it).
+
+`vq` adds a codebook per layer and KV head, fitted by k-means on pre-RoPE keys collected layer by
+layer (sequentially, like the calibrated GQA methods): layer i's keys come from the inputs the
+already-converted layers 0..i-1 produce, with their own VQ attention in place, so each codebook is
+fitted to the keys it will really quantize. Only one decoder layer's weights and the calibration
+activations are held at a time.
+
+Levers (all measured in BENCHMARKS.md): the calibration text (`--calib`), the k-means metric
+(`--metric query`: the logit error E[(qᵀ(k − c))²] under the queries that read the keys;
+`key`: plain distance), sink positions never quantized (`--sinks`), and the k-means implementation
+(`--kmeans torch|sklearn`).
+
+The output loads with `AutoModelForCausalLM.from_pretrained(OUT)` after `import effattn`, and with
+`trust_remote_code=True` without effattn: the modeling code is bundled into the folder.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..attention.layerwise import LayerFactory
+from ..data.corpora import DEFAULT_CALIB
+from ..errors import EffattnError, one_of
+from ..families import AttentionShape, Family
+from ..io.checkpoint import Checkpoint
+from ..io.writer import SafetensorsWriter, TensorSpec
+from ..kernels.rope import apply_rope
+from .base import Plan, out_dtype, same_specs
+from .kmeans import KMEANS, kmeans
+
+METRICS = ("query", "key")
+BUFFERS = ("codebook", "ema_counts", "ema_sums", "code_metric")
+# ema_counts start as the expected number of keys per code in a batch of this many tokens
+EMA_NOMINAL_TOKENS = 1024
+
+
+def vq_buffer_specs(family: Family, shape: AttentionShape, size: int) -> list[TensorSpec]:
+    specs = []
+    for layer in range(shape.layers):
+        base = f"{family.prefix(layer)}self_attn."
+        specs += [TensorSpec(base + "codebook", (shape.kv_heads, size, shape.head_dim), torch.float32),
+                  TensorSpec(base + "ema_counts", (shape.kv_heads, size), torch.float32),
+                  TensorSpec(base + "ema_sums", (shape.kv_heads, size, shape.head_dim), torch.float32),
+                  TensorSpec(base + "code_metric", (shape.kv_heads, shape.head_dim, shape.head_dim), torch.float32)]
+    return specs
+
+
+def _positive_int(options: dict, key: str, default: int, low: int = 1) -> int:
+    value = options.get(key)
+    value = default if value is None else value
+    flag = "--" + key.replace("_", "-")
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise EffattnError(f"{flag} must be an integer >= {low}, got {value!r}", f"pass e.g. {flag} {default}")
+    return value
+
+
+class _ReRoPEBase:
+    quantize = False
+
+    def _common(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]):
+        from ..attention.vq import vq_config_from
+
+        if family.rope_layout != "rotate_half":
+            raise EffattnError(f"{family.name} does not use rotate-half RoPE", "ReRoPE needs a RoPE model")
+        shape = AttentionShape.of(ckpt.config)
+        window = _positive_int(options, "window", 256)
+        sinks = _positive_int(options, "sinks", 0, low=0)
+        block = _positive_int(options, "block_size", 64)
+        size = _positive_int(options, "codebook_size", 512) if self.quantize else 1
+        target = options.get("dtype")
+        config = vq_config_from(ckpt.config, vq_quantize=self.quantize, codebook_size=size if self.quantize else 0,
+                                vq_window=window, vq_sinks=sinks, vq_block_size=block)
+        if target is not None:
+            config["dtype"] = str(target).replace("torch.", "")
+            config.pop("torch_dtype", None)
+        dtype = target or ckpt.dtype
+        kv_before = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize
+        specs = same_specs(ckpt, target) + vq_buffer_specs(family, shape, size)
+        return shape, window, sinks, block, size, config, kv_before, specs, target
+
+    def write_extra(self, folder: Path) -> None:
+        (folder / "modeling_effattn_vq.py").write_text(bundle_modeling_code())
+
+
+class ReRoPEConversion(_ReRoPEBase):
+    name = "rerope"
+    description = "ReRoPE: exact RoPE within --window tokens, one constant relative position beyond (weight-only)"
+
+    options = ("window", "block_size")
+
+    def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
+        shape, window, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
+        return Plan(
+            conversion=self.name, settings={"window": window}, config=config, specs=specs,
+            summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
+                     ("attention", f"ReRoPE, window {window}: exact inside, relative position {window} beyond"),
+                     ("KV cache", f"{kv:,.0f} bytes/token, unchanged (every key is kept)")],
+            kv_bytes_per_token=(kv, kv), est_seconds=ckpt.nbytes / 200e6,
+            est_peak_bytes=_layer_bytes(ckpt, family) * 2, state={"shape": shape, "target": target, "size": size},
+        )
+
+    def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
+        from .base import passthrough
+
+        passthrough(ckpt, writer, ckpt.names(), plan.state["target"])
+        shape = plan.state["shape"]
+        for layer in range(shape.layers):
+            _write_buffers(writer, family, layer, torch.zeros(shape.kv_heads, 1, shape.head_dim),
+                           torch.zeros(shape.kv_heads, 1), torch.eye(shape.head_dim).repeat(shape.kv_heads, 1, 1))
+
+
+class VQConversion(_ReRoPEBase):
+    name = "vq"
+    description = "Transformer-VQ: ReRoPE window + keys beyond it quantized to k-means codebooks (linear time)"
+    quantize = True
+    options = ("codebook_size", "window", "sinks", "block_size", "calib", "calib_tokens", "calib_seq_len", "metric",
+               "kmeans")
+
+    def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
+        from .calibrate import CalibSettings
+
+        shape, window, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
+        metric = options.get("metric") or "query"
+        if metric not in METRICS:
+            raise EffattnError(f"unknown --metric {metric!r}", one_of(metric, METRICS))
+        method = options.get("kmeans") or "torch"
+        if method not in KMEANS:
+            raise EffattnError(f"unknown --kmeans {method!r}", one_of(method, KMEANS))
+        calib = CalibSettings(corpus=options.get("calib") or DEFAULT_CALIB,
+                              tokens=_positive_int(options, "calib_tokens", 16384),
+                              seq_len=_positive_int(options, "calib_seq_len", 1024)).validate()
+        if calib.seq_len <= window:
+            raise EffattnError(f"calibration sequences ({calib.seq_len} tokens) must be longer than the window "
+                               f"({window}) for keys to be quantized", f"use --window below {calib.seq_len}")
+        # the cache after T tokens: the window's K/V and the sinks (exact), plus per code a count and a value sum
+        state_bytes = shape.layers * shape.kv_heads * (
+            (window - 1 + sinks) * 2 * shape.head_dim * 4 + size * (shape.head_dim + 1) * 4)
+        tokens_per_layer = calib.tokens
+        est = ckpt.nbytes / 200e6 + shape.layers * tokens_per_layer * (2 * ckpt.num_params / shape.layers) / 20e9
+        activations = calib.tokens * shape.hidden * 4 * 3 + calib.tokens * shape.kv_heads * shape.head_dim * 4 * 2
+        return Plan(
+            conversion=self.name,
+            settings={"codebook_size": size, "window": window, "sinks": sinks, "block_size": block, "metric": metric,
+                      "kmeans": method, "calib": calib.corpus, "calib_tokens": calib.tokens,
+                      "calib_seq_len": calib.seq_len},
+            config=config, specs=specs,
+            summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
+                     ("attention", f"ReRoPE window {window} (exact) + VQ beyond it, codebook {size} per KV head"
+                                   + (f", {sinks} sink positions never quantized" if sinks else "")),
+                     ("codebooks", f"k-means ({method}, {metric} metric) on {calib.tokens:,} tokens of "
+                                   f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
+                     ("KV cache", f"{kv:,.0f} bytes/token now; VQ state {state_bytes:,.0f} bytes at any length "
+                                  f"(= {kv:,.0f} bytes/token x {state_bytes / kv:,.0f} tokens)")],
+            kv_bytes_per_token=(kv, state_bytes / (4 * window)),
+            est_seconds=est, est_peak_bytes=_layer_bytes(ckpt, family) * 3 + activations + 400 * 2**20,
+            state={"shape": shape, "target": target, "size": size, "calib": calib, "metric": metric,
+                   "kmeans": method},
+        )
+
+    @torch.no_grad()
+    def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
+        from ..attention.vq import EffattnVQConfig, VQAttention
+        from .calibrate import _batches, calibration_tokens
+
+        st = plan.state
+        shape, calib, target = st["shape"], st["calib"], st["target"]
+        cfg = EffattnVQConfig(**plan.config)
+        factory = LayerFactory(ckpt.config, family)
+        ids = calibration_tokens(ckpt.folder, calib)  # (N, T)
+        T = ids.shape[1]
+        cos, sin = factory.rope(max(T, cfg.vq_window + 1))
+        far = (cos[0, cfg.vq_window], sin[0, cfg.vq_window])
+        cos, sin = cos[:, :T], sin[:, :T]
+        x = ckpt.get(family.embed).float()[ids]
+        written = set()
+        task = progress.add_task(f"fitting codebooks ({ids.numel():,} tokens)", total=shape.layers) if progress else None
+        keep = torch.arange(T) >= cfg.vq_sinks  # sink positions are never quantized: not fitted either
+        for layer in range(shape.layers):
+            prefix = family.prefix(layer)
+            tensors = {n: ckpt.get(n) for n in ckpt.names() if n.startswith(prefix)}
+            module = factory.layer(layer, tensors, shape.kv_heads)
+            attn = VQAttention(module.self_attn, cfg, layer)
+            keys, metric = [], torch.zeros(shape.kv_heads, shape.head_dim, shape.head_dim, dtype=torch.float64)
+            group, seen = shape.heads // shape.kv_heads, 0
+            for sl in _batches(x, calib.batch_size):
+                h = module.input_layernorm(x[sl])
+                q, k, _ = attn.project(h)
+                keys.append(k[:, keep].reshape(-1, shape.kv_heads, shape.head_dim))
+                if st["metric"] == "query":  # far logits are <rope(q, W) * scale, k>: weigh key errors by them
+                    qw = apply_rope(q, far[0], far[1]) * attn.scaling  # (B, T, H, D)
+                    qw = qw.reshape(-1, shape.kv_heads, group, shape.head_dim).float()
+                    metric += torch.einsum("ngai,ngaj->gij", qw, qw).double()
+                    seen += qw.shape[0] * group
+            keys = torch.cat(keys).transpose(0, 1).contiguous()  # (G, N, D)
+            result = kmeans(keys, st["size"], metric=(metric / max(seen, 1)).float() if st["metric"] == "query" else None,
+                            method=st["kmeans"], seed=layer)
+            counts = result.counts * (EMA_NOMINAL_TOKENS / keys.shape[1])
+            attn.codebook.copy_(result.centroids)
+            attn.ema_counts.copy_(counts)
+            attn.ema_sums.copy_(result.centroids * counts[..., None])
+            attn.code_metric.copy_(result.whitener)
+            for name, tensor in tensors.items():
+                writer.write(name, tensor.to(out_dtype(ckpt.meta(name)[1], target)))
+                written.add(name)
+            _write_buffers(writer, family, layer, result.centroids, counts, result.whitener)
+            ckpt.release()
+            module.self_attn = attn
+            x = torch.cat([module(x[sl], position_embeddings=(cos, sin), vq_far=far)
+                           for sl in _batches(x, calib.batch_size)])
+            if progress:
+                progress.update(task, advance=1, description=f"fitting codebooks: layer {layer}, "
+                                                              f"error {result.error:.3g}")
+        for name in ckpt.names():
+            if name not in written:
+                writer.write(name, ckpt.get(name).to(out_dtype(ckpt.meta(name)[1], target)))
+
+
+def _write_buffers(writer: SafetensorsWriter, family: Family, layer: int, codebook: torch.Tensor,
+                   counts: torch.Tensor, whitener: torch.Tensor) -> None:
+    base = f"{family.prefix(layer)}self_attn."
+    writer.write(base + "code_metric", whitener.float().contiguous())
+    writer.write(base + "codebook", codebook.float().contiguous())
+    writer.write(base + "ema_counts", counts.float().contiguous())
+    writer.write(base + "ema_sums", (codebook.float() * counts.float()[..., None]).contiguous())
+
+
+def _layer_bytes(ckpt: Checkpoint, family: Family) -> int:
+    prefix = family.prefix(0)
+    return sum(ckpt.meta(n)[1].itemsize * torch.Size(ckpt.meta(n)[0]).numel() for n in ckpt.names() if n.startswith(prefix))
+
+
+def export_code_for(model: torch.nn.Module):
+    """`save_model`'s export hook for effattn's own model classes (None for native models)."""
+    if getattr(model.config, "model_type", None) != "effattn_vq":
+        return None
+    return lambda _model, folder: (folder / "modeling_effattn_vq.py").write_text(bundle_modeling_code())
+
+
+# -- remote code: one self-contained modeling file -------------------------------------------------------
+
+_BUNDLE = ("kernels/rope.py", "kernels/vq/naive.py", "kernels/vq/chunk.py", "attention/vq.py")
+
+
+def bundle_modeling_code() -> str:
+    """effattn's VQ model and its kernels as one module, for `trust_remote_code=True` without effattn."""
+    root = Path(__file__).resolve().parent.parent
+    header = ['"""Transformer-VQ model code written by effattn (https://pypi.org/project/effattn), bundled from its',
+              "modules " + ", ".join(f"effattn/{p}" for p in _BUNDLE) + ".",
+              'Loaded by transformers with trust_remote_code=True; `import effattn` registers the same classes."""',
+              ""]
+    imports, bodies = [], []
+    for rel in _BUNDLE:
+        text = (root / rel).read_text()
+        text = re.sub(r'\A\s*(?:"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\')\s*\n', "", text)  # module docstring
+        body = []
+        for line in text.splitlines():
+            if line.startswith("from effattn") or line.startswith("import effattn") or line.startswith("from .."):
+                continue
+            if line.startswith("from __future__"):
+                continue
+            if line.startswith("import ") or line.startswith("from "):
+                if line not in imports:
+                    imports.append(line)
+                continue
+            body.append(line)
+        bodies.append(f"# ---- effattn/{rel} " + "-" * max(0, 80 - len(rel)) + "\n" + "\n".join(body).strip() + "\n")
+    return "\n".join(header + sorted(set(imports), key=imports.index) + ["", ""] + ["\n\n".join(bodies)])

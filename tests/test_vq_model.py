@@ -1,0 +1,259 @@
+"""Transformer-VQ conversions on tiny random models: exactness where the maths allows it, the cache,
+remote code, training hooks, k-means, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import effattn  # noqa: F401  (registers effattn_vq)
+from effattn.attention.vq import EffattnVQForCausalLM, VQCache, nearest_codes
+from effattn.convert import convert
+from effattn.convert.kmeans import kmeans
+from effattn.errors import EffattnError
+
+from .conftest import FAMILY_CONFIGS, logits_of
+from .test_cli_errors import assert_one_line_error, run_cli
+
+FAMILIES = list(FAMILY_CONFIGS)
+IDS = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bold jumpers".split()
+    gen = torch.Generator().manual_seed(0)
+    path.write_text(" ".join(words[i] for i in torch.randint(len(words), (6000,), generator=gen)))
+    return path
+
+
+def vq_init(src: Path, out: Path, calib: Path, **options) -> Path:
+    opts = {"codebook_size": 16, "window": 16, "calib": str(calib), "calib_tokens": 1024, "calib_seq_len": 128} | options
+    return convert(src, out, to="vq", options=opts, measure=False).out
+
+
+def load(folder: Path, **overrides):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    for key, value in overrides.items():
+        setattr(model.config, key, value)
+    return model
+
+
+def logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rerope_with_a_window_covering_the_sequence_is_the_original(tiny, tmp_path, family):
+    src = tiny(family, heads=6, kv_heads=3, head_dim=8)
+    out = convert(src, tmp_path / "rerope", to="rerope", options={"window": IDS.shape[1]}, measure=False).out
+    model = load(out)
+    assert isinstance(model, EffattnVQForCausalLM) and not model.config.vq_quantize
+    torch.testing.assert_close(logits(model), logits_of(src, IDS, torch.float64), rtol=1e-9, atol=1e-9)
+    # and a short window changes the far logits: ReRoPE is not a no-op
+    model.config.vq_window = 8
+    assert (logits(model) - logits_of(src, IDS, torch.float64)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vq_with_a_window_covering_the_sequence_is_the_rerope_model(tiny, tmp_path, calib_file, family):
+    src = tiny(family, heads=6, kv_heads=3, head_dim=8)
+    vq = load(vq_init(src, tmp_path / "vq", calib_file))
+    rerope = load(convert(src, tmp_path / "rerope", to="rerope", options={"window": 16}, measure=False).out)
+    assert vq.config.vq_quantize and tuple(vq.model.layers[0].self_attn.codebook.shape) == (3, 16, 8)
+    for model in (vq, rerope):
+        model.config.vq_window = IDS.shape[1]
+    torch.testing.assert_close(logits(vq), logits(rerope), rtol=1e-9, atol=1e-9)
+    # with the real window, quantization is what separates them; with every key a sink, nothing is quantized
+    vq.config.vq_window = rerope.config.vq_window = 16
+    assert (logits(vq) - logits(rerope)).abs().max() > 1e-4
+    vq.config.vq_sinks = IDS.shape[1]
+    torch.testing.assert_close(logits(vq), logits(rerope), rtol=1e-9, atol=1e-9)
+
+
+def test_blockwise_kernel_equals_the_naive_reference_in_the_model(tiny, tmp_path, calib_file):
+    src = tiny("qwen2", heads=6, kv_heads=2, head_dim=8)
+    model = load(vq_init(src, tmp_path / "vq", calib_file, sinks=3))
+    chunk = logits(model)
+    model.config.vq_kernel = "naive"
+    torch.testing.assert_close(chunk, logits(model), rtol=1e-9, atol=1e-9)
+
+
+def test_cached_decoding_matches_the_full_forward_and_the_cache_stops_growing(tiny, tmp_path, calib_file):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    model = load(vq_init(src, tmp_path / "vq", calib_file, sinks=2))
+    ids = IDS[:1]
+    full = logits(model, ids)
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :40], use_cache=True)
+        cache, steps, sizes = out.cache, [out.logits], []
+        assert isinstance(cache, VQCache)
+        for t in range(40, ids.shape[1]):
+            out = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
+            cache = out.cache
+            steps.append(out.logits)
+            sizes.append(cache.nbytes())
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
+    assert cache.get_seq_length() == ids.shape[1]
+    assert len(set(sizes)) == 1  # window + sinks + per-code statistics: constant past the window
+    generated = model.generate(ids[:, :8], max_new_tokens=24, do_sample=False)
+    assert generated.shape == (1, 32)
+
+
+def test_eval_measures_the_vq_cache(tiny, tmp_path, calib_file):
+    from effattn.evaluate import kv_cache_bytes
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8, layers=2)
+    model = load(vq_init(src, tmp_path / "vq", calib_file))
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64)
+    long = torch.randint(0, 256, (1, 400))
+    vq_bytes, base_bytes = kv_cache_bytes(model, long), kv_cache_bytes(base, long)
+    # per layer, float64: the window's 15 keys and values of 3 heads (head_dim 8), their codes (int64)
+    # and RoPE rows (cos, sin), and per code of each head a count and a value sum
+    per_layer = 15 * 3 * 8 * 2 * 8 + 15 * 3 * 8 + 15 * 8 * 2 * 8 + 3 * 16 * 8 + 3 * 16 * 8 * 8
+    assert vq_bytes == 2 * per_layer
+    assert base_bytes == 2 * 3 * 400 * 2 * 8 * 8
+    assert vq_bytes < base_bytes / 5
+
+
+def test_remote_code_loads_without_effattn(tiny, tmp_path, calib_file):
+    src = tiny("qwen3", heads=6, kv_heads=3, head_dim=8)
+    out = vq_init(src, tmp_path / "vq", calib_file, sinks=1)
+    assert "auto_map" in json.loads((out / "config.json").read_text())
+    script = f"""
+import builtins, sys, torch
+real = builtins.__import__
+def guarded(name, *args, **kwargs):
+    if name == "effattn" or name.startswith("effattn."):
+        raise ImportError("effattn must not be needed")
+    return real(name, *args, **kwargs)
+builtins.__import__ = guarded
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float64).eval()
+assert "effattn" not in sys.modules and type(model).__name__ == "EffattnVQForCausalLM"
+ids = torch.tensor({IDS.tolist()!r})
+with torch.no_grad():
+    torch.save(model(input_ids=ids, use_cache=False).logits, {str(tmp_path / "remote.pt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    torch.testing.assert_close(torch.load(tmp_path / "remote.pt"), logits(load(out)), rtol=0, atol=0)
+
+
+def test_training_exposes_the_commitment_loss_and_moves_the_codebook_by_ema(tiny, tmp_path, calib_file):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    model = AutoModelForCausalLM.from_pretrained(vq_init(src, tmp_path / "vq", calib_file)).train()
+    attn = model.model.layers[0].self_attn
+    before = attn.codebook.clone()
+    out = model(input_ids=IDS, labels=IDS, use_cache=False)
+    aux = [m.effattn_aux_loss for m in model.vq_attention_modules()]
+    assert all(a is not None and a.item() > 0 for a in aux)
+    (out.loss + sum(aux)).backward()
+    assert not attn.codebook.requires_grad and attn.codebook.grad is None
+    assert attn.k_proj.weight.grad.abs().sum() > 0
+    moved = (attn.codebook - before).norm(dim=-1)
+    assert moved.max() > 0  # used codes moved towards their keys
+    unused = attn.ema_counts < 1e-6
+    assert torch.equal(attn.codebook[unused], before[unused])
+
+
+def test_kmeans_torch_and_sklearn_find_separated_clusters():
+    gen = torch.Generator().manual_seed(0)
+    centers = torch.randn(2, 8, 4, generator=gen) * 10
+    labels = torch.randint(8, (2, 800), generator=gen)
+    x = centers[torch.arange(2)[:, None], labels] + 0.1 * torch.randn(2, 800, 4, generator=gen)
+    for method in ("torch", "sklearn"):
+        result = kmeans(x, 8, method=method)
+        assert result.centroids.shape == (2, 8, 4)
+        assert result.error < 0.1  # ~ noise variance x dims (0.04): every cluster found
+        assert int(result.counts.sum()) == 2 * 800
+
+
+def test_query_metric_lowers_the_logit_error():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4000, 6, generator=gen) * torch.tensor([5.0, 5, 5, 0.3, 0.3, 0.3])  # wide dims
+    q = torch.randn(4000, 6, generator=gen) * torch.tensor([0.1, 0.1, 0.1, 10, 10, 10])  # queries read narrow dims
+    metric = (q.T @ q / len(q))[None]
+
+    def logit_error(result):
+        codes = nearest_codes(x[0][None, :, None], result.centroids, result.whitener)[0, :, 0]  # as the model does
+        err = x[0] - result.centroids[0][codes]
+        return ((err @ q.T) ** 2).mean()
+
+    key, query = kmeans(x, 16, method="torch"), kmeans(x, 16, metric=metric, method="torch")
+    assert torch.allclose(key.whitener, torch.eye(6)[None])
+    assert logit_error(query) < 0.5 * logit_error(key)
+
+
+def test_bad_vq_options_are_one_line_errors(tiny, tmp_path, calib_file, capsys):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    cases = [
+        (["vq-init", str(src), "--window", "1024", "--calib", str(calib_file), "-o", str(tmp_path / "a")], "longer than the window"),
+        (["vq-init", str(src), "--metric", "cosine", "-o", str(tmp_path / "b")], "unknown --metric"),
+        (["vq-init", str(src), "--kmeans", "faiss", "-o", str(tmp_path / "c")], "unknown --kmeans"),
+        (["vq-init", str(src), "--codebook-size", "0", "-o", str(tmp_path / "d")], "--codebook-size must be"),
+        (["convert", str(src), "--to", "vq", "--kv-heads", "1", "-o", str(tmp_path / "e")], "--kv-heads does not apply"),
+        (["convert", str(src), "--to", "gqa", "--kv-heads", "1", "--window", "8", "-o", str(tmp_path / "f")],
+         "--window does not apply"),
+    ]
+    for args, message in cases:
+        code, _, err = run_cli(capsys, *args)
+        assert_one_line_error(code, err, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]  # nothing written, not even temporaries
+
+
+def test_vq_dry_run_writes_nothing(tiny, tmp_path, calib_file):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    result = convert(src, tmp_path / "vq", to="vq", options={"codebook_size": 16, "window": 16}, dry_run=True)
+    assert result.out is None and not (tmp_path / "vq").exists()
+    assert result.plan.settings["codebook_size"] == 16 and result.plan.est_seconds > 0
+    with pytest.raises(EffattnError, match="does not apply"):
+        convert(src, tmp_path / "x", to="rerope", options={"codebook_size": 16}, dry_run=True)
+
+
+def test_heal_vq_trains_codebooks_and_writes_a_loadable_vq_model(tiny, tmp_path, calib_file, capsys):
+    import yaml
+    from safetensors.torch import load_file
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    text = calib_file.read_text()
+    (tmp_path / "train.txt").write_text(text[: len(text) // 2])
+    (tmp_path / "held.txt").write_text(text[len(text) // 2:])
+    recipe = {
+        "student": {"model": str(src), "convert": {"to": "vq", "codebook_size": 16, "window": 8, "calib": str(calib_file),
+                                                   "calib_tokens": 1024, "calib_seq_len": 128}},
+        "data": {"sources": [str(tmp_path / "train.txt")], "seq_len": 64},
+        "train": {"max_steps": 10, "batch_size": 2, "params": "attention"},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 2},
+        "eval": {"every": 5, "corpora": [str(tmp_path / "held.txt")], "seq_len": 64, "tokens": 256},
+        "checkpoint": {"every": 5},
+    }
+    (tmp_path / "heal.yaml").write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "healed"
+    code, stdout, err = run_cli(capsys, "finetune", tmp_path / "heal.yaml", "-o", out, "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert len(train) == 10 and all(r["aux"] > 0 for r in train)  # the commitment loss is on
+    report = json.loads(stdout)
+    held = str(tmp_path / "held.txt")
+    assert report["final_eval"][held]["perplexity"] < report["start_eval"][held]["perplexity"]
+    assert (out / "modeling_effattn_vq.py").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "effattn_vq" and "auto_map" in config
+    healed = load_file(str(out / "model.safetensors"))
+    start = load_file(str(vq_init(src, tmp_path / "start", calib_file, window=8) / "model.safetensors"))
+    for name in ("codebook", "ema_counts"):  # the conversion is deterministic: the EMA moved the codebooks
+        key = f"model.layers.1.self_attn.{name}"
+        assert healed[key].shape == start[key].shape and not torch.equal(healed[key], start[key])
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(model, EffattnVQForCausalLM) and model.config.vq_window == 8
