@@ -66,6 +66,7 @@ def main() -> None:
         f"`{command}`",
         describe(report),
         format_table(report["results"]),
+        *verdict(report["results"]),
         "Speed-up is sdpa's time over the kind's at the same length; CPU speed-up compares process CPU time "
         "(all threads), less sensitive than wall time to other jobs on the machine. Peak memory includes the "
         "output tensor (last column).",
@@ -80,6 +81,31 @@ def main() -> None:
     print(text)
     if not args.no_write:
         write_section("vq-attention", text)
+
+
+def verdict(results: list[dict]) -> list[str]:
+    """The issue's targets, checked against these numbers: vq >= 10x faster than sdpa at the longest length
+    (goal 20x), and vq's working memory (peak less the output) flat in sequence length."""
+    by = {(r["kind"], r["length"]): r for r in results}
+    lengths = sorted(n for kind, n in by if kind == "vq" and ("sdpa", n) in by)
+    if not lengths:
+        return []
+    n = lengths[-1]
+    wall = by["sdpa", n]["time_s"] / by["vq", n]["time_s"]
+    cpu = by["sdpa", n]["cpu_time_s"] / by["vq", n]["cpu_time_s"]
+    met = "met" if min(wall, cpu) >= 10 else "NOT met"
+    speed = (
+        f"**Speed target {met}**: at {n:,} tokens vq is {wall:.1f}x faster than sdpa in wall time and {cpu:.1f}x "
+        f"in CPU time (target at least 10x, goal 20x)."
+    )
+    working = {kind: ", ".join(f"{(by[kind, m]['peak_mem_bytes'] - by[kind, m]['output_bytes']) / 2**20:.0f}"
+                               for m in lengths) for kind in ("sdpa", "vq")}  # fmt: skip
+    memory = (
+        f"Working memory (peak less the output, MiB) at {', '.join(f'{m:,}' for m in lengths)} tokens: "
+        f"vq {working['vq']}; sdpa {working['sdpa']}. The output itself, (T, heads, head_dim), grows with T "
+        f"for every kind."
+    )
+    return [speed, memory]
 
 
 def _relative(path: Path) -> str:
