@@ -105,7 +105,14 @@ def verdict(results: list[dict]) -> list[str]:
         f"vq {working['vq']}; sdpa {working['sdpa']}. The output itself, (T, heads, head_dim), grows with T "
         f"for every kind."
     )
-    return [speed, memory]
+    settings = by["vq", n]
+    columns = settings["window"] + settings["codebook_size"] + settings["sinks"]
+    work = (
+        f"Work per query: sdpa scores (T + 1) / 2 keys on average ({(n + 1) / 2:,.0f} at {n:,} tokens), vq about "
+        f"window + codebook + sinks = {columns} columns, so at equal arithmetic efficiency vq would be about "
+        f"{(n + 1) / 2 / columns:.0f}x faster at {n:,} tokens."
+    )
+    return [speed, memory, work]
 
 
 def _relative(path: Path) -> str:

@@ -177,6 +177,9 @@ def bench(
     repeats: int = typer.Option(3, "--repeats", help="timed passes per point (median reported)"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's, all cores)"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    omp_wait_policy: Optional[str] = typer.Option(None, "--omp-wait-policy",
+                                                  help="active or passive: OMP_WAIT_POLICY of the measurements "
+                                                       "(passive on machines shared with other jobs)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="also save time and memory curves here (PNG)"),
     as_json: bool = JsonOpt,
 ):
@@ -185,16 +188,18 @@ def bench(
     Every point runs in a fresh process; see BENCHMARKS.md for results and benchmarks/bench_vq_attention.py
     for the script that writes them.
     """
-    from .bench import TABLE_COLUMNS, check_plot_path, describe, parse_kinds, parse_lengths, plot_bench, run_report, \
-        table_rows
+    from .bench import (TABLE_COLUMNS, check_plot_path, describe, parse_kinds, parse_lengths, plot_bench,
+                        run_report, table_rows)
 
+    kinds, sizes = parse_kinds(attention), parse_lengths(lengths)
+    settings = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, codebook_size=codebook_size,
+                    block_size=block_size, sinks=sinks, dtype=dtype, repeats=repeats, threads=threads, device=device,
+                    omp_wait_policy=omp_wait_policy)
     if plot is not None:
         check_plot_path(plot)  # before minutes of measurements
     with err.status("benchmarking ...", spinner="dots") if not as_json else _null() as status:
-        report = run_report(parse_kinds(attention), parse_lengths(lengths), heads=heads, kv_heads=kv_heads,
-                            head_dim=head_dim, window=window, codebook_size=codebook_size, block_size=block_size,
-                            sinks=sinks, dtype=dtype, repeats=repeats, threads=threads, device=device,
-                            progress=(lambda text: status.update(f"benchmarking {text} ...")) if status is not None else None)
+        progress = None if status is None else (lambda text: status.update(f"benchmarking {text} ..."))
+        report = run_report(kinds, sizes, progress=progress, **settings)
     if plot is not None:
         plot_bench(report["results"], plot)
     if as_json:

@@ -62,6 +62,7 @@ def test_bench_prints_a_table(capsys):
     (["--repeats", "0"], ["repeats must be at least 1"]),
     (["--sinks", "-1"], ["sinks must be 0 or more"]),
     (["--device", "tpu"], ["Unknown device 'tpu'", "cpu"]),
+    (["--omp-wait-policy", "lazy"], ["omp_wait_policy must be 'active' or 'passive'"]),
 ])
 def test_bench_bad_input_is_one_line(capsys, args, needles):
     code, stdout, err = run_cli(capsys, "bench", *args)
