@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 from benchmarks._util import ROOT, write_section  # noqa: E402
 from effattn.bench import (  # noqa: E402
-    check_plot_path, describe, format_table, parse_kinds, parse_lengths, plot_bench, run_report,
+    MEASURED, check_plot_path, describe, format_table, parse_kinds, parse_lengths, plot_bench, run_report,
 )  # fmt: skip
 
 
@@ -40,6 +41,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--omp-wait-policy", choices=["active", "passive"], help="OMP_WAIT_POLICY of the measurements")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole benchmark this many times in a row (other jobs on the machine vary)")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--plot", type=Path, help="also save a time/memory plot here (PNG)")
     parser.add_argument("--no-write", action="store_true", help="print the section but leave BENCHMARKS.md alone")
@@ -54,19 +57,26 @@ def main() -> None:
         omp_wait_policy=args.omp_wait_policy,
     )  # fmt: skip
     progress = lambda text: print(f"  {text}", file=sys.stderr, flush=True)  # noqa: E731
-    report = run_report(args.kinds, args.lengths, progress=progress, **settings)
-    if args.naive_lengths:
-        naive = run_report(["vq_naive"], args.naive_lengths, progress=progress, **settings)
-        report["results"] += naive["results"]
-        report["load_average"]["after"] = naive["load_average"]["after"]
+    rounds = []
+    for i in range(args.rounds):
+        print(f"round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        report = run_report(args.kinds, args.lengths, progress=progress, **settings)
+        if args.naive_lengths:
+            naive = run_report(["vq_naive"], args.naive_lengths, progress=progress, **settings)
+            report["results"] += naive["results"]
+            report["load_average"]["after"] = naive["load_average"]["after"]
+        rounds.append(report)
+    report = combine(rounds)
 
     command = f"python {shlex.join(sys.argv)}"
     section = [
         "## One attention layer: Transformer-VQ vs SDPA (`effattn bench`)",
         f"`{command}`",
-        describe(report),
+        describe(report)
+        + (f" Whole benchmark run {args.rounds} times in a row; the table shows each point's median over the rounds."
+           if args.rounds > 1 else ""),
         format_table(report["results"]),
-        *verdict(report["results"]),
+        *verdict(report["results"], report["rounds"]),
         "Speed-up is sdpa's time over the kind's at the same length; CPU speed-up compares process CPU time "
         "(all threads), less sensitive than wall time to other jobs on the machine. Peak memory includes the "
         "output tensor (last column).",
@@ -83,7 +93,18 @@ def main() -> None:
         write_section("vq-attention", text)
 
 
-def verdict(results: list[dict]) -> list[str]:
+def combine(rounds: list[dict]) -> dict:
+    """One report from several rounds: each point's measurements are medians over the rounds; the raw
+    results of every round are kept under ``rounds``."""
+    results = []
+    measured = [key for key in MEASURED if key != "threads"]
+    for points in zip(*(r["results"] for r in rounds)):
+        results.append({**points[0], **{key: statistics.median(p[key] for p in points) for key in measured}})
+    load = dict(before=rounds[0]["load_average"]["before"], after=rounds[-1]["load_average"]["after"])
+    return {**rounds[0], "load_average": load, "results": results, "rounds": [r["results"] for r in rounds]}
+
+
+def verdict(results: list[dict], rounds: list[list[dict]]) -> list[str]:
     """The issue's targets, checked against these numbers: vq >= 10x faster than sdpa at the longest length
     (goal 20x), and vq's working memory (peak less the output) flat in sequence length."""
     by = {(r["kind"], r["length"]): r for r in results}
@@ -91,13 +112,24 @@ def verdict(results: list[dict]) -> list[str]:
     if not lengths:
         return []
     n = lengths[-1]
-    wall = by["sdpa", n]["time_s"] / by["vq", n]["time_s"]
-    cpu = by["sdpa", n]["cpu_time_s"] / by["vq", n]["cpu_time_s"]
+
+    def speedups(points: list[dict]) -> tuple[float, float]:
+        at = {(r["kind"], r["length"]): r for r in points}
+        return tuple(at["sdpa", n][key] / at["vq", n][key] for key in ("time_s", "cpu_time_s"))
+
+    wall, cpu = speedups(results)
     met = "met" if min(wall, cpu) >= 10 else "NOT met"
     speed = (
         f"**Speed target {met}**: at {n:,} tokens vq is {wall:.1f}x faster than sdpa in wall time and {cpu:.1f}x "
         f"in CPU time (target at least 10x, goal 20x)."
     )
+    if len(rounds) > 1:
+        per_round = [speedups(points) for points in rounds]
+        speed += (
+            f" Round by round: {', '.join(f'{w:.1f}x' for w, _ in per_round)} in wall time, "
+            f"{', '.join(f'{c:.1f}x' for _, c in per_round)} in CPU time; "
+            f"{sum(min(w, c) >= 10 for w, c in per_round)} of {len(rounds)} rounds reach 10x in both."
+        )
     working = {kind: ", ".join(f"{(by[kind, m]['peak_mem_bytes'] - by[kind, m]['output_bytes']) / 2**20:.0f}"
                                for m in lengths) for kind in ("sdpa", "vq")}  # fmt: skip
     memory = (

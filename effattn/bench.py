@@ -158,7 +158,7 @@ def check_settings(
 def parse_lengths(text: str) -> list[int]:
     """``"1024,4096"`` -> ``[1024, 4096]``; raises :class:`BenchSettingsError` on anything else."""
     items = [item.strip() for item in text.split(",") if item.strip()]
-    bad = [item for item in items if not item.isdigit()]
+    bad = [item for item in items if not (item.isascii() and item.isdigit())]
     if bad or not items:
         raise BenchSettingsError(f"lengths {text!r} are not a comma-separated list of whole numbers"
                                  + (f" ({bad[0]!r})" if bad else ""), "pass e.g. 1024,4096,16384,32768")  # fmt: skip
