@@ -180,13 +180,12 @@ def bench(
     omp_wait_policy: Optional[str] = typer.Option(None, "--omp-wait-policy",
                                                   help="active or passive: OMP_WAIT_POLICY of the measurements "
                                                        "(passive on machines shared with other jobs)"),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="also save time and memory curves here (PNG)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="also save time and memory curves of each kind here (PNG)"),
     as_json: bool = JsonOpt,
 ):
     """Time and peak memory of one causal attention layer forward at each length: SDPA vs Transformer-VQ.
 
-    Every point runs in a fresh process; see BENCHMARKS.md for results and benchmarks/bench_vq_attention.py
-    for the script that writes them.
+    Every point runs in a fresh process. Results: BENCHMARKS.md, written by benchmarks/bench_vq_attention.py.
     """
     from .bench import (TABLE_COLUMNS, check_plot_path, describe, parse_kinds, parse_lengths, plot_bench,
                         run_report, table_rows)
