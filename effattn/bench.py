@@ -26,12 +26,20 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from effattn.errors import EffattnError, one_of
+
 KINDS = ("sdpa", "vq", "vq_naive")
 NAIVE_MAX_LENGTH = 8192  # vq_naive materialises several (heads, T, T) tensors
+MEASURED = ("time_s", "time_min_s", "cpu_time_s", "peak_mem_bytes", "output_bytes", "threads")
+
+
+class BenchSettingsError(EffattnError, ValueError):
+    """A bad benchmark setting: a ValueError for library callers, a one-line error for the CLI."""
 
 
 def bench_attention(
@@ -52,6 +60,7 @@ def bench_attention(
     seed: int = 0,
     omp_wait_policy: str | None = None,
     timeout_s: float = 3600.0,
+    progress: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Time one attention layer forward and measure its peak memory, per kind and length.
 
@@ -70,30 +79,21 @@ def bench_attention(
             make every parallel region wait for a time slice, which slows kernels made of many small
             operations (``vq``) far more than one large fused one (``sdpa``). Default: inherited.
         timeout_s: limit per point.
+        progress: called with a short description before each point.
 
     Returns:
         One dict per (kind, length) with ``kind, length, time_s, time_min_s, cpu_time_s,
         peak_mem_bytes, output_bytes`` and the settings used.
+
+    Raises:
+        BenchSettingsError: (a ValueError) for a bad setting, before anything is measured.
     """
     dtype_name = str(dtype).removeprefix("torch.")
-    unknown = [kind for kind in kinds if kind not in KINDS]
-    if unknown:
-        raise ValueError(f"Unknown attention kind(s) {unknown}; choose among {list(KINDS)}.")
-    if not isinstance(getattr(torch, dtype_name, None), torch.dtype):
-        raise ValueError(f"Unknown dtype {dtype!r}; pass a torch dtype name such as 'float32' or 'bfloat16'.")
-    if heads % kv_heads:
-        raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}; pick kv_heads dividing heads.")
-    if repeats < 1 or any(n < 1 for n in lengths):
-        raise ValueError(
-            f"repeats ({repeats}) and every length ({list(lengths)}) must be at least 1; pass positive values."
-        )
-    if omp_wait_policy is not None and omp_wait_policy.lower() not in ("active", "passive"):
-        raise ValueError(f"omp_wait_policy must be 'active' or 'passive', got {omp_wait_policy!r}; or leave it unset.")
-    if "vq_naive" in kinds and max(lengths) > NAIVE_MAX_LENGTH:
-        raise ValueError(
-            f"vq_naive is quadratic in memory and limited to lengths <= {NAIVE_MAX_LENGTH}, got {max(lengths)}; "
-            f"benchmark it on shorter sequences."
-        )
+    check_settings(
+        kinds, lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window,
+        codebook_size=codebook_size, block_size=block_size, sinks=sinks, dtype=dtype_name, repeats=repeats,
+        threads=threads, device=device, omp_wait_policy=omp_wait_policy,
+    )  # fmt: skip
     settings = dict(
         heads=heads,
         kv_heads=kv_heads,
@@ -109,7 +109,108 @@ def bench_attention(
         seed=seed,
         omp_wait_policy=omp_wait_policy,
     )
-    return [_run_point({**settings, "kind": kind, "length": n}, timeout_s) for kind in kinds for n in lengths]
+    points = [(kind, n) for kind in kinds for n in lengths]
+    results = []
+    for i, (kind, n) in enumerate(points):
+        if progress is not None:
+            progress(f"{kind} at {n} tokens ({i + 1}/{len(points)})")
+        results.append(_run_point({**settings, "kind": kind, "length": n}, timeout_s))
+    return results
+
+
+def check_settings(
+    kinds, lengths, *, heads, kv_heads, head_dim, window, codebook_size, block_size, sinks, dtype, repeats,
+    threads=None, device="cpu", omp_wait_policy=None,
+) -> None:  # fmt: skip
+    """Raise :class:`BenchSettingsError` (a ValueError) on the first bad setting of ``bench_attention``."""
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        raise BenchSettingsError(f"Unknown attention kind(s) {unknown}", one_of(unknown[0], KINDS))
+    if not kinds or not lengths:
+        raise BenchSettingsError("No attention kind or no length to measure", "pass at least one of each")
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise BenchSettingsError(f"Unknown dtype {dtype!r}", "pass a torch dtype name such as float32 or bfloat16")
+    positive = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, codebook_size=codebook_size,
+                    block_size=block_size, repeats=repeats, threads=threads or 1)  # fmt: skip
+    for name, value in {**positive, **{f"length {n}": n for n in lengths}}.items():
+        if value < 1:
+            raise BenchSettingsError(f"{name} must be at least 1, got {value}", "pass a positive value")
+    if sinks < 0:
+        raise BenchSettingsError(f"sinks must be 0 or more, got {sinks}", "pass 0 for no sinks")
+    if heads % kv_heads:
+        divisors = [g for g in range(1, heads + 1) if heads % g == 0]
+        raise BenchSettingsError(f"heads={heads} is not a multiple of kv_heads={kv_heads}",
+                                 f"pick kv_heads dividing heads: one of {divisors}")  # fmt: skip
+    if omp_wait_policy is not None and omp_wait_policy.lower() not in ("active", "passive"):
+        raise BenchSettingsError(f"omp_wait_policy must be 'active' or 'passive', got {omp_wait_policy!r}",
+                                 "pass one of them, or leave it unset")  # fmt: skip
+    if device != "cpu" and not device.startswith("cuda"):
+        raise BenchSettingsError(f"Unknown device {device!r}", "pass cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BenchSettingsError(f"device {device!r} asked for, but torch sees no CUDA GPU", "pass --device cpu")
+    if "vq_naive" in kinds and max(lengths) > NAIVE_MAX_LENGTH:
+        raise BenchSettingsError(
+            f"vq_naive is quadratic in memory and limited to lengths <= {NAIVE_MAX_LENGTH}, got {max(lengths)}",
+            "benchmark it on shorter sequences, or leave it out",
+        )
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"1024,4096"`` -> ``[1024, 4096]``; raises :class:`BenchSettingsError` on anything else."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    bad = [item for item in items if not (item.isascii() and item.isdigit())]
+    if bad or not items:
+        raise BenchSettingsError(f"lengths {text!r} are not a comma-separated list of whole numbers"
+                                 + (f" ({bad[0]!r})" if bad else ""), "pass e.g. 1024,4096,16384,32768")  # fmt: skip
+    return [int(item) for item in items]
+
+
+def parse_kinds(text: str) -> list[str]:
+    """``"sdpa, vq"`` -> ``["sdpa", "vq"]`` (checked by ``bench_attention``)."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def check_plot_path(path: str | Path) -> Path:
+    """The plot's path, if its folder exists and its suffix names an image format matplotlib writes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise BenchSettingsError(f"the folder of the plot {path} does not exist", "create it first, or pick another path")
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise BenchSettingsError(f"cannot tell the image format of the plot {path} from its suffix",
+                                 f"end the file name with .png ({one_of(path.suffix.lstrip('.'), formats)})")  # fmt: skip
+    return path
+
+
+def run_report(kinds, lengths, **settings) -> dict:
+    """``bench_attention`` plus what is needed to read its numbers: machine, settings, load average."""
+    load_before = os.getloadavg()[0]
+    results = bench_attention(kinds, lengths, **settings)
+    load_after = os.getloadavg()[0]
+    return dict(
+        machine=machine_info(),
+        settings={k: v for k, v in results[0].items() if k not in ("kind", "length") and k not in MEASURED},
+        load_average=dict(before=load_before, after=load_after),
+        results=results,
+    )
+
+
+def describe(report: dict) -> str:
+    """One paragraph: what was measured, with which settings, on which machine and under which load."""
+    s, info, load = report["settings"], report["machine"], report["load_average"]
+    threads = "/".join(str(n) for n in sorted({r["threads"] for r in report["results"]}))
+    policy = s["omp_wait_policy"] or os.environ.get("OMP_WAIT_POLICY", "unset")
+    return (
+        f"One causal attention layer forward, batch 1, {s['heads']} query heads, {s['kv_heads']} key/value heads, "
+        f"head_dim {s['head_dim']}, {s['dtype']}, on {s['device']}; VQ: window {s['window']}, codebook "
+        f"{s['codebook_size']}, block_size {s['block_size']}, sinks {s['sinks']}. Median wall and process CPU time "
+        f"of {s['repeats']} run(s); peak memory is the peak RSS growth during one forward pass over the inputs "
+        f"(fresh process per point), output included. Machine: {info['cpu']}, {info['cores']} cores, {threads} torch "
+        f"threads, torch {info['torch']}, Python {info['python']}{', GPU ' + info['gpu'] if 'gpu' in info else ''}; "
+        f"1-minute load average {load['before']:.2f} before, {load['after']:.2f} after; OMP_WAIT_POLICY {policy}."
+    )
 
 
 def _run_point(spec: dict, timeout_s: float) -> dict:
@@ -295,27 +396,39 @@ def machine_info() -> dict:
     return info
 
 
+# speed-ups are over sdpa at the same length; the peak memory includes the output
+TABLE_COLUMNS = ("kind", "length", "time (s)", "speed-up", "CPU time (s)", "CPU speed-up", "peak mem (MiB)",
+                 "output (MiB)")  # fmt: skip
+
+
+def table_rows(results: list[dict]) -> list[tuple[str, ...]]:
+    """Rows of ``TABLE_COLUMNS`` as text, by length then kind, with speed-ups over SDPA at each length."""
+    sdpa = {r["length"]: r for r in results if r["kind"] == "sdpa"}
+    rows = []
+    for r in sorted(results, key=lambda r: (r["length"], KINDS.index(r["kind"]))):
+        ref = sdpa.get(r["length"])
+        rows.append((
+            r["kind"], str(r["length"]), f"{r['time_s']:.3f}",
+            f"{ref['time_s'] / r['time_s']:.1f}x" if ref else "-",
+            f"{r['cpu_time_s']:.3f}",
+            f"{ref['cpu_time_s'] / r['cpu_time_s']:.1f}x" if ref else "-",
+            f"{r['peak_mem_bytes'] / 2**20:.1f}", f"{r['output_bytes'] / 2**20:.1f}",
+        ))  # fmt: skip
+    return rows
+
+
 def format_table(results: list[dict]) -> str:
     """Markdown table of ``bench_attention`` results, with speed-ups over SDPA at each length."""
-    sdpa = {r["length"]: r for r in results if r["kind"] == "sdpa"}
-    lines = [
-        "| kind | length | time (s) | speed-up vs sdpa | CPU time (s) | CPU-time speed-up "
-        "| peak memory (MiB) | of which output (MiB) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in sorted(results, key=lambda r: (r["length"], r["kind"])):
-        ref = sdpa.get(r["length"])
-        speedup = f"{ref['time_s'] / r['time_s']:.1f}x" if ref else "-"
-        cpu_speedup = f"{ref['cpu_time_s'] / r['cpu_time_s']:.1f}x" if ref else "-"
-        lines.append(
-            f"| {r['kind']} | {r['length']} | {r['time_s']:.3f} | {speedup} | {r['cpu_time_s']:.3f} | {cpu_speedup} | "
-            f"{r['peak_mem_bytes'] / 2**20:.1f} | {r['output_bytes'] / 2**20:.1f} |"
-        )
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|---|" + "---:|" * (len(TABLE_COLUMNS) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
     return "\n".join(lines)
 
 
 def plot_bench(results: list[dict], path: str | Path) -> Path:
-    """Save time and peak memory against sequence length, one line per kind, log-log axes."""
+    """Save time and working memory (peak memory less the output) against sequence length, one line per
+    kind, log-log axes.
+
+    The image goes to a temporary file next to ``path``, renamed over it once complete."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FormatStrFormatter
@@ -327,8 +440,9 @@ def plot_bench(results: list[dict], path: str | Path) -> Path:
         points = sorted((r for r in results if r["kind"] == kind), key=lambda r: r["length"])
         lengths = [r["length"] for r in points]
         time_ax.plot(lengths, [r["time_s"] for r in points], marker="o", label=kind)
-        mem_ax.plot(lengths, [max(r["peak_mem_bytes"], 1) / 2**20 for r in points], marker="o", label=kind)
-    for ax, label in ((time_ax, "forward time (s)"), (mem_ax, "peak memory over inputs (MiB)")):
+        working = [max(r["peak_mem_bytes"] - r["output_bytes"], 2**17) / 2**20 for r in points]  # floor: log axis
+        mem_ax.plot(lengths, working, marker="o", label=kind)
+    for ax, label in ((time_ax, "forward time (s)"), (mem_ax, "peak memory over inputs and output (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
@@ -341,6 +455,11 @@ def plot_bench(results: list[dict], path: str | Path) -> Path:
         f"one attention layer, batch 1, {first['heads']} heads / {first['kv_heads']} kv heads x {first['head_dim']}, "
         f"W={first['window']}, C={first['codebook_size']}, {first['dtype']}"
     )
-    path = Path(path)
-    fig.savefig(path, dpi=120)
+    path = check_plot_path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".").lower())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

@@ -204,6 +204,58 @@ def eval_(
     out.print(eval_table(report))
 
 
+@app.command()
+def bench(
+    attention: str = typer.Option("sdpa,vq", "--attention", help="comma list of sdpa, vq, vq_naive"),
+    lengths: str = typer.Option("1024,4096,16384,32768", "--lengths", help="comma list of sequence lengths"),
+    heads: int = typer.Option(9, "--heads", help="query heads (SmolLM2's by default)"),
+    kv_heads: int = typer.Option(3, "--kv-heads", help="key/value heads, dividing --heads"),
+    head_dim: int = typer.Option(64, "--head-dim"),
+    window: int = typer.Option(256, "--window", help="VQ: exact keys per query"),
+    codebook_size: int = typer.Option(512, "--codebook-size", help="VQ: codewords per key/value head"),
+    block_size: int = typer.Option(64, "--block-size", help="VQ: block length of the stop-gradient rule"),
+    sinks: int = typer.Option(0, "--sinks", help="VQ: first positions never quantized"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    repeats: int = typer.Option(3, "--repeats", help="timed passes per point (median reported)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's, all cores)"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    omp_wait_policy: Optional[str] = typer.Option(None, "--omp-wait-policy",
+                                                  help="active or passive: OMP_WAIT_POLICY of the measurements "
+                                                       "(passive on machines shared with other jobs)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="also save time and memory curves of each kind here (PNG)"),
+    as_json: bool = JsonOpt,
+):
+    """Time and peak memory of one causal attention layer forward at each length: SDPA vs Transformer-VQ.
+
+    Every point runs in a fresh process. Results: BENCHMARKS.md, written by benchmarks/bench_vq_attention.py.
+    """
+    from .bench import (TABLE_COLUMNS, check_plot_path, describe, parse_kinds, parse_lengths, plot_bench,
+                        run_report, table_rows)
+
+    kinds, sizes = parse_kinds(attention), parse_lengths(lengths)
+    settings = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, codebook_size=codebook_size,
+                    block_size=block_size, sinks=sinks, dtype=dtype, repeats=repeats, threads=threads, device=device,
+                    omp_wait_policy=omp_wait_policy)
+    if plot is not None:
+        check_plot_path(plot)  # before minutes of measurements
+    with err.status("benchmarking ...", spinner="dots") if not as_json else _null() as status:
+        progress = None if status is None else (lambda text: status.update(f"benchmarking {text} ..."))
+        report = run_report(kinds, sizes, progress=progress, **settings)
+    if plot is not None:
+        plot_bench(report["results"], plot)
+    if as_json:
+        return _print_json(report)
+    table = Table(title="effattn bench · one attention layer forward, causal, batch 1", title_justify="left")
+    for col in TABLE_COLUMNS:
+        table.add_column(col, justify="left" if col == "kind" else "right", min_width=max(map(len, col.split())))
+    for row in table_rows(report["results"]):
+        table.add_row(*row)
+    out.print(table)
+    out.print(describe(report), highlight=False)
+    if plot is not None:
+        out.print(f"[green]wrote[/] {plot}")
+
+
 recipes_app = typer.Typer(no_args_is_help=True, help="Built-in fine-tuning recipes: list, copy, validate.")
 app.add_typer(recipes_app, name="recipes")
 RecipeArg = typer.Argument(..., help="recipe YAML file or built-in recipe name (`effattn recipes ls`)")

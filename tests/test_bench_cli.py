@@ -1,0 +1,78 @@
+"""`effattn bench`: a real (tiny) run with --json and --plot, the human table, and one-line errors.
+
+Speed is checked by benchmarks/bench_vq_attention.py (BENCHMARKS.md), never by timed assertions here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from effattn.bench import KINDS
+
+from .test_cli_errors import assert_one_line_error, run_cli
+
+TINY = ("--repeats", "1", "--window", "64", "--codebook-size", "32")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_json_and_plot(capsys, tmp_path):
+    plot = tmp_path / "bench.png"
+    code, stdout, _ = run_cli(capsys, "bench", "--attention", "sdpa,vq,vq_naive", "--lengths", "256,512", *TINY,
+                              "--json", "--plot", plot)
+    assert code in (0, None)
+    report = json.loads(stdout)  # stdout holds the JSON and nothing else
+    assert set(report) == {"machine", "settings", "load_average", "results"}
+    assert report["settings"]["window"] == 64 and report["settings"]["codebook_size"] == 32
+    assert report["machine"]["cores"] >= 1 and set(report["load_average"]) == {"before", "after"}
+    points = {(r["kind"], r["length"]): r for r in report["results"]}
+    assert sorted(points) == sorted((kind, n) for kind in KINDS for n in (256, 512))
+    for (kind, n), r in points.items():
+        assert r["time_s"] > 0 and r["time_min_s"] > 0 and r["cpu_time_s"] > 0, r
+        assert r["peak_mem_bytes"] > 0, r
+        assert r["output_bytes"] == n * 9 * 64 * 4  # (T, heads, head_dim) float32
+    data = plot.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]  # no temporary file left
+
+
+@pytest.mark.slow
+def test_bench_prints_a_table(capsys):
+    code, stdout, _ = run_cli(capsys, "bench", "--attention", "sdpa,vq", "--lengths", "256", *TINY)
+    assert code in (0, None)
+    rows = [line for line in stdout.splitlines() if line.startswith("│")]
+    assert [row.split("│")[1].strip() for row in rows] == ["sdpa", "vq"]
+    assert "1.0x" in rows[0]  # sdpa against itself
+    for header in ("speed-up", "peak mem", "CPU time"):
+        assert header in stdout
+    assert "9 query heads, 3 key/value heads" in stdout and "load average" in stdout
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--attention", "sdpa,flash"], ["Unknown attention kind(s) ['flash']", "valid: sdpa, vq, vq_naive"]),
+    (["--attention", "vqq"], ["did you mean 'vq'?"]),
+    (["--lengths", "1k,abc"], ["'1k'", "pass e.g. 1024,4096"]),
+    (["--lengths", ","], ["not a comma-separated list", "pass e.g."]),
+    (["--lengths", "0"], ["length 0 must be at least 1"]),
+    (["--heads", "9", "--kv-heads", "2"], ["heads=9 is not a multiple of kv_heads=2", "[1, 3, 9]"]),
+    (["--attention", "vq_naive", "--lengths", "16384"], ["vq_naive is quadratic", "<= 8192"]),
+    (["--dtype", "float33"], ["Unknown dtype 'float33'", "bfloat16"]),
+    (["--repeats", "0"], ["repeats must be at least 1"]),
+    (["--sinks", "-1"], ["sinks must be 0 or more"]),
+    (["--device", "tpu"], ["Unknown device 'tpu'", "cpu"]),
+    (["--omp-wait-policy", "lazy"], ["omp_wait_policy must be 'active' or 'passive'"]),
+])
+def test_bench_bad_input_is_one_line(capsys, args, needles):
+    code, stdout, err = run_cli(capsys, "bench", *args)
+    assert_one_line_error(code, err, *needles)
+    assert stdout == ""
+
+
+def test_bench_plot_folder_must_exist(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "bench", "--plot", tmp_path / "missing" / "bench.png")
+    assert_one_line_error(code, err, "missing", "does not exist", "create it first")
+    code, _, err = run_cli(capsys, "bench", "--plot", tmp_path / "bench.xyz")
+    assert_one_line_error(code, err, "image format", ".png")
+    assert list(tmp_path.iterdir()) == []
