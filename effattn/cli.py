@@ -119,6 +119,7 @@ def vq_init(
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="calibration tokens (default 16384)"),
     metric: str = typer.Option("query", "--metric", help="k-means distance: query (logit error under the model's queries) or key"),
     kmeans: str = typer.Option("torch", "--kmeans", help="k-means implementation: torch or sklearn (MiniBatchKMeans)"),
+    code_bias: bool = typer.Option(True, "--code-bias/--no-code-bias", help="per-code logit correction for the keys each code stands for"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (keep), float32, bfloat16, float16"),
     force: bool = typer.Option(False, "--force", help="replace an existing output folder"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show what would be done; write nothing"),
@@ -131,7 +132,7 @@ def vq_init(
 ):
     """Transformer-VQ from a pretrained model: ReRoPE window + k-means codebooks (= convert --to vq)."""
     options = {"codebook_size": codebook_size, "window": window, "sinks": sinks, "calib": calib,
-               "calib_tokens": calib_tokens, "metric": metric, "kmeans": kmeans}
+               "calib_tokens": calib_tokens, "metric": metric, "kmeans": kmeans, "code_bias": code_bias}
     _run_conversion(model, output, "vq", options, dtype=dtype, force=force, dry_run=dry_run,
                     max_shard_size=max_shard_size, measure=measure, eval_tokens=eval_tokens, as_json=as_json,
                     trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)

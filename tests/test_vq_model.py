@@ -104,8 +104,12 @@ def test_cached_decoding_matches_the_full_forward_and_the_cache_stops_growing(ti
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
     assert cache.get_seq_length() == ids.shape[1]
     assert len(set(sizes)) == 1  # window + sinks + per-code statistics: constant past the window
-    generated = model.generate(ids[:, :8], max_new_tokens=24, do_sample=False)
+    generated = model.generate(ids[:, :8], max_new_tokens=24, min_new_tokens=24, do_sample=False)
     assert generated.shape == (1, 32)
+    # greedy decoding through the cache picks what the full forward pass over the result predicts
+    predicted = logits(model, generated)[0, 7:-1]
+    predicted[:, model.generation_config.eos_token_id] = float("-inf")  # min_new_tokens suppresses EOS
+    assert torch.equal(predicted.argmax(-1), generated[0, 8:])
 
 
 def test_eval_measures_the_vq_cache(tiny, tmp_path, calib_file):
@@ -116,9 +120,10 @@ def test_eval_measures_the_vq_cache(tiny, tmp_path, calib_file):
     base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64)
     long = torch.randint(0, 256, (1, 400))
     vq_bytes, base_bytes = kv_cache_bytes(model, long), kv_cache_bytes(base, long)
-    # per layer, float64: the window's 15 keys and values of 3 heads (head_dim 8), their codes (int64)
-    # and RoPE rows (cos, sin), and per code of each head a count and a value sum
-    per_layer = 15 * 3 * 8 * 2 * 8 + 15 * 3 * 8 + 15 * 8 * 2 * 8 + 3 * 16 * 8 + 3 * 16 * 8 * 8
+    # per layer, float64: the window's 15 keys (head_dim 8, +2 for the code-bias pair) and values of 3
+    # heads, their codes (int64) and RoPE rows (cos, sin), and per code of each head a count and a value sum
+    assert model.config.vq_code_bias
+    per_layer = 15 * 3 * (10 + 8) * 8 + 15 * 3 * 8 + 15 * 10 * 2 * 8 + 3 * 16 * 8 + 3 * 16 * 8 * 8
     assert vq_bytes == 2 * per_layer
     assert base_bytes == 2 * 3 * 400 * 2 * 8 * 8
     assert vq_bytes < base_bytes / 5

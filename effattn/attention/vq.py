@@ -41,6 +41,7 @@ VQ_DEFAULTS = {
     "vq_ema_decay": 0.99,
     "vq_commit_weight": 1e-3,
     "vq_kernel": "chunk",
+    "vq_code_bias": False,
 }
 _NOT_BASE = {"model_type", "architectures", "auto_map", "transformers_version", *VQ_DEFAULTS}
 # a ReRoPE-only model keeps every key exact: every position is a "sink" to the kernel
@@ -114,6 +115,9 @@ class VQAttention(nn.Module):
         self.register_buffer("ema_sums", self.codebook.clone())
         # whitening W of the code-assignment distance ‖Wᵀ(k − c)‖² (vq-init --metric query fits it)
         self.register_buffer("code_metric", torch.eye(self.head_dim).repeat(kv_heads, 1, 1))
+        # per-code logit correction (vq_code_bias): the keys a code stands for sum to more attention
+        # than its centroid alone, Σ_i exp(q·k_i) ≈ n_c exp(q·c + b_c); vq-init fits b_c on calibration text
+        self.register_buffer("code_bias", torch.zeros(kv_heads, size))
         self.effattn_aux_loss = None
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -145,6 +149,9 @@ class VQAttention(nn.Module):
             codes = torch.zeros(B, T, k.shape[2], dtype=torch.long, device=k.device)
             sinks = _ALL_SINKS
         state = cache.states.get(self.layer_idx) if cache is not None else None
+        k_raw = k
+        if cfg.vq_quantize and cfg.vq_code_bias:
+            q, k, codebook, cos, sin, far_cos, far_sin = self._with_code_bias(q, k, codebook, cos, sin, far_cos, far_sin)
         args = (q, k, v, codebook.to(q.dtype), codes, cos, sin, far_cos, far_sin)
         settings = dict(window=cfg.vq_window, block_size=cfg.vq_block_size, sinks=sinks, scale=self.scaling)
         if cfg.vq_kernel == "naive" and state is None and cache is None:
@@ -154,8 +161,21 @@ class VQAttention(nn.Module):
         else:
             out = vq_attention_chunk(*args, **settings)
         if self.training and cfg.vq_quantize:
-            self._learn_codebook(k, codes, state.seen if state is not None else 0)
+            self._learn_codebook(k_raw, codes, state.seen if state is not None else 0)
         return self.o_proj(out.reshape(B, T, -1)), None
+
+    def _with_code_bias(self, q, k, codebook, cos, sin, far_cos, far_sin):
+        """One extra RoPE pair that never rotates (cos 1, sin 0): queries carry 1 there, keys 0 and
+        codewords b_c / scale, so every code logit gains b_c and nothing else changes."""
+        h = self.head_dim // 2
+
+        def extend(x, value, last=0.0):  # (..., D) -> (..., D + 2): [x1, value, x2, last]
+            value = value if torch.is_tensor(value) else torch.full_like(x[..., :1], value)
+            return torch.cat((x[..., :h], value, x[..., h:], torch.full_like(x[..., :1], last)), dim=-1)
+
+        bias = (self.code_bias / self.scaling).to(codebook.dtype)[..., None]  # (G, C, 1)
+        return (extend(q, 1.0), extend(k, 0.0), extend(codebook, bias), extend(cos, 1.0, 1.0),
+                extend(sin, 0.0), extend(far_cos, 1.0, 1.0), extend(far_sin, 0.0))
 
     def _learn_codebook(self, k: torch.Tensor, codes: torch.Tensor, first_position: int) -> None:
         """Commitment loss on the keys (their gradient) and an EMA step of the codebook (no gradient)."""
@@ -226,6 +246,7 @@ class EffattnVQForCausalLM(EffattnVQPreTrainedModel, GenerationMixin):
                 module.ema_counts.fill_(1.0)
                 module.ema_sums.copy_(module.codebook)
                 module.code_metric.copy_(torch.eye(module.head_dim).expand_as(module.code_metric))
+                module.code_bias.zero_()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):

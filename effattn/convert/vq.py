@@ -37,7 +37,8 @@ from .base import Plan, out_dtype, same_specs
 from .kmeans import KMEANS, kmeans
 
 METRICS = ("query", "key")
-BUFFERS = ("codebook", "ema_counts", "ema_sums", "code_metric")
+BUFFERS = ("codebook", "ema_counts", "ema_sums", "code_metric", "code_bias")
+BIAS_QUERIES = 2048  # calibration queries (per KV head) that the per-code logit corrections average over
 # ema_counts start as the expected number of keys per code in a batch of this many tokens
 EMA_NOMINAL_TOKENS = 1024
 
@@ -49,7 +50,8 @@ def vq_buffer_specs(family: Family, shape: AttentionShape, size: int) -> list[Te
         specs += [TensorSpec(base + "codebook", (shape.kv_heads, size, shape.head_dim), torch.float32),
                   TensorSpec(base + "ema_counts", (shape.kv_heads, size), torch.float32),
                   TensorSpec(base + "ema_sums", (shape.kv_heads, size, shape.head_dim), torch.float32),
-                  TensorSpec(base + "code_metric", (shape.kv_heads, shape.head_dim, shape.head_dim), torch.float32)]
+                  TensorSpec(base + "code_metric", (shape.kv_heads, shape.head_dim, shape.head_dim), torch.float32),
+                  TensorSpec(base + "code_bias", (shape.kv_heads, size), torch.float32)]
     return specs
 
 
@@ -76,8 +78,9 @@ class _ReRoPEBase:
         block = _positive_int(options, "block_size", 64)
         size = _positive_int(options, "codebook_size", 512) if self.quantize else 1
         target = options.get("dtype")
+        use_bias = options.get("code_bias", True) is not False and self.quantize
         config = vq_config_from(ckpt.config, vq_quantize=self.quantize, codebook_size=size if self.quantize else 0,
-                                vq_window=window, vq_sinks=sinks, vq_block_size=block)
+                                vq_window=window, vq_sinks=sinks, vq_block_size=block, vq_code_bias=use_bias)
         if target is not None:
             config["dtype"] = str(target).replace("torch.", "")
             config.pop("torch_dtype", None)
@@ -114,7 +117,8 @@ class ReRoPEConversion(_ReRoPEBase):
         shape = plan.state["shape"]
         for layer in range(shape.layers):
             _write_buffers(writer, family, layer, torch.zeros(shape.kv_heads, 1, shape.head_dim),
-                           torch.zeros(shape.kv_heads, 1), torch.eye(shape.head_dim).repeat(shape.kv_heads, 1, 1))
+                           torch.zeros(shape.kv_heads, 1), torch.eye(shape.head_dim).repeat(shape.kv_heads, 1, 1),
+                           torch.zeros(shape.kv_heads, 1))
 
 
 class VQConversion(_ReRoPEBase):
@@ -122,7 +126,7 @@ class VQConversion(_ReRoPEBase):
     description = "Transformer-VQ: ReRoPE window + keys beyond it quantized to k-means codebooks (linear time)"
     quantize = True
     options = ("codebook_size", "window", "sinks", "block_size", "calib", "calib_tokens", "calib_seq_len", "metric",
-               "kmeans")
+               "kmeans", "code_bias")
 
     def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
         from .calibrate import CalibSettings
@@ -149,6 +153,7 @@ class VQConversion(_ReRoPEBase):
         return Plan(
             conversion=self.name,
             settings={"codebook_size": size, "window": window, "sinks": sinks, "block_size": block, "metric": metric,
+                      "code_bias": config["vq_code_bias"],
                       "kmeans": method, "calib": calib.corpus, "calib_tokens": calib.tokens,
                       "calib_seq_len": calib.seq_len},
             config=config, specs=specs,
@@ -189,16 +194,21 @@ class VQConversion(_ReRoPEBase):
             module = factory.layer(layer, tensors, shape.kv_heads)
             attn = VQAttention(module.self_attn, cfg, layer)
             keys, metric = [], torch.zeros(shape.kv_heads, shape.head_dim, shape.head_dim, dtype=torch.float64)
-            group, seen = shape.heads // shape.kv_heads, 0
+            group, seen, sampled = shape.heads // shape.kv_heads, 0, []
+            gen = torch.Generator().manual_seed(layer)
             for sl in _batches(x, calib.batch_size):
                 h = module.input_layernorm(x[sl])
                 q, k, _ = attn.project(h)
                 keys.append(k[:, keep].reshape(-1, shape.kv_heads, shape.head_dim))
-                if st["metric"] == "query":  # far logits are <rope(q, W) * scale, k>: weigh key errors by them
-                    qw = apply_rope(q, far[0], far[1]) * attn.scaling  # (B, T, H, D)
-                    qw = qw.reshape(-1, shape.kv_heads, group, shape.head_dim).float()
+                # far logits are <rope(q, W) * scale, k>: the metric weighs key errors by these queries
+                qw = (apply_rope(q, far[0], far[1]) * attn.scaling).reshape(-1, shape.kv_heads, group, shape.head_dim)
+                qw = qw.float()
+                if st["metric"] == "query":
                     metric += torch.einsum("ngai,ngaj->gij", qw, qw).double()
                     seen += qw.shape[0] * group
+                per_batch = -(-BIAS_QUERIES // -(-x.shape[0] // calib.batch_size))
+                pick = torch.randperm(qw.shape[0] * group, generator=gen)[:per_batch]
+                sampled.append(qw.transpose(1, 2).reshape(-1, shape.kv_heads, shape.head_dim)[pick].transpose(0, 1))
             keys = torch.cat(keys).transpose(0, 1).contiguous()  # (G, N, D)
             result = kmeans(keys, st["size"], metric=(metric / max(seen, 1)).float() if st["metric"] == "query" else None,
                             method=st["kmeans"], seed=layer)
@@ -210,7 +220,10 @@ class VQConversion(_ReRoPEBase):
             for name, tensor in tensors.items():
                 writer.write(name, tensor.to(out_dtype(ckpt.meta(name)[1], target)))
                 written.add(name)
-            _write_buffers(writer, family, layer, result.centroids, counts, result.whitener)
+            bias = code_bias(keys, torch.cat(sampled, 1), result.centroids, result.whitener) if cfg.vq_code_bias \
+                else torch.zeros(shape.kv_heads, st["size"])
+            attn.code_bias.copy_(bias)
+            _write_buffers(writer, family, layer, result.centroids, counts, result.whitener, bias)
             ckpt.release()
             module.self_attn = attn
             x = torch.cat([module(x[sl], position_embeddings=(cos, sin), vq_far=far)
@@ -223,9 +236,36 @@ class VQConversion(_ReRoPEBase):
                 writer.write(name, ckpt.get(name).to(out_dtype(ckpt.meta(name)[1], target)))
 
 
+def code_bias(keys: torch.Tensor, queries: torch.Tensor, centroids: torch.Tensor, whitener: torch.Tensor) -> torch.Tensor:
+    """Per-code logit correction b_c = E_q[log mean_{i in c} exp(q·(k_i − c))], [G, C].
+
+    A code's keys k_i stand in the softmax as n_c·exp(q·c); their true weight is Σ_i exp(q·k_i), larger
+    by Jensen's inequality (the errors k_i − c average to zero but their exponentials do not). The
+    correction is averaged over calibration queries `queries` [G, Nq, D] (rotated by W and scaled, as
+    the far logits see them); keys [G, N, D] are assigned to codes exactly as the model assigns them.
+    """
+    from ..attention.vq import nearest_codes
+
+    G, C = centroids.shape[:2]
+    codes = nearest_codes(keys.transpose(0, 1)[None], centroids, whitener)[0].T  # (G, N)
+    bias = torch.zeros(G, C)
+    for g in range(G):
+        err = keys[g] - centroids[g][codes[g]]  # (N, D)
+        count = torch.bincount(codes[g], minlength=C).double()
+        total = torch.zeros(C, dtype=torch.float64)
+        for chunk in queries[g].split(256):
+            s = (chunk @ err.T).double()  # (q, N) logit errors
+            top = s.max(-1, keepdim=True).values
+            per_code = torch.zeros(len(chunk), C, dtype=torch.float64).index_add_(1, codes[g], (s - top).exp())
+            total += (per_code.clamp_min(1e-300).log() + top - count.clamp_min(1).log()).sum(0)
+        bias[g] = torch.where(count > 0, total / len(queries[g]), 0.0).float()
+    return bias
+
+
 def _write_buffers(writer: SafetensorsWriter, family: Family, layer: int, codebook: torch.Tensor,
-                   counts: torch.Tensor, whitener: torch.Tensor) -> None:
+                   counts: torch.Tensor, whitener: torch.Tensor, bias: torch.Tensor) -> None:
     base = f"{family.prefix(layer)}self_attn."
+    writer.write(base + "code_bias", bias.float().contiguous())
     writer.write(base + "code_metric", whitener.float().contiguous())
     writer.write(base + "codebook", codebook.float().contiguous())
     writer.write(base + "ema_counts", counts.float().contiguous())
