@@ -2,12 +2,12 @@
 
     python benchmarks/bench_vq_quality.py [--windows 64,256] [--tokens 8192] [--variants rerope,plain,query,sinks]
 
-For each window W: ReRoPE alone (`--to rerope`), then `vq-init` (C=512) variants that add one lever
-at a time:
-  plain   k-means on 8K tokens of one domain (`plays`), plain key distance, no sinks
-  calib   the default calibration mix `calib` (16K tokens: poems, technical prose, code), key distance
-  query   + the query-aware metric (codebooks fitted to the logit error; codes assigned the same way)
-  sinks   + 4 sink positions never quantized
+For each window W: ReRoPE alone (`--to rerope`), then two `vq-init` conversions (C=512):
+  plain    k-means on 8K tokens of one domain (`plays`), plain key distance
+  default  the default calibration mix `calib` (16K tokens: poems, technical prose, code) and the
+           query-aware metric (codebooks fitted to the logit error; codes assigned the same way)
+each evaluated without and with the per-code logit correction (code bias), and the default also with
+4 sink positions never quantized (set at load time; the codebooks are the same).
 Evaluation corpora (`shakespeare`: held-out plays, `britannica`: encyclopedic prose) are never used for
 calibration. Also compares torch and scikit-learn k-means on the keys of one layer (time and error).
 Writes the `vq-quality` section of BENCHMARKS.md.
@@ -25,15 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._util import machine, write_section  # noqa: E402
 
-VARIANTS = {
+# conversions (vq-init options) and, for each, the settings evaluated on it (config flags at load time)
+CONVERSIONS = {
     "plain": {"calib": "plays", "calib_tokens": 8192, "metric": "key"},
-    "calib": {"metric": "key"},
-    "query": {"metric": "query"},
-    "sinks": {"metric": "query", "sinks": 4},
+    "default": {"metric": "query"},
 }
-LABELS = {"rerope": "ReRoPE only", "plain": "VQ: 8K tokens of plays, key distance",
-          "calib": "VQ: 16K tokens of `calib`, key distance", "query": "VQ: `calib`, query-aware metric",
-          "sinks": "VQ: `calib`, query metric, 4 sinks"}
+EVALS = {
+    "plain": [("VQ: 8K tokens of plays, key distance", {"vq_code_bias": False}),
+              ("VQ: 8K tokens of plays, key distance, code bias", {"vq_code_bias": True})],
+    "default": [("VQ: 16K tokens of `calib`, query metric", {"vq_code_bias": False}),
+                ("VQ: `calib`, query metric, code bias (the default)", {"vq_code_bias": True}),
+                ("VQ: `calib`, query metric, code bias, 4 sinks", {"vq_code_bias": True, "vq_sinks": 4})],
+}
 
 
 def kmeans_comparison(layer: int = 10, tokens: int = 16384) -> list[tuple[str, str, str]]:
@@ -65,7 +68,7 @@ def kmeans_comparison(layer: int = 10, tokens: int = 16384) -> list[tuple[str, s
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--windows", default="64,256")
-    ap.add_argument("--variants", default="rerope,plain,query,sinks")
+    ap.add_argument("--variants", default="plain,default", help="vq-init settings: plain, default")
     ap.add_argument("--corpora", default="shakespeare,britannica")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--context", type=int, default=2048)
@@ -82,23 +85,31 @@ def main() -> None:
     base = {c: corpus_scores(original, blocks[c])["perplexity"] for c in corpora}
     rows = [("original", "—", "—", *[f"{base[c]:.2f}" for c in corpora], *["100%" for _ in corpora])]
     print(rows[-1], flush=True)
+
+    def measure(label, window, seconds, folder, flags=None):
+        model, _, _ = load_model(folder)
+        for key, value in (flags or {}).items():
+            setattr(model.config, key, value)
+        scores = {c: corpus_scores(model, blocks[c], original) for c in corpora}
+        rows.append((label, str(window), seconds,
+                     *[f"{scores[c]['perplexity']:.2f} ({scores[c]['perplexity'] / base[c]:.3f}x)" for c in corpora],
+                     *[f"{scores[c]['agreement']:.1%}" for c in corpora]))
+        print(rows[-1], flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         for window in [int(w) for w in args.windows.split(",")]:
-            for variant in args.variants.split(","):
+            t0 = time.perf_counter()
+            folder = convert("llama", Path(tmp) / f"rerope{window}", to="rerope", options={"window": window},
+                             measure=False, force=True).out
+            measure("ReRoPE only", window, f"{time.perf_counter() - t0:.0f}", folder)
+            for name in args.variants.split(","):
                 t0 = time.perf_counter()
-                if variant == "rerope":
-                    result = convert("llama", Path(tmp) / variant, to="rerope", options={"window": window}, measure=False)
-                else:
-                    options = {"codebook_size": 512, "window": window} | VARIANTS[variant]
-                    result = convert("llama", Path(tmp) / variant, to="vq", options=options, measure=False)
-                seconds = time.perf_counter() - t0
-                model, _, _ = load_model(result.out)
-                scores = {c: corpus_scores(model, blocks[c], original) for c in corpora}
-                rows.append((LABELS[variant], str(window), f"{seconds:.0f}",
-                             *[f"{scores[c]['perplexity']:.2f} ({scores[c]['perplexity'] / base[c]:.3f}x)" for c in corpora],
-                             *[f"{scores[c]['agreement']:.1%}" for c in corpora]))
-                print(rows[-1], flush=True)
-                del model
+                options = {"codebook_size": 512, "window": window} | CONVERSIONS[name]
+                folder = convert("llama", Path(tmp) / f"{name}{window}", to="vq", options=options, measure=False,
+                                 force=True).out
+                seconds = f"{time.perf_counter() - t0:.0f}"
+                for label, flags in EVALS[name]:
+                    measure(label, window, seconds, folder, flags)
     header = ["model", "W", "convert s", *[f"ppl {c}" for c in corpora], *[f"top-1 agree {c}" for c in corpora]]
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
@@ -118,6 +129,8 @@ on {machine()}.
 Perplexity on {args.tokens:,} tokens per corpus in blocks of {args.context} (evenly spread over each
 corpus; in brackets the ratio to the original) and top-1 agreement with the original. Codebooks:
 C=512 per layer and KV head, fitted layer by layer (`effattn vq-init`); ReRoPE alone is weight-only.
+"code bias" is the per-code logit correction b_c = E_q[log mean_(i in c) exp(q·(k_i − c))]: a code's keys
+weigh more in the softmax than its centroid alone (Jensen), so each code logit gains b_c.
 Calibration never sees the evaluation corpora. Conversion time was measured while other jobs shared
 the 2 cores.
 

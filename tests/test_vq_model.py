@@ -222,6 +222,9 @@ def test_vq_dry_run_writes_nothing(tiny, tmp_path, calib_file):
     assert result.plan.settings["codebook_size"] == 16 and result.plan.est_seconds > 0
     with pytest.raises(EffattnError, match="does not apply"):
         convert(src, tmp_path / "x", to="rerope", options={"codebook_size": 16}, dry_run=True)
+    from effattn.info import inspect_model
+
+    assert {"gqa", "rerope", "vq"} <= set(inspect_model(str(src))["conversions"])
 
 
 def test_heal_vq_trains_codebooks_and_writes_a_loadable_vq_model(tiny, tmp_path, calib_file, capsys):

@@ -99,6 +99,9 @@ class ReRoPEConversion(_ReRoPEBase):
 
     options = ("window", "block_size")
 
+    def targets(self, config: dict[str, Any]) -> str:
+        return "--window W: exact RoPE within W tokens, one relative position beyond (weight-only)"
+
     def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
         shape, window, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
         return Plan(
@@ -127,6 +130,10 @@ class VQConversion(_ReRoPEBase):
     quantize = True
     options = ("codebook_size", "window", "sinks", "block_size", "calib", "calib_tokens", "calib_seq_len", "metric",
                "kmeans", "code_bias")
+
+    def targets(self, config: dict[str, Any]) -> str:
+        return ("effattn vq-init MODEL --codebook-size C --window W [--sinks S] [--calib ...]: ReRoPE window + "
+                "k-means codebooks, linear-time attention, constant-size cache")
 
     def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
         from .calibrate import CalibSettings
