@@ -39,7 +39,7 @@ VQ_DEFAULTS = {
     "vq_sinks": 0,
     "vq_block_size": 64,
     "vq_ema_decay": 0.99,
-    "vq_commit_weight": 1e-3,
+    "vq_commit_weight": 1e-4,
     "vq_kernel": "chunk",
     "vq_code_bias": False,
 }

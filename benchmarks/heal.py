@@ -1,14 +1,16 @@
-"""Benchmark: how much of the MQA conversion's quality loss does the CPU `heal-gqa` recipe recover?
+"""Benchmark: how much of a conversion's quality loss does a CPU healing recipe recover?
 
-    python benchmarks/heal_gqa.py --method mean [-o bench-out] [KEY=VALUE recipe overrides ...]
+    python benchmarks/heal.py --to mqa --method mean [-o bench-out] [KEY=VALUE recipe overrides ...]
+    python benchmarks/heal.py --to vq --window 64 --context 2048 [-o bench-out]
 
-1. convert the built-in SmolLM2-135M (`llama`) to MQA with --method (the "before" model);
-2. heal it with the recipe (default: the built-in `heal-gqa`), the converted folder as the student
-   and the original as the teacher, timing the whole `finetune` call (load, tokenize, train,
-   evaluate, checkpoint, save);
+1. convert the built-in SmolLM2-135M (`llama`): `--to mqa` with --method, or `--to vq` (vq-init,
+   C=512, --window) (the "before" model);
+2. heal it with the recipe (default: the built-in `heal-gqa` / `heal-vq`), the converted folder as
+   the student and the original as the teacher, timing the whole `finetune` call (load, tokenize,
+   train, evaluate, checkpoint, save);
 3. evaluate original, converted and healed on held-out `shakespeare` and `britannica` (8,192 tokens
-   per corpus in blocks of 512, as `effattn eval`);
-4. write OUT/results-METHOD.json, the curve to benchmarks/results/heal-gqa-METHOD.png, and print a
+   per corpus in blocks of --context, as `effattn eval`);
+4. write OUT/results-NAME.json, the curve to benchmarks/results/heal-NAME.png, and print a
    Markdown table for BENCHMARKS.md.
 
 Gap recovered = (log ppl(converted) - log ppl(healed)) / (log ppl(converted) - log ppl(original)).
@@ -34,20 +36,29 @@ CORPORA = ("shakespeare", "britannica")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--to", choices=["mqa", "vq"], default="mqa")
     parser.add_argument("--method", default=None, help="GQA method for the conversion (default: the conversion's default)")
-    parser.add_argument("--recipe", default="heal-gqa")
+    parser.add_argument("--window", type=int, default=64, help="vq: the ReRoPE window")
+    parser.add_argument("--context", type=int, default=512, help="evaluation block length")
+    parser.add_argument("--recipe", default=None, help="default: heal-gqa for mqa, heal-vq for vq")
     parser.add_argument("-o", "--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--tag", default="", help="suffix for the result files of a variant (e.g. attn-lr1e-3)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=50")
     args = parser.parse_args()
-    name = (args.method or "default") + (f"-{args.tag}" if args.tag else "")
-    converted = args.out / f"llama-mqa-{args.method or 'default'}"
-    healed = args.out / f"llama-mqa-{name}-healed"
-    if not (converted / "effattn.json").exists():
+    recipe_name = args.recipe or ("heal-gqa" if args.to == "mqa" else "heal-vq")
+    if args.to == "mqa":
+        base = f"mqa-{args.method or 'default'}"
         options = {"method": args.method} if args.method else {}
-        convert("llama", converted, to="mqa", options=options, measure=False, force=True)
+    else:
+        base = f"vq-w{args.window}"
+        options = {"codebook_size": 512, "window": args.window}
+    name = base + (f"-{args.tag}" if args.tag else "")
+    converted = args.out / f"llama-{base}"
+    healed = args.out / f"llama-{name}-healed"
+    if not (converted / "effattn.json").exists():
+        convert("llama", converted, to=args.to, options=options, measure=False, force=True)
 
-    recipe = load_recipe(args.recipe, [f"student.model={converted}", "student.convert=null", *args.overrides], output=healed)
+    recipe = load_recipe(recipe_name, [f"student.model={converted}", "student.convert=null", *args.overrides], output=healed)
     timing = args.out / f"finetune-{name}.json"
     if not timing.exists():  # a rerun after the fine-tune finished only re-evaluates
         t0 = time.perf_counter()
@@ -57,7 +68,7 @@ def main() -> None:
                                       "resumed_from": result.resumed_from, "load_average": os.getloadavg()}))
     run = json.loads(timing.read_text())
 
-    settings = EvalSettings(corpora=CORPORA, context=512, max_tokens=8192, speed=False)
+    settings = EvalSettings(corpora=CORPORA, context=args.context, max_tokens=8192, speed=False)
     before = evaluate(str(converted), "llama", settings)
     after = evaluate(str(healed), "llama", settings)
     rows = {}
@@ -70,16 +81,17 @@ def main() -> None:
             "agreement_converted": before.agreement[corpus], "agreement_healed": after.agreement[corpus],
             "kl_converted": before.kl[corpus], "kl_healed": after.kl[corpus],
         }
-    report = {"method": args.method or "default", "tag": args.tag, "recipe": args.recipe, "overrides": args.overrides, **run, "cpus": os.cpu_count(),
-              "eval": {"tokens_per_corpus": 8192, "context": 512}, "results": rows}
+    report = {"to": args.to, "method": args.method or "default", "window": args.window if args.to == "vq" else None,
+              "tag": args.tag, "recipe": recipe_name, "overrides": args.overrides, **run, "cpus": os.cpu_count(),
+              "eval": {"tokens_per_corpus": 8192, "context": args.context}, "results": rows}
     (args.out / f"results-{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot = Path(__file__).parent / "results" / f"heal-gqa-{name}.png"
+    plot = Path(__file__).parent / "results" / f"heal-{name}.png"
     plot.parent.mkdir(exist_ok=True)
     shutil.copyfile(healed / "curves.png", plot)
 
     print(f"\n{run['steps']} steps, {run['tokens']:,} tokens, fine-tune wall time {run['wall_seconds'] / 60:.1f} min "
           f"(load average at the end {run['load_average'][1]:.1f} on {os.cpu_count()} CPUs)\n")
-    print(f"| held-out | original | MQA ({args.method or 'default'}) | healed | gap recovered "
+    print(f"| held-out | original | {base} | healed | gap recovered "
           "| top-1 agreement before → after |")
     print("|---|---|---|---|---|---|")
     for corpus, r in rows.items():
