@@ -133,6 +133,7 @@ def test_remote_code_loads_without_effattn(tiny, tmp_path, calib_file):
     src = tiny("qwen3", heads=6, kv_heads=3, head_dim=8)
     out = vq_init(src, tmp_path / "vq", calib_file, sinks=1)
     assert "auto_map" in json.loads((out / "config.json").read_text())
+    assert "import effattn" in (out / "README.md").read_text()  # the card's Load section says how
     script = f"""
 import builtins, sys, torch
 real = builtins.__import__

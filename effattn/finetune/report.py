@@ -93,16 +93,9 @@ def finetune_card(name: str, record: dict[str, Any]) -> str:
     if ft.get("command"):
         lines += ["## Reproduce", "", "```", ft["command"], "```", "",
                   "The resolved recipe is `recipe.yaml` in this folder; `metrics.jsonl` and `curves.png` hold the run.", ""]
-    lines += [
-        "## Load",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'model = AutoModelForCausalLM.from_pretrained("{name}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
-        "```",
-        "",
-    ]
+    from ..io.card import load_section
+
+    lines += load_section(name, (record.get("conversion") or {}).get("to") in ("vq", "rerope"))
     return "\n".join(lines)
 
 

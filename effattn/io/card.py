@@ -67,14 +67,19 @@ def model_card(name: str, record: dict[str, Any], plan) -> str:
         lines += ["## Measured", "", "Not measured at conversion time; run `effattn eval OUT --baseline SOURCE`.", ""]
     if record.get("command"):
         lines += ["## Reproduce", "", "```", record["command"], "```", ""]
-    lines += [
-        "## Load",
-        "",
-        "```python",
+    lines += load_section(name, conv["to"] in ("vq", "rerope"))
+    return "\n".join(lines)
+
+
+def load_section(name: str, effattn_model: bool) -> list[str]:
+    """The card's "Load" lines: plain transformers, plus the registration for effattn's own classes."""
+    lines = ["## Load", "", "```python"]
+    if effattn_model:
+        lines.append("import effattn  # registers effattn_vq; or pass trust_remote_code=True (code bundled here)")
+    return lines + [
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f'model = AutoModelForCausalLM.from_pretrained("{name}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
         "```",
         "",
     ]
-    return "\n".join(lines)
