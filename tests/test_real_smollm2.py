@@ -91,3 +91,21 @@ def test_a_gguf_file_is_a_valid_model_argument(capsys, tmp_path, smollm2_path):
     code, out, _ = run_cli(capsys, "inspect", gguf, "--json")
     info = json.loads(out)
     assert code == 0 and (info["family"], info["kv_heads"], info["layers"]) == ("llama", 3, 30)
+
+
+def test_vq_init_keeps_smollm2_close_to_rerope_and_its_cache_small(tmp_path, smollm2_path):
+    """ReRoPE (W=64) and VQ on top of it, on held-out text at 1024 tokens, from a small calibration."""
+    root = tmp_path
+    rerope = convert("llama", root / "rerope", to="rerope", options={"window": 64}, measure=False).out
+    vq = convert("llama", root / "vq", to="vq", measure=False,
+                 options={"window": 64, "codebook_size": 256, "calib_tokens": 4096}).out
+    settings = EvalSettings(corpora=("britannica",), context=1024, max_tokens=2048, speed=False)
+    r_rerope = evaluate(str(rerope), "llama", settings)
+    r_vq = evaluate(str(vq), "llama", settings)
+    original = r_rerope.baseline.perplexity["britannica"]
+    ppl_rerope, ppl_vq = r_rerope.model.perplexity["britannica"], r_vq.model.perplexity["britannica"]
+    assert ppl_rerope < 1.10 * original  # ReRoPE alone costs little
+    assert ppl_rerope <= ppl_vq < 1.5 * original  # quantizing the far keys costs more, not much more
+    assert r_vq.agreement["britannica"] > 0.75
+    # measured from the real caches after 1024 tokens: the VQ state is a fraction of the full cache
+    assert r_vq.model.kv_bytes_per_token < 0.5 * r_vq.baseline.kv_bytes_per_token
