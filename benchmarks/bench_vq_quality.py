@@ -27,14 +27,14 @@ from benchmarks._util import machine, write_section  # noqa: E402
 
 # conversions (vq-init options) and, for each, the settings evaluated on it (config flags at load time)
 CONVERSIONS = {
-    "plain": {"calib": "plays", "calib_tokens": 8192, "metric": "key"},
-    "default": {"metric": "query"},
+    "plain": {"calib": "plays", "calib_tokens": 8192, "metric": "key", "code_bias": True},
+    "default": {"metric": "query", "code_bias": True},  # the bias is fitted so both settings can be evaluated
 }
 EVALS = {
     "plain": [("VQ: 8K tokens of plays, key distance", {"vq_code_bias": False}),
               ("VQ: 8K tokens of plays, key distance, code bias", {"vq_code_bias": True})],
-    "default": [("VQ: 16K tokens of `calib`, query metric", {"vq_code_bias": False}),
-                ("VQ: `calib`, query metric, code bias (the default)", {"vq_code_bias": True}),
+    "default": [("VQ: 16K tokens of `calib`, query metric (the default)", {"vq_code_bias": False}),
+                ("VQ: `calib`, query metric, code bias", {"vq_code_bias": True}),
                 ("VQ: `calib`, query metric, code bias, 4 sinks", {"vq_code_bias": True, "vq_sinks": 4})],
 }
 

@@ -119,7 +119,7 @@ def vq_init(
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="calibration tokens (default 16384)"),
     metric: str = typer.Option("query", "--metric", help="k-means distance: query (logit error under the model's queries) or key"),
     kmeans: str = typer.Option("torch", "--kmeans", help="k-means implementation: torch or sklearn (MiniBatchKMeans)"),
-    code_bias: bool = typer.Option(True, "--code-bias/--no-code-bias", help="per-code logit correction for the keys each code stands for"),
+    code_bias: bool = typer.Option(False, "--code-bias/--no-code-bias", help="per-code logit correction for the keys each code stands for (measured: worse, off by default)"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (keep), float32, bfloat16, float16"),
     force: bool = typer.Option(False, "--force", help="replace an existing output folder"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show what would be done; write nothing"),

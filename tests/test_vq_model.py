@@ -112,11 +112,30 @@ def test_cached_decoding_matches_the_full_forward_and_the_cache_stops_growing(ti
     assert torch.equal(predicted.argmax(-1), generated[0, 8:])
 
 
+def test_code_bias_is_one_logit_offset_per_code(tiny, tmp_path, calib_file):
+    src = tiny("qwen3", heads=6, kv_heads=3, head_dim=8)
+    model = load(vq_init(src, tmp_path / "vq", calib_file, code_bias=True, sinks=2))
+    assert model.config.vq_code_bias and model.model.layers[0].self_attn.code_bias.abs().sum() > 0
+    with_bias = logits(model)
+    for attn in model.vq_attention_modules():  # a zero bias: the extra RoPE pair changes nothing
+        attn.code_bias.zero_()
+    zero = logits(model)
+    model.config.vq_code_bias = False
+    torch.testing.assert_close(zero, logits(model), rtol=1e-9, atol=1e-9)
+    assert (with_bias - zero).abs().max() > 1e-4
+    model.config.vq_code_bias, model.config.vq_kernel = True, "naive"  # both kernels agree with it on
+    for attn in model.vq_attention_modules():
+        attn.code_bias.fill_(0.5)
+    naive = logits(model)
+    model.config.vq_kernel = "chunk"
+    torch.testing.assert_close(naive, logits(model), rtol=1e-9, atol=1e-9)
+
+
 def test_eval_measures_the_vq_cache(tiny, tmp_path, calib_file):
     from effattn.evaluate import kv_cache_bytes
 
     src = tiny("llama", heads=6, kv_heads=3, head_dim=8, layers=2)
-    model = load(vq_init(src, tmp_path / "vq", calib_file))
+    model = load(vq_init(src, tmp_path / "vq", calib_file, code_bias=True))
     base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64)
     long = torch.randint(0, 256, (1, 400))
     vq_bytes, base_bytes = kv_cache_bytes(model, long), kv_cache_bytes(base, long)

@@ -78,7 +78,7 @@ class _ReRoPEBase:
         block = _positive_int(options, "block_size", 64)
         size = _positive_int(options, "codebook_size", 512) if self.quantize else 1
         target = options.get("dtype")
-        use_bias = options.get("code_bias", True) is not False and self.quantize
+        use_bias = bool(options.get("code_bias")) and self.quantize  # off by default: measured to hurt
         config = vq_config_from(ckpt.config, vq_quantize=self.quantize, codebook_size=size if self.quantize else 0,
                                 vq_window=window, vq_sinks=sinks, vq_block_size=block, vq_code_bias=use_bias)
         if target is not None:
