@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--methods", default="mean,align,pca,calibrated")
     ap.add_argument("--corpora", default="shakespeare,britannica,python")
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--update", action="store_true",
+                    help="re-measure only --methods and replace their rows in the existing section")
     args = ap.parse_args()
     from effattn.convert import convert
     from effattn.evaluate import EvalSettings, corpus_scores
@@ -49,6 +51,8 @@ def main() -> None:
                          *[f"{scores[c]['agreement']:.1%}" for c in corpora]))
             print(rows[-1], flush=True)
             del model
+    if args.update:
+        return update_rows(rows[1:], args)
     header = ["method", "convert s", *[f"ppl {c}" for c in corpora], *[f"top-1 agree {c}" for c in corpora]]
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
@@ -66,6 +70,22 @@ domains calibration never saw; `python` is held-out code. KV cache: 46,080 -> 15
 
 {table}
 """)
+
+
+def update_rows(rows, args) -> None:
+    """Replace the rows of the re-measured methods in the existing section, and say so under the table."""
+    from benchmarks._util import BENCHMARKS_MD
+
+    text = BENCHMARKS_MD.read_text()
+    start, end = text.index("<!-- bench:gqa-quality -->"), text.index("<!-- /bench:gqa-quality -->")
+    section = text[start:end]
+    for row in rows:
+        line = "| " + " | ".join(row) + " |"
+        old = next((ln for ln in section.splitlines() if ln.startswith(f"| {row[0]} |")), None)
+        section = section.replace(old, line) if old else section.replace("\n\n", f"\n{line}\n\n", 1)
+    section = section.rstrip() + (f"\n\nRows re-measured with `python benchmarks/bench_gqa_quality.py --methods {args.methods} "
+                                  f"--tokens {args.tokens} --update` on {machine()}: {args.methods}.\n")
+    BENCHMARKS_MD.write_text(text[:start] + section + text[end:])
 
 
 if __name__ == "__main__":
