@@ -154,7 +154,7 @@ class VQAttention(nn.Module):
             q, k, codebook, cos, sin, far_cos, far_sin = self._with_code_bias(q, k, codebook, cos, sin, far_cos, far_sin)
         args = (q, k, v, codebook.to(q.dtype), codes, cos, sin, far_cos, far_sin)
         settings = dict(window=cfg.vq_window, block_size=cfg.vq_block_size, sinks=sinks, scale=self.scaling)
-        if cfg.vq_kernel == "naive" and state is None and cache is None:
+        if cfg.vq_kernel == "naive" and cache is None:  # the reference has no state: full sequences only
             out = vq_attention_naive(*args, **settings)
         elif cache is not None:
             out, cache.states[self.layer_idx] = vq_attention_chunk(*args, **settings, state=state, return_state=True)
@@ -310,4 +310,3 @@ def vq_config_from(base: dict, **settings) -> dict:
     config["auto_map"] = {"AutoConfig": "modeling_effattn_vq.EffattnVQConfig",
                           "AutoModelForCausalLM": "modeling_effattn_vq.EffattnVQForCausalLM"}
     return config
-

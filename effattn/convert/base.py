@@ -90,6 +90,12 @@ def same_specs(ckpt: Checkpoint, target: torch.dtype | None, reshaped: dict[str,
     return specs + list(extra or [])
 
 
+def layer_bytes(ckpt: Checkpoint, family: Family) -> int:
+    """Bytes of decoder layer 0's tensors: the unit of the layer-by-layer memory estimates."""
+    prefix = family.prefix(0)
+    return sum(ckpt.meta(n)[1].itemsize * torch.Size(ckpt.meta(n)[0]).numel() for n in ckpt.names() if n.startswith(prefix))
+
+
 def kv_bytes_per_token(config: dict[str, Any], dtype: torch.dtype) -> float:
     """KV bytes per token a standard cache needs for this config (keys + values, every layer)."""
     heads = config["num_attention_heads"]

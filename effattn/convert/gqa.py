@@ -21,7 +21,7 @@ from ..errors import EffattnError, one_of
 from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
-from .base import Plan, kv_bytes_per_token, out_dtype, passthrough, same_specs
+from .base import Plan, kv_bytes_per_token, layer_bytes, out_dtype, passthrough, same_specs
 from .headmerge import KeyMerge, align_keys, align_values, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
 
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -342,7 +342,7 @@ class GQAConversion:
         settings = {"kv_heads": new_kv, "method": method.name, "kv_heads_before": shape.kv_heads}
         state = {"method": method, "shape": shape, "new_kv": new_kv, "target": target}
         est_seconds = ckpt.nbytes / 200e6  # streaming copy at ~200 MB/s
-        est_peak = _largest_layer_bytes(ckpt, family, shape) * 3
+        est_peak = layer_bytes(ckpt, family) * 3
         if method.needs_calibration and new_kv == shape.kv_heads:
             pass  # the identity is an exact copy: no calibration to run
         elif method.needs_calibration:
@@ -359,7 +359,7 @@ class GQAConversion:
             est_seconds += 5 * calib.tokens * shape.layers * per_token_layer / 40e9
             activations = calib.tokens * shape.hidden * 4 * 3
             embed_bytes = torch.Size(ckpt.meta(family.embed)[0]).numel() * 4
-            est_peak = _largest_layer_bytes(ckpt, family, shape) * 3 + activations + embed_bytes
+            est_peak = layer_bytes(ckpt, family) * 3 + activations + embed_bytes
             summary.append(("calibration", f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}, "
                                            "layer by layer"))
         elif (options.get("calib") or options.get("calib_tokens")) and not isinstance(method, _Expansion):
@@ -401,8 +401,3 @@ class GQAConversion:
             if progress:
                 progress.advance(task)
         passthrough(ckpt, writer, [n for n in ckpt.names() if n not in done], target)
-
-
-def _largest_layer_bytes(ckpt: Checkpoint, family: Family, shape: AttentionShape) -> int:
-    prefix = family.prefix(0)
-    return sum(ckpt.meta(n)[1].itemsize * torch.Size(ckpt.meta(n)[0]).numel() for n in ckpt.names() if n.startswith(prefix))

@@ -66,13 +66,12 @@ def _assign(x: torch.Tensor, centers: torch.Tensor, chunk: int = 8192) -> tuple[
 def _lloyd(x: torch.Tensor, k: int, iters: int, gen: torch.Generator) -> torch.Tensor:
     centers = _plus_plus(x, k, gen)
     for _ in range(iters):
-        labels, _ = _assign(x, centers)
+        labels, d = _assign(x, centers)
         sums = torch.zeros_like(centers).index_add_(0, labels, x)
         counts = torch.bincount(labels, minlength=k).to(x.dtype)
         empty = counts == 0
         new = sums / counts.clamp_min(1)[:, None]
         if empty.any():  # re-seed empty clusters at the points farthest from their centers
-            _, d = _assign(x, centers)
             far = d.topk(int(empty.sum())).indices
             new[empty] = x[far]
         shift = (new - centers).pow(2).sum(-1).max()

@@ -33,11 +33,10 @@ from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
 from ..kernels.rope import apply_rope
-from .base import Plan, out_dtype, same_specs
+from .base import Plan, layer_bytes, out_dtype, passthrough, same_specs
 from .kmeans import KMEANS, kmeans
 
 METRICS = ("query", "key")
-BUFFERS = ("codebook", "ema_counts", "ema_sums", "code_metric", "code_bias")
 BIAS_QUERIES = 2048  # calibration queries (per KV head) that the per-code logit corrections average over
 # ema_counts start as the expected number of keys per code in a batch of this many tokens
 EMA_NOMINAL_TOKENS = 1024
@@ -110,12 +109,10 @@ class ReRoPEConversion(_ReRoPEBase):
                      ("attention", f"ReRoPE, window {window}: exact inside, relative position {window} beyond"),
                      ("KV cache", f"{kv:,.0f} bytes/token, unchanged (every key is kept)")],
             kv_bytes_per_token=(kv, kv), est_seconds=ckpt.nbytes / 200e6,
-            est_peak_bytes=_layer_bytes(ckpt, family) * 2, state={"shape": shape, "target": target, "size": size},
+            est_peak_bytes=layer_bytes(ckpt, family) * 2, state={"shape": shape, "target": target, "size": size},
         )
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
-        from .base import passthrough
-
         passthrough(ckpt, writer, ckpt.names(), plan.state["target"])
         shape = plan.state["shape"]
         for layer in range(shape.layers):
@@ -154,8 +151,7 @@ class VQConversion(_ReRoPEBase):
         # the cache after T tokens: the window's K/V and the sinks (exact), plus per code a count and a value sum
         state_bytes = shape.layers * shape.kv_heads * (
             (window - 1 + sinks) * 2 * shape.head_dim * 4 + size * (shape.head_dim + 1) * 4)
-        tokens_per_layer = calib.tokens
-        est = ckpt.nbytes / 200e6 + shape.layers * tokens_per_layer * (2 * ckpt.num_params / shape.layers) / 20e9
+        est = ckpt.nbytes / 200e6 + calib.tokens * 2 * ckpt.num_params / 20e9
         activations = calib.tokens * shape.hidden * 4 * 3 + calib.tokens * shape.kv_heads * shape.head_dim * 4 * 2
         return Plan(
             conversion=self.name,
@@ -172,7 +168,7 @@ class VQConversion(_ReRoPEBase):
                      ("KV cache", f"{kv:,.0f} bytes/token now; VQ state {state_bytes:,.0f} bytes at any length "
                                   f"(= {kv:,.0f} bytes/token x {state_bytes / kv:,.0f} tokens)")],
             kv_bytes_per_token=(kv, state_bytes / (4 * window)),
-            est_seconds=est, est_peak_bytes=_layer_bytes(ckpt, family) * 3 + activations + 400 * 2**20,
+            est_seconds=est, est_peak_bytes=layer_bytes(ckpt, family) * 3 + activations + 400 * 2**20,
             state={"shape": shape, "target": target, "size": size, "calib": calib, "metric": metric,
                    "kmeans": method},
         )
@@ -238,9 +234,7 @@ class VQConversion(_ReRoPEBase):
             if progress:
                 progress.update(task, advance=1, description=f"fitting codebooks: layer {layer}, "
                                                               f"error {result.error:.3g}")
-        for name in ckpt.names():
-            if name not in written:
-                writer.write(name, ckpt.get(name).to(out_dtype(ckpt.meta(name)[1], target)))
+        passthrough(ckpt, writer, [n for n in ckpt.names() if n not in written], target)
 
 
 def code_bias(keys: torch.Tensor, queries: torch.Tensor, centroids: torch.Tensor, whitener: torch.Tensor) -> torch.Tensor:
@@ -279,9 +273,6 @@ def _write_buffers(writer: SafetensorsWriter, family: Family, layer: int, codebo
     writer.write(base + "ema_sums", (codebook.float() * counts.float()[..., None]).contiguous())
 
 
-def _layer_bytes(ckpt: Checkpoint, family: Family) -> int:
-    prefix = family.prefix(0)
-    return sum(ckpt.meta(n)[1].itemsize * torch.Size(ckpt.meta(n)[0]).numel() for n in ckpt.names() if n.startswith(prefix))
 
 
 def export_code_for(model: torch.nn.Module):
