@@ -31,6 +31,14 @@ ModelArg = typer.Argument(..., help="local folder, .gguf file, hub id org/name, 
 TrustOpt = typer.Option(False, "--trust-remote-code", help="allow a checkpoint's own Python code to run")
 PickleOpt = typer.Option(False, "--allow-pickle", help="allow pickled weights (*.bin), which can run code")
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on stdout")
+# options every conversion command shares (convert, vq-init)
+OutputOpt = typer.Option(None, "-o", "--output", help="output folder")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (keep), float32, bfloat16, float16")
+ForceOpt = typer.Option(False, "--force", help="replace an existing output folder")
+DryRunOpt = typer.Option(False, "--dry-run", help="show what would be done; write nothing")
+MeasureOpt = typer.Option(None, "--eval/--no-eval", help="measure original vs converted for the card (default: models up to 3B)")
+EvalTokensOpt = typer.Option(4096, "--eval-tokens", help="tokens per corpus for that measurement")
+ShardOpt = typer.Option("2GB", "--max-shard-size")
 
 
 @contextmanager
@@ -82,8 +90,8 @@ def convert(
     to: str = typer.Option(..., "--to", help="conversion: gqa, mqa (= gqa --kv-heads 1), mha, rerope, vq (= vq-init)"),
     kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads after conversion (gqa)"),
     method: Optional[str] = typer.Option(None, "--method", help="conversion method (see `effattn inspect`)"),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="output folder"),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (keep), float32, bfloat16, float16"),
+    output: Optional[Path] = OutputOpt,
+    dtype: str = DtypeOpt,
     calib: Optional[str] = typer.Option(None, "--calib", help="calibration corpus name or text file (calibrated methods)"),
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="calibration tokens (calibrated methods)"),
     window: Optional[int] = typer.Option(None, "--window", help="rerope/vq: exact-RoPE window W (default 256)"),
@@ -91,11 +99,11 @@ def convert(
     sinks: Optional[int] = typer.Option(None, "--sinks", help="vq: first positions never quantized (default 0)"),
     metric: Optional[str] = typer.Option(None, "--metric", help="vq: k-means distance, query (logit error) or key"),
     kmeans: Optional[str] = typer.Option(None, "--kmeans", help="vq: k-means implementation, torch or sklearn"),
-    force: bool = typer.Option(False, "--force", help="replace an existing output folder"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="show what would be done; write nothing"),
-    measure: Optional[bool] = typer.Option(None, "--eval/--no-eval", help="measure original vs converted for the card (default: models up to 3B)"),
-    eval_tokens: int = typer.Option(4096, "--eval-tokens", help="tokens per corpus for that measurement"),
-    max_shard_size: str = typer.Option("2GB", "--max-shard-size"),
+    force: bool = ForceOpt,
+    dry_run: bool = DryRunOpt,
+    measure: Optional[bool] = MeasureOpt,
+    eval_tokens: int = EvalTokensOpt,
+    max_shard_size: str = ShardOpt,
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
     allow_pickle: bool = PickleOpt,
@@ -111,21 +119,21 @@ def convert(
 @app.command("vq-init")
 def vq_init(
     model: str = ModelArg,
-    codebook_size: int = typer.Option(512, "--codebook-size", help="codewords per layer and KV head"),
-    window: int = typer.Option(256, "--window", help="W: keys this close keep exact RoPE; older keys are quantized"),
-    sinks: int = typer.Option(0, "--sinks", help="first positions of a sequence that are never quantized"),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="output folder"),
+    codebook_size: Optional[int] = typer.Option(None, "--codebook-size", help="codewords per layer and KV head (default 512)"),
+    window: Optional[int] = typer.Option(None, "--window", help="W: keys this close keep exact RoPE; older keys are quantized (default 256)"),
+    sinks: Optional[int] = typer.Option(None, "--sinks", help="first positions of a sequence that are never quantized (default 0)"),
+    output: Optional[Path] = OutputOpt,
     calib: Optional[str] = typer.Option(None, "--calib", help="calibration corpus name or text file (default: calib)"),
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="calibration tokens (default 16384)"),
-    metric: str = typer.Option("query", "--metric", help="k-means distance: query (logit error under the model's queries) or key"),
-    kmeans: str = typer.Option("torch", "--kmeans", help="k-means implementation: torch or sklearn (MiniBatchKMeans)"),
+    metric: Optional[str] = typer.Option(None, "--metric", help="k-means distance: query (logit error under the model's queries, default) or key"),
+    kmeans: Optional[str] = typer.Option(None, "--kmeans", help="k-means implementation: torch (default) or sklearn (MiniBatchKMeans)"),
     code_bias: bool = typer.Option(False, "--code-bias/--no-code-bias", help="per-code logit correction for the keys each code stands for (measured: worse, off by default)"),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (keep), float32, bfloat16, float16"),
-    force: bool = typer.Option(False, "--force", help="replace an existing output folder"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="show what would be done; write nothing"),
-    measure: Optional[bool] = typer.Option(None, "--eval/--no-eval", help="measure original vs converted for the card"),
-    eval_tokens: int = typer.Option(4096, "--eval-tokens", help="tokens per corpus for that measurement"),
-    max_shard_size: str = typer.Option("2GB", "--max-shard-size"),
+    dtype: str = DtypeOpt,
+    force: bool = ForceOpt,
+    dry_run: bool = DryRunOpt,
+    measure: Optional[bool] = MeasureOpt,
+    eval_tokens: int = EvalTokensOpt,
+    max_shard_size: str = ShardOpt,
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
     allow_pickle: bool = PickleOpt,
