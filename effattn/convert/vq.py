@@ -116,9 +116,10 @@ class ReRoPEConversion(_ReRoPEBase):
         passthrough(ckpt, writer, ckpt.names(), plan.state["target"])
         shape = plan.state["shape"]
         for layer in range(shape.layers):
-            _write_buffers(writer, family, layer, torch.zeros(shape.kv_heads, 1, shape.head_dim),
-                           torch.zeros(shape.kv_heads, 1), torch.eye(shape.head_dim).repeat(shape.kv_heads, 1, 1),
-                           torch.zeros(shape.kv_heads, 1))
+            G, d = shape.kv_heads, shape.head_dim  # no codebook: the buffers hold their neutral values
+            _write_buffers(writer, family, layer, {
+                "codebook": torch.zeros(G, 1, d), "ema_counts": torch.zeros(G, 1), "ema_sums": torch.zeros(G, 1, d),
+                "code_metric": torch.eye(d).repeat(G, 1, 1), "code_bias": torch.zeros(G, 1)})
 
 
 class VQConversion(_ReRoPEBase):
@@ -203,6 +204,8 @@ class VQConversion(_ReRoPEBase):
                 h = module.input_layernorm(x[sl])
                 q, k, _ = attn.project(h)
                 keys.append(k[:, keep].reshape(-1, shape.kv_heads, shape.head_dim))
+                if st["metric"] != "query" and not cfg.vq_code_bias:
+                    continue  # neither the metric nor the code bias needs the queries
                 # far logits are <rope(q, W) * scale, k>: the metric weighs key errors by these queries
                 qw = (apply_rope(q, far[0], far[1]) * attn.scaling).reshape(-1, shape.kv_heads, group, shape.head_dim)
                 qw = qw.float()
@@ -226,7 +229,7 @@ class VQConversion(_ReRoPEBase):
             bias = code_bias(keys, torch.cat(sampled, 1), result.centroids, result.whitener) if cfg.vq_code_bias \
                 else torch.zeros(shape.kv_heads, st["size"])
             attn.code_bias.copy_(bias)
-            _write_buffers(writer, family, layer, result.centroids, counts, result.whitener, bias)
+            _write_buffers(writer, family, layer, dict(attn.named_buffers()))
             ckpt.release()
             module.self_attn = attn
             x = torch.cat([module(x[sl], position_embeddings=(cos, sin), vq_far=far)
@@ -263,14 +266,11 @@ def code_bias(keys: torch.Tensor, queries: torch.Tensor, centroids: torch.Tensor
     return bias
 
 
-def _write_buffers(writer: SafetensorsWriter, family: Family, layer: int, codebook: torch.Tensor,
-                   counts: torch.Tensor, whitener: torch.Tensor, bias: torch.Tensor) -> None:
+def _write_buffers(writer: SafetensorsWriter, family: Family, layer: int, buffers: dict[str, torch.Tensor]) -> None:
+    """A VQ attention's buffers (codebook, EMA statistics, code metric and bias), in float32."""
     base = f"{family.prefix(layer)}self_attn."
-    writer.write(base + "code_bias", bias.float().contiguous())
-    writer.write(base + "code_metric", whitener.float().contiguous())
-    writer.write(base + "codebook", codebook.float().contiguous())
-    writer.write(base + "ema_counts", counts.float().contiguous())
-    writer.write(base + "ema_sums", (codebook.float() * counts.float()[..., None]).contiguous())
+    for name, tensor in buffers.items():
+        writer.write(base + name, tensor.float().contiguous())
 
 
 
