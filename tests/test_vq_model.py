@@ -285,3 +285,17 @@ def test_heal_vq_trains_codebooks_and_writes_a_loadable_vq_model(tiny, tmp_path,
         assert healed[key].shape == start[key].shape and not torch.equal(healed[key], start[key])
     model = AutoModelForCausalLM.from_pretrained(out)
     assert isinstance(model, EffattnVQForCausalLM) and model.config.vq_window == 8
+
+
+def test_codes_are_assigned_under_the_stored_metric(tiny, tmp_path, calib_file):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    model = load(vq_init(src, tmp_path / "vq", calib_file, metric="key"))
+    attn = model.model.layers[0].self_attn
+    assert torch.equal(attn.code_metric, torch.eye(8, dtype=attn.code_metric.dtype).repeat(3, 1, 1))
+    q, k, _ = attn.project(model.model.embed_tokens(IDS))
+    plain = nearest_codes(k, attn.codebook)
+    before = logits(model)
+    with torch.no_grad():  # a metric that weighs one pair of dimensions heavily changes the nearest codes
+        attn.code_metric.copy_(torch.diag(torch.tensor([30.0, 1, 1, 1, 30, 1, 1, 1], dtype=attn.code_metric.dtype)))
+    assert not torch.equal(nearest_codes(k, attn.codebook, attn.code_metric), plain)
+    assert (logits(model) - before).abs().max() > 1e-6  # and the model uses them
