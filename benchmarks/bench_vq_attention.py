@@ -1,6 +1,6 @@
 """One attention layer forward: causal SDPA vs Transformer-VQ; writes the `vq-attention` section of BENCHMARKS.md.
 
-    python benchmarks/bench_vq_attention.py --lengths 1024,4096,16384,32768 --omp-wait-policy passive \
+    python benchmarks/bench_vq_attention.py --lengths 1024,4096,16384,32768 --threads 1,2 --rounds 2 \
         --plot benchmarks/results/vq-attention.png --json benchmarks/results/vq-attention.json
 
 The quadratic reference (vq_naive) is timed separately at --naive-lengths for comparison. The same
@@ -38,7 +38,8 @@ def main() -> None:
     parser.add_argument("--sinks", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", default=None,
+                        help="torch threads, or a comma list to measure each (e.g. 1,2); default: torch's (all cores)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--omp-wait-policy", choices=["active", "passive"], help="OMP_WAIT_POLICY of the measurements")
     parser.add_argument("--rounds", type=int, default=1,
@@ -50,43 +51,53 @@ def main() -> None:
     if args.plot:
         check_plot_path(args.plot)
 
-    settings = dict(
-        heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, window=args.window,
-        codebook_size=args.codebook_size, block_size=args.block_size, sinks=args.sinks,
-        dtype=args.dtype, repeats=args.repeats, threads=args.threads, device=args.device,
-        omp_wait_policy=args.omp_wait_policy,
-    )  # fmt: skip
+    thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [None]
     progress = lambda text: print(f"  {text}", file=sys.stderr, flush=True)  # noqa: E731
-    rounds = []
-    for i in range(args.rounds):
-        print(f"round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        report = run_report(args.kinds, args.lengths, progress=progress, **settings)
-        if args.naive_lengths:
-            naive = run_report(["vq_naive"], args.naive_lengths, progress=progress, **settings)
-            report["results"] += naive["results"]
-            report["load_average"]["after"] = naive["load_average"]["after"]
-        rounds.append(report)
-    report = combine(rounds)
+    reports = []
+    for threads in thread_counts:
+        settings = dict(
+            heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, window=args.window,
+            codebook_size=args.codebook_size, block_size=args.block_size, sinks=args.sinks,
+            dtype=args.dtype, repeats=args.repeats, threads=threads, device=args.device,
+            omp_wait_policy=args.omp_wait_policy,
+        )  # fmt: skip
+        rounds = []
+        for i in range(args.rounds):
+            print(f"threads {threads or 'default'}: round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
+            report = run_report(args.kinds, args.lengths, progress=progress, **settings)
+            if args.naive_lengths:
+                naive = run_report(["vq_naive"], args.naive_lengths, progress=progress, **settings)
+                report["results"] += naive["results"]
+                report["load_average"]["after"] = naive["load_average"]["after"]
+            rounds.append(report)
+        reports.append(combine(rounds))
 
     command = f"python {shlex.join(sys.argv)}"
-    section = [
-        "## One attention layer: Transformer-VQ vs SDPA (`effattn bench`)",
-        f"`{command}`",
-        describe(report)
-        + (f" Whole benchmark run {args.rounds} times in a row; the table shows each point's median over the rounds."
-           if args.rounds > 1 else ""),
-        format_table(report["results"]),
-        *verdict(report["results"], report["rounds"]),
+    section = ["## One attention layer: Transformer-VQ vs SDPA (`effattn bench`)", f"`{command}`"]
+    for threads, report in zip(thread_counts, reports):
+        if len(thread_counts) > 1:
+            section.append(f"### {threads} torch thread{'s' if threads != 1 else ''}")
+        section += [
+            describe(report)
+            + (f" Whole benchmark run {args.rounds} times in a row; the table shows each point's median over the "
+               f"rounds." if args.rounds > 1 else ""),
+            format_table(report["results"]),
+            *verdict(report["results"], report["rounds"]),
+        ]  # fmt: skip
+    section.append(
         "Speed-up is sdpa's time over the kind's at the same length; CPU speed-up compares process CPU time "
         "(all threads), less sensitive than wall time to other jobs on the machine. Peak memory includes the "
-        "output tensor (last column).",
-    ]
+        "output tensor (last column)."
+    )
     if args.json:
-        args.json.write_text(json.dumps({"command": command, **report}, indent=2))
+        runs = [{"threads": t, **r} for t, r in zip(thread_counts, reports)]
+        args.json.write_text(json.dumps({"command": command, "runs": runs}, indent=2))
         section.append(f"Raw results: `{_relative(args.json)}`.")
     if args.plot:
-        plot_bench(report["results"], args.plot)
-        section.append(f"![time and peak memory against sequence length]({_relative(args.plot)})")
+        plot_bench(reports[-1]["results"], args.plot)
+        threads = thread_counts[-1]
+        section.append(f"![time and peak memory against sequence length, {threads or 'default'} thread(s)]"
+                       f"({_relative(args.plot)})")  # fmt: skip
     text = "\n\n".join(section)
     print(text)
     if not args.no_write:
