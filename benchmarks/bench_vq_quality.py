@@ -40,7 +40,7 @@ EVALS = {
     "query": [("VQ: 16K tokens of `calib`, query metric", {"vq_code_bias": False}),
               ("VQ: `calib`, query metric, code bias", {"vq_code_bias": True}),
               ("VQ: `calib`, query metric, code bias, 4 sinks", {"vq_code_bias": True, "vq_sinks": 4})],
-    "attention": [("VQ: 16K tokens of `calib`, attention-weighted k-means", {}),
+    "attention": [("VQ: 16K tokens of `calib`, attention-weighted k-means (the default)", {}),
                   ("VQ: `calib`, attention-weighted k-means, 4 sinks", {"vq_sinks": 4})],
 }
 
@@ -129,7 +129,7 @@ def main() -> None:
     write_section("vq-quality", f"""
 ## Transformer-VQ from SmolLM2-135M-Instruct, zero-shot, at {args.context} tokens
 
-`python benchmarks/bench_vq_quality.py --windows {args.windows} --variants {args.variants} --tokens {args.tokens}`
+`python benchmarks/bench_vq_quality.py --windows {args.windows} --variants {args.variants} --tokens {args.tokens}{' --no-kmeans' if args.no_kmeans else ''}`
 on {machine()}.
 
 Perplexity on {args.tokens:,} tokens per corpus in blocks of {args.context} (evenly spread over each

@@ -10,10 +10,10 @@ fitted to the keys it will really quantize. Only one decoder layer's weights and
 activations are held at a time.
 
 Levers (all measured in BENCHMARKS.md): the calibration text (`--calib`), the k-means metric
-(`--metric query`: the logit error E[(qᵀ(k − c))²] under the queries that read the keys;
-`attention`: the same error weighted by the attention each far (query, key) pair really has under
-the ReRoPE model, Σ p_ts (q_tᵀ(k_s − c))², fitted as weighted k-means, see `attention_statistics`;
-`key`: plain distance), sink positions never quantized (`--sinks`), and the k-means implementation
+(`--metric attention`, the default: the logit error weighted by the attention each far (query, key)
+pair really has under the ReRoPE model, Σ p_ts (q_tᵀ(k_s − c))², fitted as weighted k-means, see `attention_statistics`;
+`query`: the unweighted logit error E[(qᵀ(k − c))²] under the queries that read the keys; `key`: plain
+distance), sink positions never quantized (`--sinks`), and the k-means implementation
 (`--kmeans torch|sklearn`).
 
 The output loads with `AutoModelForCausalLM.from_pretrained(OUT)` after `import effattn`, and with
@@ -38,13 +38,10 @@ from ..kernels.rope import apply_rope
 from .base import Plan, layer_bytes, out_dtype, passthrough, same_specs
 from .kmeans import KMEANS, kmeans
 
-METRICS = ("query", "attention", "key")
+METRICS = ("attention", "query", "key")
 METRIC_WORDS = {"query": "k-means under the query metric (logit error)",
                 "attention": "attention-weighted k-means (keys weighted by their far attention, logit error)",
                 "key": "k-means under plain key distance"}
-# --metric attention: k-means sample weight of a key = (its far attention mass) ** ATTENTION_POWER
-ATTENTION_POWER = 1.0
-ATTENTION_WEIGHTING = "mass"
 BIAS_QUERIES = 2048  # calibration queries (per KV head) that the per-code logit corrections average over
 # ema_counts start as the expected number of keys per code in a batch of this many tokens
 EMA_NOMINAL_TOKENS = 1024
@@ -145,7 +142,7 @@ class VQConversion(_ReRoPEBase):
         from .calibrate import CalibSettings
 
         shape, window, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
-        metric = options.get("metric") or "query"
+        metric = options.get("metric") or "attention"
         if metric not in METRICS:
             raise EffattnError(f"unknown --metric {metric!r}", one_of(metric, METRICS))
         method = options.get("kmeans") or "torch"
@@ -210,11 +207,10 @@ class VQConversion(_ReRoPEBase):
             gen = torch.Generator().manual_seed(layer)
             for sl in _batches(x, calib.batch_size):
                 h = module.input_layernorm(x[sl])
-                q, k, v = attn.project(h)
+                q, k, _ = attn.project(h)
                 keys.append(k[:, keep].reshape(-1, shape.kv_heads, shape.head_dim))
                 if st["metric"] == "attention":
-                    mass, m = attention_statistics(q, k, cos[0], sin[0], far, attn.scaling, cfg.vq_window, cfg.vq_sinks,
-                                                   v, ATTENTION_WEIGHTING)
+                    mass, m = attention_statistics(q, k, cos[0], sin[0], far, attn.scaling, cfg.vq_window, cfg.vq_sinks)
                     weights.append(mass[:, keep].reshape(-1, shape.kv_heads))
                     metric += m
                 if st["metric"] != "query" and not cfg.vq_code_bias:
@@ -232,7 +228,7 @@ class VQConversion(_ReRoPEBase):
             sample_weights = None
             if st["metric"] == "attention":
                 mass = torch.cat(weights).T.double()  # (G, N)
-                sample_weights = mass.pow(ATTENTION_POWER).float().contiguous()
+                sample_weights = mass.float().contiguous()  # a key's weight: its far attention mass
                 metric = metric / mass.sum(1).clamp_min(1e-30)[:, None, None]  # attention-weighted mean of q̃ q̃ᵀ
             elif st["metric"] == "query":
                 metric = metric / max(seen, 1)
@@ -261,8 +257,7 @@ class VQConversion(_ReRoPEBase):
 
 
 def attention_statistics(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, far, scale: float,
-                         window: int, sinks: int, v: torch.Tensor | None = None,
-                         weighting: str = "mass") -> tuple[torch.Tensor, torch.Tensor]:
+                         window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What `--metric attention` fits codebooks to: how much attention each key gets where it is quantized.
 
     q (B, T, H, D) and k (B, T, G, D) pre-RoPE, cos/sin (T, D), far the RoPE row of relative position W.
@@ -290,19 +285,8 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
         g = h // group
         logits = torch.where(near_pair, qn[:, :, h] @ kn[:, :, g].transpose(1, 2), qf[:, :, h] @ k[:, :, g].float().transpose(1, 2))
         p = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1) * far_pair  # (B, T, T), far part
-        if weighting == "output":  # p_ts² ‖v_s − o_t‖²: first-order output error of independent logit errors
-            full = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
-            vg = v[:, :, g].float()  # (B, T, Dv)
-            o = full @ vg  # (B, T, Dv) ReRoPE attention output
-            p2 = p * p
-            v2, o2 = vg.pow(2).sum(-1), o.pow(2).sum(-1)  # (B, T)
-            per_key = v2 * p2.sum(1) - 2 * (vg * (p2.transpose(1, 2) @ o)).sum(-1) + (p2.transpose(1, 2) @ o2[..., None])[..., 0]
-            per_query = (p2 @ v2[..., None])[..., 0] - 2 * ((p2 @ vg) * o).sum(-1) + o2 * p2.sum(-1)
-            mass[:, :, g] += per_key.clamp_min(0)
-            per_query = per_query.clamp_min(0)
-        else:
-            mass[:, :, g] += p.sum(1)
-            per_query = p.sum(-1)  # (B, T): far mass of each query
+        mass[:, :, g] += p.sum(1)
+        per_query = p.sum(-1)  # (B, T): far mass of each query
         metric[g] += torch.einsum("bt,bti,btj->ij", per_query, qf[:, :, h], qf[:, :, h]).double()
     return mass, metric
 
