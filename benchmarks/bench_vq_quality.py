@@ -1,13 +1,16 @@
 """SmolLM2-135M to ReRoPE and Transformer-VQ, zero-shot, evaluated at 2048 tokens.
 
-    python benchmarks/bench_vq_quality.py [--windows 64,256] [--tokens 8192] [--variants rerope,plain,query,sinks]
+    python benchmarks/bench_vq_quality.py [--windows 64,256] [--tokens 8192] [--variants plain,query,attention]
 
-For each window W: ReRoPE alone (`--to rerope`), then two `vq-init` conversions (C=512):
-  plain    k-means on 8K tokens of one domain (`plays`), plain key distance
-  default  the default calibration mix `calib` (16K tokens: poems, technical prose, code) and the
-           query-aware metric (codebooks fitted to the logit error; codes assigned the same way)
-each evaluated without and with the per-code logit correction (code bias), and the default also with
-4 sink positions never quantized (set at load time; the codebooks are the same).
+For each window W: ReRoPE alone (`--to rerope`), then one `vq-init` conversion (C=512) per variant:
+  plain      k-means on 8K tokens of one domain (`plays`), plain key distance
+  query      the default calibration mix `calib` (16K tokens: poems, technical prose, code) and the
+             query-aware metric (codebooks fitted to the logit error; codes assigned the same way)
+  attention  `calib` and attention-weighted k-means (`--metric attention`): every key weighted by the
+             attention it receives from the queries that see it as far, under the ReRoPE model, and
+             the metric the attention-weighted covariance of those queries
+plain and query are evaluated without and with the per-code logit correction (code bias), query and
+attention also with 4 sink positions never quantized (set at load time; the codebooks are the same).
 Evaluation corpora (`shakespeare`: held-out plays, `britannica`: encyclopedic prose) are never used for
 calibration. Also compares torch and scikit-learn k-means on the keys of one layer (time and error).
 Writes the `vq-quality` section of BENCHMARKS.md.
@@ -28,14 +31,17 @@ from benchmarks._util import machine, write_section  # noqa: E402
 # conversions (vq-init options) and, for each, the settings evaluated on it (config flags at load time)
 CONVERSIONS = {
     "plain": {"calib": "plays", "calib_tokens": 8192, "metric": "key", "code_bias": True},
-    "default": {"metric": "query", "code_bias": True},  # the bias is fitted so both settings can be evaluated
+    "query": {"metric": "query", "code_bias": True},  # the bias is fitted so both settings can be evaluated
+    "attention": {"metric": "attention"},
 }
 EVALS = {
     "plain": [("VQ: 8K tokens of plays, key distance", {"vq_code_bias": False}),
               ("VQ: 8K tokens of plays, key distance, code bias", {"vq_code_bias": True})],
-    "default": [("VQ: 16K tokens of `calib`, query metric (the default)", {"vq_code_bias": False}),
-                ("VQ: `calib`, query metric, code bias", {"vq_code_bias": True}),
-                ("VQ: `calib`, query metric, code bias, 4 sinks", {"vq_code_bias": True, "vq_sinks": 4})],
+    "query": [("VQ: 16K tokens of `calib`, query metric", {"vq_code_bias": False}),
+              ("VQ: `calib`, query metric, code bias", {"vq_code_bias": True}),
+              ("VQ: `calib`, query metric, code bias, 4 sinks", {"vq_code_bias": True, "vq_sinks": 4})],
+    "attention": [("VQ: 16K tokens of `calib`, attention-weighted k-means (the default)", {}),
+                  ("VQ: `calib`, attention-weighted k-means, 4 sinks", {"vq_sinks": 4})],
 }
 
 
@@ -68,7 +74,7 @@ def kmeans_comparison(layer: int = 10, tokens: int = 16384) -> list[tuple[str, s
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--windows", default="64,256")
-    ap.add_argument("--variants", default="plain,default", help="vq-init settings: plain, default")
+    ap.add_argument("--variants", default="plain,query,attention", help="vq-init settings: " + ", ".join(CONVERSIONS))
     ap.add_argument("--corpora", default="shakespeare,britannica")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--context", type=int, default=2048)
@@ -123,7 +129,7 @@ def main() -> None:
     write_section("vq-quality", f"""
 ## Transformer-VQ from SmolLM2-135M-Instruct, zero-shot, at {args.context} tokens
 
-`python benchmarks/bench_vq_quality.py --windows {args.windows} --variants {args.variants} --tokens {args.tokens}`
+`python benchmarks/bench_vq_quality.py --windows {args.windows} --variants {args.variants} --tokens {args.tokens}{' --no-kmeans' if args.no_kmeans else ''}`
 on {machine()}.
 
 Perplexity on {args.tokens:,} tokens per corpus in blocks of {args.context} (evenly spread over each

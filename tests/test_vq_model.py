@@ -218,6 +218,82 @@ def test_query_metric_lowers_the_logit_error():
     assert logit_error(query) < 0.5 * logit_error(key)
 
 
+def test_weighted_kmeans_centroids_are_weighted_means():
+    gen = torch.Generator().manual_seed(0)
+    centers = torch.randn(1, 4, 3, generator=gen) * 20
+    labels = torch.arange(400) % 4
+    x = centers[0][labels][None] + torch.randn(1, 400, 3, generator=gen)
+    w = torch.rand(1, 400, generator=gen) ** 3
+    for method in ("torch", "sklearn"):
+        result = kmeans(x, 4, weights=w, method=method)
+        # each found cluster is one of the 4 blobs; its centroid is the weighted mean of the blob
+        codes = nearest_codes(x[0][None, :, None], result.centroids)[0, :, 0]
+        for c in range(4):
+            members = codes == c
+            expected = (x[0][members] * w[0][members, None]).sum(0) / w[0][members].sum()
+            torch.testing.assert_close(result.centroids[0, c], expected, rtol=1e-4, atol=1e-4)
+        assert int(result.counts.sum()) == 400  # counts stay point counts
+
+
+def test_a_heavily_weighted_point_gets_its_own_centroid():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 2000, 4, generator=gen)
+    x[0, 7] = torch.tensor([3.0, -3.0, 3.0, -3.0])  # an outlier, like an attention sink's key
+    w = torch.full((1, 2000), 1e-3)
+    w[0, 7] = 100.0
+    for method in ("torch", "sklearn"):
+        weighted, plain = kmeans(x, 8, weights=w, method=method), kmeans(x, 8, method=method)
+        assert (weighted.centroids[0] - x[0, 7]).norm(dim=-1).min() < 1e-5  # exactly on it
+        assert (plain.centroids[0] - x[0, 7]).norm(dim=-1).min() > 0.1  # unweighted: merged with others
+    # zero weights everywhere but a few points still place every centroid on a weighted point
+    w0 = torch.zeros(1, 2000)
+    w0[0, :8] = 1.0
+    result = kmeans(x, 8, weights=w0, method="torch")
+    torch.testing.assert_close(result.centroids[0].sort(0).values, x[0, :8].sort(0).values)
+    with pytest.raises(ValueError, match="nonnegative"):
+        kmeans(x, 8, weights=-w)
+
+
+def test_attention_statistics_match_the_rerope_softmax():
+    from effattn.convert.vq import attention_statistics
+    from effattn.kernels.rope import apply_rope, rope_tables
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, G, D, W = 2, 40, 6, 3, 8, 8
+    q, k = torch.randn(B, T, H, D, generator=gen), torch.randn(B, T, G, D, generator=gen)
+    cos, sin = rope_tables(T + W, D)
+    mass, metric = attention_statistics(q, k, cos[:T], sin[:T], (cos[W], sin[W]), 0.5, W, sinks=2)
+    # brute force, pair by pair
+    want_mass, want_metric = torch.zeros(B, T, G), torch.zeros(G, D, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // G)
+            for t in range(T):
+                logit = torch.stack([0.5 * (apply_rope(q[b, t, h], cos[t - s], sin[t - s]) @ k[b, s, g]) if t - s < W
+                                     else 0.5 * (apply_rope(q[b, t, h], cos[W], sin[W]) @ k[b, s, g]) for s in range(t + 1)])
+                p = torch.softmax(logit, 0)
+                qf = apply_rope(q[b, t, h], cos[W], sin[W]) * 0.5
+                for s in range(2, t - W + 1):  # far and not a sink
+                    want_mass[b, s, g] += p[s]
+                    want_metric[g] += p[s].double() * torch.outer(qf, qf).double()
+    torch.testing.assert_close(mass, want_mass, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(metric, want_metric, rtol=1e-4, atol=1e-5)
+    assert float(mass[:, T - W + 1:].abs().max()) == 0 and float(mass[:, :2].abs().max()) == 0
+
+
+@pytest.mark.parametrize("metric", ["attention", "query", "key"])
+def test_every_metric_converts_and_stores_its_code_metric(tiny, tmp_path, calib_file, metric):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    out = vq_init(src, tmp_path / "vq", calib_file, metric=metric)
+    model = load(out)
+    attn = model.model.layers[1].self_attn
+    identity = torch.equal(attn.code_metric, torch.eye(8, dtype=attn.code_metric.dtype).repeat(3, 1, 1))
+    assert identity == (metric == "key")
+    assert torch.isfinite(attn.codebook).all() and attn.ema_counts.sum() > 0
+    assert json.loads((out / "effattn.json").read_text())["conversion"]["metric"] == metric
+    assert torch.isfinite(logits(model)).all()
+
+
 def test_bad_vq_options_are_one_line_errors(tiny, tmp_path, calib_file, capsys):
     src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
     cases = [

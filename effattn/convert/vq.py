@@ -10,8 +10,10 @@ fitted to the keys it will really quantize. Only one decoder layer's weights and
 activations are held at a time.
 
 Levers (all measured in BENCHMARKS.md): the calibration text (`--calib`), the k-means metric
-(`--metric query`: the logit error E[(qᵀ(k − c))²] under the queries that read the keys;
-`key`: plain distance), sink positions never quantized (`--sinks`), and the k-means implementation
+(`--metric attention`, the default: the logit error weighted by the attention each far (query, key)
+pair really has under the ReRoPE model, Σ p_ts (q_tᵀ(k_s − c))², fitted as weighted k-means, see `attention_statistics`;
+`query`: the unweighted logit error E[(qᵀ(k − c))²] under the queries that read the keys; `key`: plain
+distance), sink positions never quantized (`--sinks`), and the k-means implementation
 (`--kmeans torch|sklearn`).
 
 The output loads with `AutoModelForCausalLM.from_pretrained(OUT)` after `import effattn`, and with
@@ -36,7 +38,10 @@ from ..kernels.rope import apply_rope
 from .base import Plan, layer_bytes, out_dtype, passthrough, same_specs
 from .kmeans import KMEANS, kmeans
 
-METRICS = ("query", "key")
+METRICS = ("attention", "query", "key")
+METRIC_WORDS = {"query": "k-means under the query metric (logit error)",
+                "attention": "attention-weighted k-means (keys weighted by their far attention, logit error)",
+                "key": "k-means under plain key distance"}
 BIAS_QUERIES = 2048  # calibration queries (per KV head) that the per-code logit corrections average over
 # ema_counts start as the expected number of keys per code in a batch of this many tokens
 EMA_NOMINAL_TOKENS = 1024
@@ -137,7 +142,7 @@ class VQConversion(_ReRoPEBase):
         from .calibrate import CalibSettings
 
         shape, window, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
-        metric = options.get("metric") or "query"
+        metric = options.get("metric") or "attention"
         if metric not in METRICS:
             raise EffattnError(f"unknown --metric {metric!r}", one_of(metric, METRICS))
         method = options.get("kmeans") or "torch"
@@ -164,7 +169,7 @@ class VQConversion(_ReRoPEBase):
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
                      ("attention", f"ReRoPE window {window} (exact) + VQ beyond it, codebook {size} per KV head"
                                    + (f", {sinks} sink positions never quantized" if sinks else "")),
-                     ("codebooks", f"k-means ({method}, {metric} metric) on {calib.tokens:,} tokens of "
+                     ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
                                    f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
                      ("KV cache", f"{kv:,.0f} bytes/token now; VQ state {state_bytes:,.0f} bytes at any length "
                                   f"(= {kv:,.0f} bytes/token x {state_bytes / kv:,.0f} tokens)")],
@@ -198,12 +203,16 @@ class VQConversion(_ReRoPEBase):
             module = factory.layer(layer, tensors, shape.kv_heads)
             attn = VQAttention(module.self_attn, cfg, layer)
             keys, metric = [], torch.zeros(shape.kv_heads, shape.head_dim, shape.head_dim, dtype=torch.float64)
-            group, seen, sampled = shape.heads // shape.kv_heads, 0, []
+            group, seen, sampled, weights = shape.heads // shape.kv_heads, 0, [], []
             gen = torch.Generator().manual_seed(layer)
             for sl in _batches(x, calib.batch_size):
                 h = module.input_layernorm(x[sl])
                 q, k, _ = attn.project(h)
                 keys.append(k[:, keep].reshape(-1, shape.kv_heads, shape.head_dim))
+                if st["metric"] == "attention":
+                    mass, m = attention_statistics(q, k, cos[0], sin[0], far, attn.scaling, cfg.vq_window, cfg.vq_sinks)
+                    weights.append(mass[:, keep].reshape(-1, shape.kv_heads))
+                    metric += m
                 if st["metric"] != "query" and not cfg.vq_code_bias:
                     continue  # neither the metric nor the code bias needs the queries
                 # far logits are <rope(q, W) * scale, k>: the metric weighs key errors by these queries
@@ -216,8 +225,15 @@ class VQConversion(_ReRoPEBase):
                 pick = torch.randperm(qw.shape[0] * group, generator=gen)[:per_batch]
                 sampled.append(qw.transpose(1, 2).reshape(-1, shape.kv_heads, shape.head_dim)[pick].transpose(0, 1))
             keys = torch.cat(keys).transpose(0, 1).contiguous()  # (G, N, D)
-            result = kmeans(keys, st["size"], metric=(metric / max(seen, 1)).float() if st["metric"] == "query" else None,
-                            method=st["kmeans"], seed=layer)
+            sample_weights = None
+            if st["metric"] == "attention":
+                mass = torch.cat(weights).T.double()  # (G, N)
+                sample_weights = mass.float().contiguous()  # a key's weight: its far attention mass
+                metric = metric / mass.sum(1).clamp_min(1e-30)[:, None, None]  # attention-weighted mean of q̃ q̃ᵀ
+            elif st["metric"] == "query":
+                metric = metric / max(seen, 1)
+            result = kmeans(keys, st["size"], metric=metric.float() if st["metric"] != "key" else None,
+                            weights=sample_weights, method=st["kmeans"], seed=layer)
             counts = result.counts * (EMA_NOMINAL_TOKENS / keys.shape[1])
             attn.codebook.copy_(result.centroids)
             attn.ema_counts.copy_(counts)
@@ -238,6 +254,41 @@ class VQConversion(_ReRoPEBase):
                 progress.update(task, advance=1, description=f"fitting codebooks: layer {layer}, "
                                                               f"error {result.error:.3g}")
         passthrough(ckpt, writer, [n for n in ckpt.names() if n not in written], target)
+
+
+def attention_statistics(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, far, scale: float,
+                         window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `--metric attention` fits codebooks to: how much attention each key gets where it is quantized.
+
+    q (B, T, H, D) and k (B, T, G, D) pre-RoPE, cos/sin (T, D), far the RoPE row of relative position W.
+    The dense ReRoPE softmax p (exact RoPE within W, rotation W beyond, unquantized keys, one
+    normalisation) is computed per query head; a pair (t, s) is far when t − s >= W and s >= sinks.
+    Returns
+      mass [B, T, G]: Σ over far queries t and the group's query heads of p_ts (the key's weight),
+      metric [G, D, D] (float64): Σ_t,s far p_ts q̃_t q̃_tᵀ with q̃ = rope(q, W) · scale, the queries as
+        the far logits see them, so Σ_s w_s (k_s − c)ᵀ M (k_s − c) / Σ w approximates the attention-
+        weighted logit error Σ p_ts (q̃_tᵀ(k_s − c))² (exact when one query reads the key).
+    """
+    B, T, H, D = q.shape
+    G = k.shape[2]
+    group = H // G
+    qn = apply_rope(q.float(), cos[:, None], sin[:, None]) * scale  # (B, T, H, D)
+    kn = apply_rope(k.float(), cos[:, None], sin[:, None])
+    qf = apply_rope(q.float(), far[0], far[1]) * scale
+    t = torch.arange(T)[:, None]
+    s = torch.arange(T)[None, :]
+    near_pair, future = (t - s) < window, s > t
+    far_pair = ~near_pair & (s >= sinks)
+    mass = torch.zeros(B, T, G)
+    metric = torch.zeros(G, D, D, dtype=torch.float64)
+    for h in range(H):
+        g = h // group
+        logits = torch.where(near_pair, qn[:, :, h] @ kn[:, :, g].transpose(1, 2), qf[:, :, h] @ k[:, :, g].float().transpose(1, 2))
+        p = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1) * far_pair  # (B, T, T), far part
+        mass[:, :, g] += p.sum(1)
+        per_query = p.sum(-1)  # (B, T): far mass of each query
+        metric[g] += torch.einsum("bt,bti,btj->ij", per_query, qf[:, :, h], qf[:, :, h]).double()
+    return mass, metric
 
 
 def code_bias(keys: torch.Tensor, queries: torch.Tensor, centroids: torch.Tensor, whitener: torch.Tensor) -> torch.Tensor:
