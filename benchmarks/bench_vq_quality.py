@@ -40,7 +40,7 @@ EVALS = {
     "query": [("VQ: 16K tokens of `calib`, query metric", {"vq_code_bias": False}),
               ("VQ: `calib`, query metric, code bias", {"vq_code_bias": True}),
               ("VQ: `calib`, query metric, code bias, 4 sinks", {"vq_code_bias": True, "vq_sinks": 4})],
-    "attention": [("VQ: 16K tokens of `calib`, attention-weighted k-means (the default)", {}),
+    "attention": [("VQ: 16K tokens of `calib`, attention-weighted k-means, far keys at 4W (the default)", {}),
                   ("VQ: `calib`, attention-weighted k-means, 4 sinks", {"vq_sinks": 4})],
 }
 
@@ -107,7 +107,9 @@ def main() -> None:
             t0 = time.perf_counter()
             folder = convert("llama", Path(tmp) / f"rerope{window}", to="rerope", options={"window": window},
                              measure=False, force=True).out
-            measure("ReRoPE only", window, f"{time.perf_counter() - t0:.0f}", folder)
+            seconds = f"{time.perf_counter() - t0:.0f}"
+            measure("ReRoPE only, far keys at W (classic ReRoPE)", window, seconds, folder, {"vq_far_position": window})
+            measure("ReRoPE only, far keys at 4W (the default)", window, seconds, folder)
             for name in args.variants.split(","):
                 t0 = time.perf_counter()
                 options = {"codebook_size": 512, "window": window} | CONVERSIONS[name]
@@ -135,6 +137,7 @@ on {machine()}.
 Perplexity on {args.tokens:,} tokens per corpus in blocks of {args.context} (evenly spread over each
 corpus; in brackets the ratio to the original) and top-1 agreement with the original. Codebooks:
 C=512 per layer and KV head, fitted layer by layer (`effattn vq-init`); ReRoPE alone is weight-only.
+Every VQ row here sees its far keys at relative position 4W (`--far-position`, the default).
 "code bias" is the per-code logit correction b_c = E_q[log mean_(i in c) exp(q·(k_i − c))]: a code's keys
 weigh more in the softmax than its centroid alone (Jensen), so each code logit gains b_c.
 Calibration never sees the evaluation corpora. Conversion time was measured while other jobs shared

@@ -95,6 +95,7 @@ def convert(
     calib: Optional[str] = typer.Option(None, "--calib", help="calibration corpus name or text file (calibrated methods)"),
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="calibration tokens (calibrated methods)"),
     window: Optional[int] = typer.Option(None, "--window", help="rerope/vq: exact-RoPE window W (default 256)"),
+    far_position: Optional[int] = typer.Option(None, "--far-position", help="rerope/vq: relative position of every key beyond the window (default 4 x W)"),
     codebook_size: Optional[int] = typer.Option(None, "--codebook-size", help="vq: codewords per layer and KV head (default 512)"),
     sinks: Optional[int] = typer.Option(None, "--sinks", help="vq: first positions never quantized (default 0)"),
     metric: Optional[str] = typer.Option(None, "--metric", help="vq: k-means fit, attention (attention-weighted logit error, default), query (logit error) or key"),
@@ -110,7 +111,7 @@ def convert(
 ):
     """Convert MODEL's attention and write a native transformers checkpoint to -o OUT."""
     options = {"kv_heads": kv_heads, "method": method, "calib": calib, "calib_tokens": calib_tokens,
-               "window": window, "codebook_size": codebook_size, "sinks": sinks, "metric": metric, "kmeans": kmeans}
+               "window": window, "far_position": far_position, "codebook_size": codebook_size, "sinks": sinks, "metric": metric, "kmeans": kmeans}
     _run_conversion(model, output, to, options, dtype=dtype, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
                     measure=measure, eval_tokens=eval_tokens, as_json=as_json, trust_remote_code=trust_remote_code,
                     allow_pickle=allow_pickle)
@@ -121,6 +122,7 @@ def vq_init(
     model: str = ModelArg,
     codebook_size: Optional[int] = typer.Option(None, "--codebook-size", help="codewords per layer and KV head (default 512)"),
     window: Optional[int] = typer.Option(None, "--window", help="W: keys this close keep exact RoPE; older keys are quantized (default 256)"),
+    far_position: Optional[int] = typer.Option(None, "--far-position", help="relative position ReRoPE gives every key beyond the window (default 4 x W)"),
     sinks: Optional[int] = typer.Option(None, "--sinks", help="first positions of a sequence that are never quantized (default 0)"),
     output: Optional[Path] = OutputOpt,
     calib: Optional[str] = typer.Option(None, "--calib", help="calibration corpus name or text file (default: calib)"),
@@ -139,7 +141,7 @@ def vq_init(
     allow_pickle: bool = PickleOpt,
 ):
     """Transformer-VQ from a pretrained model: ReRoPE window + k-means codebooks (= convert --to vq)."""
-    options = {"codebook_size": codebook_size, "window": window, "sinks": sinks, "calib": calib,
+    options = {"codebook_size": codebook_size, "window": window, "far_position": far_position, "sinks": sinks, "calib": calib,
                "calib_tokens": calib_tokens, "metric": metric, "kmeans": kmeans, "code_bias": code_bias}
     _run_conversion(model, output, "vq", options, dtype=dtype, force=force, dry_run=dry_run,
                     max_shard_size=max_shard_size, measure=measure, eval_tokens=eval_tokens, as_json=as_json,

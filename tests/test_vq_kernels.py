@@ -110,16 +110,18 @@ def test_window_covering_sequence_is_causal_rope_attention(kernel):
         assert_close(f"d{name}", leaves[name].grad, grads[name], 1e-12)
 
 
-def rerope_reference(q, k, v, cos, sin, window):
-    """Causal attention whose relative positions are clipped at ``window`` (ReRoPE), with per-pair
-    rotations: a far key s seen from query t is rotated to position ``t - W`` instead of s."""
+def rerope_reference(q, k, v, cos, sin, window, far=None):
+    """Causal attention whose relative positions beyond ``window`` are all replaced by ``far`` (ReRoPE;
+    ``far = window`` clips them), with per-pair rotations: a far key s seen from query t is rotated to
+    position ``t - far`` instead of s."""
+    far = window if far is None else far
     B, T, H, D = q.shape
     k, v = (x.repeat_interleave(H // k.shape[2], dim=2) for x in (k, v))
     t = torch.arange(T)
     q_rot = apply_rope(q, cos[:, None], sin[:, None])  # (B, T, H, D)
     k_near = apply_rope(k, cos[:, None], sin[:, None])
-    clipped = (t - window).clamp(min=0)  # position of the far keys, per query
-    k_far = apply_rope(k[:, None], cos[clipped][:, None, None], sin[clipped][:, None, None])  # (B, Tq, Tk, H, D)
+    far_cos, far_sin = rope_tables(t - far, D, dtype=q.dtype)  # position of the far keys, per query (may be < 0)
+    k_far = apply_rope(k[:, None], far_cos[:, None, None], far_sin[:, None, None])  # (B, Tq, Tk, H, D)
     near = torch.einsum("bthd,bshd->bhts", q_rot, k_near)
     far = torch.einsum("bthd,btshd->bhts", q_rot, k_far)
     delta = t[:, None] - t[None, :]
@@ -137,6 +139,13 @@ def test_lossless_codebook_is_rerope(kernel):
     out = kernel(**inputs, window=W, block_size=5)
     ref = rerope_reference(inputs["q"], inputs["k"], inputs["v"], inputs["cos"], inputs["sin"], W)
     assert_close("output", ref, out, 1e-12)
+    # far keys at another constant relative position F: the kernels take its RoPE row
+    F = 4 * W
+    far_cos, far_sin = rope_tables(torch.tensor([F]), D, dtype=torch.float64)
+    out = kernel(**{**inputs, "far_cos": far_cos[0], "far_sin": far_sin[0]}, window=W, block_size=5)
+    ref_far = rerope_reference(inputs["q"], inputs["k"], inputs["v"], inputs["cos"], inputs["sin"], W, far=F)
+    assert_close("output, far position 4W", ref_far, out, 1e-12)
+    assert (ref_far - ref).abs().max() > 1e-3  # the far position matters
 
 
 def test_rope_rotations_compose():

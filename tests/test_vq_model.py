@@ -63,6 +63,22 @@ def test_rerope_with_a_window_covering_the_sequence_is_the_original(tiny, tmp_pa
     assert (logits(model) - logits_of(src, IDS, torch.float64)).abs().max() > 1e-3
 
 
+def test_far_position_defaults_to_four_windows_and_drives_the_far_logits(tiny, tmp_path):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    default = load(convert(src, tmp_path / "default", to="rerope", options={"window": 8}, measure=False).out)
+    assert default.config.vq_window == 8 and default.config.vq_far_position == 32
+    chosen = load(convert(src, tmp_path / "chosen", to="rerope", options={"window": 8, "far_position": 20},
+                          measure=False).out)  # fmt: skip
+    assert chosen.config.vq_far_position == 20
+    assert (logits(chosen) - logits(default)).abs().max() > 1e-3
+    chosen.config.vq_far_position = 32  # the config value is what the model uses
+    torch.testing.assert_close(logits(chosen), logits(default), rtol=1e-12, atol=1e-12)
+    chosen.config.vq_far_position = None  # models written before the option: the window itself
+    classic = load(convert(src, tmp_path / "classic", to="rerope", options={"window": 8, "far_position": 8},
+                           measure=False).out)  # fmt: skip
+    torch.testing.assert_close(logits(chosen), logits(classic), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vq_with_a_window_covering_the_sequence_is_the_rerope_model(tiny, tmp_path, calib_file, family):
     src = tiny(family, heads=6, kv_heads=3, head_dim=8)
@@ -304,6 +320,8 @@ def test_bad_vq_options_are_one_line_errors(tiny, tmp_path, calib_file, capsys):
         (["convert", str(src), "--to", "vq", "--kv-heads", "1", "-o", str(tmp_path / "e")], "--kv-heads does not apply"),
         (["convert", str(src), "--to", "gqa", "--kv-heads", "1", "--window", "8", "-o", str(tmp_path / "f")],
          "--window does not apply"),
+        (["convert", str(src), "--to", "rerope", "--window", "16", "--far-position", "4", "-o", str(tmp_path / "g")],
+         "inside the window"),
     ]
     for args, message in cases:
         code, _, err = run_cli(capsys, *args)

@@ -4,7 +4,7 @@
 attention modules are replaced by `VQAttention`:
 
 * ReRoPE: keys within `vq_window` positions of the query get exact RoPE; older keys see one constant
-  relative position (`vq_window`), so they enter the logits unrotated (pre-RoPE);
+  relative position (`vq_far_position`, by default the window), so they enter the logits unrotated (pre-RoPE);
 * VQ: those older keys are quantized to a per-layer, per-KV-head codebook (the first `vq_sinks`
   positions excepted), which lets the blockwise kernel summarise them per code (count, value sum):
   linear time, and a cache whose size stops growing after the window (`VQCache`);
@@ -36,6 +36,7 @@ VQ_DEFAULTS = {
     "vq_quantize": True,
     "codebook_size": 512,
     "vq_window": 256,
+    "vq_far_position": None,  # the relative position every far key is seen at; None: the window (classic ReRoPE)
     "vq_sinks": 0,
     "vq_block_size": 64,
     "vq_ema_decay": 0.99,
@@ -43,6 +44,11 @@ VQ_DEFAULTS = {
     "vq_kernel": "chunk",
     "vq_code_bias": False,
 }
+def far_position(config) -> int:
+    """The constant relative position ReRoPE gives every key beyond the window (the window by default)."""
+    return getattr(config, "vq_far_position", None) or config.vq_window
+
+
 _NOT_BASE = {"model_type", "architectures", "auto_map", "transformers_version", *VQ_DEFAULTS}
 # a ReRoPE-only model keeps every key exact: every position is a "sink" to the kernel
 _ALL_SINKS = 1 << 62
@@ -133,7 +139,7 @@ class VQAttention(nn.Module):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, vq_far=None,
                 **kwargs):
         if vq_far is None:
-            raise ValueError("VQAttention needs vq_far (the RoPE table at the window's relative position); "
+            raise ValueError("VQAttention needs vq_far (the RoPE table at the far relative position); "
                              "run it inside EffattnVQForCausalLM")
         cfg = self.config
         B, T, _ = hidden_states.shape
@@ -269,7 +275,7 @@ class EffattnVQForCausalLM(EffattnVQPreTrainedModel, GenerationMixin):
         elif int(position_ids[0, 0]) != past:
             raise ValueError(f"position_ids start at {int(position_ids[0, 0])} but the cache holds {past} positions")
         cos, sin = body.rotary_emb(x, position_ids)
-        far = torch.tensor([[self.config.vq_window]], device=x.device)
+        far = torch.tensor([[far_position(self.config)]], device=x.device)
         far_cos, far_sin = (t[0, 0] for t in body.rotary_emb(x, far))
         for layer in body.layers:
             x = layer(x, position_embeddings=(cos, sin), position_ids=position_ids, cache=cache,

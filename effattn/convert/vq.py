@@ -1,7 +1,8 @@
 """ReRoPE and Transformer-VQ conversions (`--to rerope`, `--to vq`, and `effattn vq-init`).
 
 `rerope` is weight-only: the same weights under `EffattnVQForCausalLM` with `vq_quantize: false`
-(exact RoPE inside the window, one constant relative position beyond it).
+(exact RoPE inside the window, one constant relative position beyond it: `--far-position`, by default
+4 x the window, which measured far better than the window itself).
 
 `vq` adds a codebook per layer and KV head, fitted by k-means on pre-RoPE keys collected layer by
 layer (sequentially, like the calibrated GQA methods): layer i's keys come from the inputs the
@@ -9,7 +10,7 @@ already-converted layers 0..i-1 produce, with their own VQ attention in place, s
 fitted to the keys it will really quantize. Only one decoder layer's weights and the calibration
 activations are held at a time.
 
-Levers (all measured in BENCHMARKS.md): the calibration text (`--calib`), the k-means metric
+Levers (all measured in BENCHMARKS.md): the far position (`--far-position`), the calibration text (`--calib`), the k-means metric
 (`--metric attention`, the default: the logit error weighted by the attention each far (query, key)
 pair really has under the ReRoPE model, Σ p_ts (q_tᵀ(k_s − c))², fitted as weighted k-means, see `attention_statistics`;
 `query`: the unweighted logit error E[(qᵀ(k − c))²] under the queries that read the keys; `key`: plain
@@ -38,6 +39,10 @@ from ..kernels.rope import apply_rope
 from .base import Plan, layer_bytes, out_dtype, passthrough, same_specs
 from .kmeans import KMEANS, kmeans
 
+# Default far position (`--far-position`) as a multiple of the window. ReRoPE classically sees far keys
+# at the window's own distance; on SmolLM2 a larger constant costs much less (BENCHMARKS.md, vq-quality:
+# ReRoPE alone at W=64 went from 1.21x/1.16x with the far keys at 64 to 1.06x/1.05x at 256).
+FAR_MULTIPLE = 4
 METRICS = ("attention", "query", "key")
 METRIC_WORDS = {"query": "k-means under the query metric (logit error)",
                 "attention": "attention-weighted k-means (keys weighted by their far attention, logit error)",
@@ -78,20 +83,24 @@ class _ReRoPEBase:
             raise EffattnError(f"{family.name} does not use rotate-half RoPE", "ReRoPE needs a RoPE model")
         shape = AttentionShape.of(ckpt.config)
         window = _positive_int(options, "window", 256)
+        far = _positive_int(options, "far_position", FAR_MULTIPLE * window)
+        if far < window:
+            raise EffattnError(f"--far-position {far} is inside the window ({window}): far keys would be seen closer "
+                               "than near ones", f"use --far-position {window} or more (default {FAR_MULTIPLE} x window)")
         sinks = _positive_int(options, "sinks", 0, low=0)
         block = _positive_int(options, "block_size", 64)
         size = _positive_int(options, "codebook_size", 512) if self.quantize else 1
         target = options.get("dtype")
         use_bias = bool(options.get("code_bias")) and self.quantize  # off by default: measured to hurt
         config = vq_config_from(ckpt.config, vq_quantize=self.quantize, codebook_size=size if self.quantize else 0,
-                                vq_window=window, vq_sinks=sinks, vq_block_size=block, vq_code_bias=use_bias)
+                                vq_window=window, vq_far_position=far, vq_sinks=sinks, vq_block_size=block, vq_code_bias=use_bias)
         if target is not None:
             config["dtype"] = str(target).replace("torch.", "")
             config.pop("torch_dtype", None)
         dtype = target or ckpt.dtype
         kv_before = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize
         specs = same_specs(ckpt, target) + vq_buffer_specs(family, shape, size)
-        return shape, window, sinks, block, size, config, kv_before, specs, target
+        return shape, window, far, sinks, block, size, config, kv_before, specs, target
 
     def write_extra(self, folder: Path) -> None:
         (folder / "modeling_effattn_vq.py").write_text(bundle_modeling_code())
@@ -101,17 +110,17 @@ class ReRoPEConversion(_ReRoPEBase):
     name = "rerope"
     description = "ReRoPE: exact RoPE within --window tokens, one constant relative position beyond (weight-only)"
 
-    options = ("window", "block_size")
+    options = ("window", "far_position", "block_size")
 
     def targets(self, config: dict[str, Any]) -> str:
         return "--window W: exact RoPE within W tokens, one relative position beyond (weight-only)"
 
     def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
-        shape, window, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
+        shape, window, far, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
         return Plan(
-            conversion=self.name, settings={"window": window}, config=config, specs=specs,
+            conversion=self.name, settings={"window": window, "far_position": far}, config=config, specs=specs,
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
-                     ("attention", f"ReRoPE, window {window}: exact inside, relative position {window} beyond"),
+                     ("attention", f"ReRoPE, window {window}: exact inside, relative position {far} beyond"),
                      ("KV cache", f"{kv:,.0f} bytes/token, unchanged (every key is kept)")],
             kv_bytes_per_token=(kv, kv), est_seconds=ckpt.nbytes / 200e6,
             est_peak_bytes=layer_bytes(ckpt, family) * 2, state={"shape": shape, "target": target, "size": size},
@@ -131,7 +140,7 @@ class VQConversion(_ReRoPEBase):
     name = "vq"
     description = "Transformer-VQ: ReRoPE window + keys beyond it quantized to k-means codebooks (linear time)"
     quantize = True
-    options = ("codebook_size", "window", "sinks", "block_size", "calib", "calib_tokens", "calib_seq_len", "metric",
+    options = ("codebook_size", "window", "far_position", "sinks", "block_size", "calib", "calib_tokens", "calib_seq_len", "metric",
                "kmeans", "code_bias")
 
     def targets(self, config: dict[str, Any]) -> str:
@@ -141,7 +150,7 @@ class VQConversion(_ReRoPEBase):
     def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
         from .calibrate import CalibSettings
 
-        shape, window, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
+        shape, window, far, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
         metric = options.get("metric") or "attention"
         if metric not in METRICS:
             raise EffattnError(f"unknown --metric {metric!r}", one_of(metric, METRICS))
@@ -161,13 +170,14 @@ class VQConversion(_ReRoPEBase):
         activations = calib.tokens * shape.hidden * 4 * 3 + calib.tokens * shape.kv_heads * shape.head_dim * 4 * 2
         return Plan(
             conversion=self.name,
-            settings={"codebook_size": size, "window": window, "sinks": sinks, "block_size": block, "metric": metric,
+            settings={"codebook_size": size, "window": window, "far_position": far, "sinks": sinks, "block_size": block, "metric": metric,
                       "code_bias": config["vq_code_bias"],
                       "kmeans": method, "calib": calib.corpus, "calib_tokens": calib.tokens,
                       "calib_seq_len": calib.seq_len},
             config=config, specs=specs,
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
-                     ("attention", f"ReRoPE window {window} (exact) + VQ beyond it, codebook {size} per KV head"
+                     ("attention", f"ReRoPE window {window} (exact; relative position {far} beyond) + VQ beyond it, "
+                                   f"codebook {size} per KV head"
                                    + (f", {sinks} sink positions never quantized" if sinks else "")),
                      ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
                                    f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
@@ -181,7 +191,7 @@ class VQConversion(_ReRoPEBase):
 
     @torch.no_grad()
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
-        from ..attention.vq import EffattnVQConfig, VQAttention
+        from ..attention.vq import EffattnVQConfig, VQAttention, far_position
         from .calibrate import _batches, calibration_tokens
 
         st = plan.state
@@ -190,8 +200,9 @@ class VQConversion(_ReRoPEBase):
         factory = LayerFactory(ckpt.config, family)
         ids = calibration_tokens(ckpt.folder, calib)  # (N, T)
         T = ids.shape[1]
-        cos, sin = factory.rope(max(T, cfg.vq_window + 1))
-        far = (cos[0, cfg.vq_window], sin[0, cfg.vq_window])
+        far_at = far_position(cfg)
+        cos, sin = factory.rope(max(T, far_at + 1))
+        far = (cos[0, far_at], sin[0, far_at])
         cos, sin = cos[:, :T], sin[:, :T]
         x = ckpt.get(family.embed).float()[ids]
         written = set()
@@ -215,7 +226,7 @@ class VQConversion(_ReRoPEBase):
                     metric += m
                 if st["metric"] != "query" and not cfg.vq_code_bias:
                     continue  # neither the metric nor the code bias needs the queries
-                # far logits are <rope(q, W) * scale, k>: the metric weighs key errors by these queries
+                # far logits are <rope(q, F) * scale, k>: the metric weighs key errors by these queries
                 qw = (apply_rope(q, far[0], far[1]) * attn.scaling).reshape(-1, shape.kv_heads, group, shape.head_dim)
                 qw = qw.float()
                 if st["metric"] == "query":
@@ -260,12 +271,12 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
                          window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What `--metric attention` fits codebooks to: how much attention each key gets where it is quantized.
 
-    q (B, T, H, D) and k (B, T, G, D) pre-RoPE, cos/sin (T, D), far the RoPE row of relative position W.
+    q (B, T, H, D) and k (B, T, G, D) pre-RoPE, cos/sin (T, D), far the RoPE row of the far position F.
     The dense ReRoPE softmax p (exact RoPE within W, rotation W beyond, unquantized keys, one
     normalisation) is computed per query head; a pair (t, s) is far when t − s >= W and s >= sinks.
     Returns
       mass [B, T, G]: Σ over far queries t and the group's query heads of p_ts (the key's weight),
-      metric [G, D, D] (float64): Σ_t,s far p_ts q̃_t q̃_tᵀ with q̃ = rope(q, W) · scale, the queries as
+      metric [G, D, D] (float64): Σ_t,s far p_ts q̃_t q̃_tᵀ with q̃ = rope(q, F) · scale, the queries as
         the far logits see them, so Σ_s w_s (k_s − c)ᵀ M (k_s − c) / Σ w approximates the attention-
         weighted logit error Σ p_ts (q̃_tᵀ(k_s − c))² (exact when one query reads the key).
     """

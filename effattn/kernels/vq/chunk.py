@@ -8,7 +8,7 @@ Same semantics as ``naive.py`` (read its docstring first). Queries are processed
   Every near pair of the step lies here, and so do its far pairs with keys younger than
   ``t0 - W + 1`` (at most the first ``t1 - t0 - 1`` span keys); they get per-pair logits;
 * the *aggregated* keys ``s <= t0 - W``, far for the whole step. Their logit
-  ``<rope(q_t, W), codebook[z_s]>`` depends on s only through its code, so they enter the softmax as
+  ``<rope(q_t, F), codebook[z_s]>`` depends on s only through its code, so they enter the softmax as
   one column per code, weighted by the number of keys with that code (``counts``, added as a
   ``log(count)`` bias) and carrying the mean of their values (``sums / counts``). Sinks are kept
   exact in their own columns.
@@ -218,7 +218,7 @@ class _StepAttention(torch.autograd.Function):
 
     ``q_near`` are the queries rotated to their positions and ``span_rk`` the keys to theirs;
     ``q_far`` are the queries unrotated and the far keys (span keys quantized, codewords, sinks) are
-    rotated by -W, which gives the ReRoPE logit ``<rope(q, W), k>``. All keys carry the logit scale.
+    rotated by -F (F the far position), which gives the ReRoPE logit ``<rope(q, F), k>``. All keys carry the logit scale.
 
     The masks are 0 / -inf biases (``log(0) = -inf`` drops empty codes); the near ones are added only on
     the column bands where they mask something, ``near_masks = [(columns, bias), ...]``. The four
@@ -318,7 +318,7 @@ def vq_attention_chunk(
         codebook: (G, C, D) one codebook per key/value head, in pre-RoPE key space (gets no gradient).
         codes: (B, T, G) integer code of every key.
         cos, sin: (T, D) RoPE tables at this chunk's absolute positions (``state.seen ..``).
-        far_cos, far_sin: (D,) RoPE table at relative position ``window``.
+        far_cos, far_sin: (D,) RoPE table at ReRoPE's far relative position F (classically ``window``).
         window: W >= 1, keys with ``t - s < W`` are exact.
         block_size: L >= 1, block length of the stop-gradient rule (blocks aligned to multiples of L).
             It does not change the output; values above ``TILE`` make the steps, and so the work
@@ -346,10 +346,10 @@ def vq_attention_chunk(
     dev = q.device
     start = state.seen
 
-    # Far logits <rope(q, W), k> = <q, rope(k, -W)>: the far keys and codewords are turned by -W
-    # instead of the queries by +W (G instead of H rotations, none per query), and every key, near
+    # Far logits <rope(q, F), k> = <q, rope(k, -F)>: the far keys and codewords are turned by -F
+    # instead of the queries by +F (G instead of H rotations, none per query), and every key, near
     # or far, carries the logit scale.
-    far_cos, far_sin = far_cos.to(dt) * scale, far_sin.to(dt) * -scale  # rotation by -W, scaled
+    far_cos, far_sin = far_cos.to(dt) * scale, far_sin.to(dt) * -scale  # rotation by -F, scaled
     codebook = codebook.detach().to(dt)  # (G, C, D), for the codes of the keys
     codebook_far = apply_rope(codebook, far_cos, far_sin)  # (G, C, D), the code columns' keys
     counts = state.counts.reshape(B * G, C).clone()  # (BG, C), updated in place step by step

@@ -3,8 +3,9 @@
 Every (query t, key s) pair is one of three kinds, by relative distance ``delta = t - s``:
 
 * near, ``0 <= delta < W``: exact RoPE, ``logit = scale * <rope(q_t, t), rope(k_s, s)>``;
-* far, ``delta >= W``: ReRoPE clips the relative position to ``W``, so
-  ``logit = scale * <rope(q_t, W), k_hat_s>`` with the key unrotated (pre-RoPE) and quantized,
+* far, ``delta >= W``: ReRoPE replaces the relative position by one constant F (``far_cos,
+  far_sin``; classically F = W, clipping), so ``logit = scale * <rope(q_t, F), k_hat_s>``
+  with the key unrotated (pre-RoPE) and quantized,
   ``k_hat_s = k_s + (codebook[g, codes_s] - k_s).detach()`` (straight-through: the value is the
   codeword, the gradient goes to ``k_s``); the first ``sinks`` keys are never quantized
   (``k_hat_s = k_s``);
@@ -102,7 +103,7 @@ def check_vq_inputs(
         if table.shape != (D,):
             raise ValueError(
                 f"{name} must have shape [head_dim] = [{D}], got {tuple(table.shape)}; "
-                f"pass the RoPE table row of relative position `window`."
+                f"pass the RoPE table row of the far relative position (e.g. `window`)."
             )
     for name, value, low in (("window", window, 1), ("block_size", block_size, 1), ("sinks", sinks, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -139,7 +140,7 @@ def vq_attention_naive(
         codebook: (G, C, D) one codebook per key/value head, in pre-RoPE key space.
         codes: (B, T, G) integer code of every key.
         cos, sin: (T, D) RoPE tables at the absolute positions ``0 .. T-1``.
-        far_cos, far_sin: (D,) RoPE table at relative position ``window``.
+        far_cos, far_sin: (D,) RoPE table at ReRoPE's far relative position F (classically ``window``).
         window: W >= 1, keys with ``t - s < W`` are exact.
         block_size: L >= 1, query block length of the stop-gradient rule.
         sinks: the first ``sinks`` keys are never quantized.
