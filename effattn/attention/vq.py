@@ -44,6 +44,8 @@ VQ_DEFAULTS = {
     "vq_kernel": "chunk",
     "vq_code_bias": False,
 }
+
+
 def far_position(config) -> int:
     """The constant relative position ReRoPE gives every key beyond the window (the window by default)."""
     return getattr(config, "vq_far_position", None) or config.vq_window
