@@ -238,9 +238,8 @@ class VQConversion(_ReRoPEBase):
             keys = torch.cat(keys).transpose(0, 1).contiguous()  # (G, N, D)
             sample_weights = None
             if st["metric"] == "attention":
-                mass = torch.cat(weights).T.double()  # (G, N)
-                sample_weights = mass.float().contiguous()  # a key's weight: its far attention mass
-                metric = metric / mass.sum(1).clamp_min(1e-30)[:, None, None]  # attention-weighted mean of q̃ q̃ᵀ
+                sample_weights = torch.cat(weights).T.contiguous()  # (G, N): a key's weight, its far attention mass
+                metric = metric / sample_weights.sum(1).double().clamp_min(1e-30)[:, None, None]  # weighted mean of q̃ q̃ᵀ
             elif st["metric"] == "query":
                 metric = metric / max(seen, 1)
             result = kmeans(keys, st["size"], metric=metric.float() if st["metric"] != "key" else None,
@@ -272,7 +271,7 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     """What `--metric attention` fits codebooks to: how much attention each key gets where it is quantized.
 
     q (B, T, H, D) and k (B, T, G, D) pre-RoPE, cos/sin (T, D), far the RoPE row of the far position F.
-    The dense ReRoPE softmax p (exact RoPE within W, rotation W beyond, unquantized keys, one
+    The dense ReRoPE softmax p (exact RoPE within W, rotation F beyond, unquantized keys, one
     normalisation) is computed per query head; a pair (t, s) is far when t − s >= W and s >= sinks.
     Returns
       mass [B, T, G]: Σ over far queries t and the group's query heads of p_ts (the key's weight),
