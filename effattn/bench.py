@@ -266,30 +266,10 @@ def _max_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
-def _assign_codes(k: torch.Tensor, codebook: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Nearest codeword of every key, ``chunk`` positions at a time in one reused buffer (flat memory).
-
-    k: (B, T, G, D), codebook: (G, C, D) -> (B, T, G) int64.
-    """
-    B, T, G, D = k.shape
-    codebook = codebook.float()
-    neg_half_norms = -0.5 * codebook.square().sum(-1)[:, None, :]  # (G, 1, C)
-    codes = torch.empty(B, T, G, dtype=torch.int64, device=k.device)
-    scores = None
-    for i in range(0, T, chunk):
-        piece = k[:, i : i + chunk].float().permute(2, 0, 1, 3).reshape(G, -1, D)  # (G, B*n, D)
-        if scores is None or scores.shape[1] != piece.shape[1]:
-            scores = piece.new_empty(G, piece.shape[1], codebook.shape[1])
-        # argmin |k - c|^2 = argmax (k.c - |c|^2 / 2)
-        torch.baddbmm(neg_half_norms, piece, codebook.mT, out=scores)  # (G, B*n, C)
-        codes[:, i : i + chunk] = scores.max(-1).indices.view(G, B, -1).permute(1, 2, 0)  # faster than argmax
-    return codes
-
-
 def _layer(kind: str, spec: dict, T: int, device: str):
     """Inputs and a closure running one attention forward on them."""
     from effattn.kernels.rope import apply_rope, rope_tables
-    from effattn.kernels.vq import vq_attention_chunk, vq_attention_naive
+    from effattn.kernels.vq import nearest_codes, vq_attention_chunk, vq_attention_naive
 
     H, G, D, W, C = spec["heads"], spec["kv_heads"], spec["head_dim"], spec["window"], spec["codebook_size"]
     dtype = getattr(torch, spec["dtype"])
@@ -317,7 +297,7 @@ def _layer(kind: str, spec: dict, T: int, device: str):
         kernel = vq_attention_chunk if kind == "vq" else vq_attention_naive
 
         def run():
-            codes = _assign_codes(k, codebook)
+            codes = nearest_codes(k, codebook)
             return kernel(
                 q, k, v, codebook, codes, cos, sin, far_cos, far_sin,
                 window=W, block_size=spec["block_size"], sinks=spec["sinks"],

@@ -27,6 +27,7 @@ from transformers import AutoConfig, GenerationMixin, PretrainedConfig, PreTrain
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from effattn.kernels.vq.chunk import VQState, vq_attention_chunk
+from effattn.kernels.vq.codes import nearest_codes
 from effattn.kernels.vq.naive import vq_attention_naive
 
 VQ_MODEL_TYPE = "effattn_vq"
@@ -70,19 +71,6 @@ class EffattnVQConfig(PretrainedConfig):
         """The base family's config (e.g. a LlamaConfig) with the same settings."""
         values = {k: v for k, v in self.to_dict().items() if k not in _NOT_BASE}
         return AutoConfig.for_model(self.base_model_type, **values)
-
-
-def nearest_codes(k: torch.Tensor, codebook: torch.Tensor, metric: torch.Tensor | None = None) -> torch.Tensor:
-    """Index of the nearest codeword of every key: k (B, T, G, D), codebook (G, C, D) -> (B, T, G).
-
-    `metric` (G, D, D) is a whitening map W: the distance is ‖Wᵀ(k − c)‖² (W = I: plain distance).
-    """
-    cb = codebook.to(k.dtype)
-    if metric is not None:
-        w = metric.to(k.dtype)
-        k, cb = torch.einsum("btgd,gde->btge", k, w), torch.einsum("gcd,gde->gce", cb, w)
-    scores = torch.einsum("btgd,gcd->btgc", k, cb) - 0.5 * (cb * cb).sum(-1)  # argmax = nearest
-    return scores.argmax(-1)
 
 
 class VQCache:

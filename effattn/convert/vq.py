@@ -309,7 +309,7 @@ def code_bias(keys: torch.Tensor, queries: torch.Tensor, centroids: torch.Tensor
     correction is averaged over calibration queries `queries` [G, Nq, D] (rotated by W and scaled, as
     the far logits see them); keys [G, N, D] are assigned to codes exactly as the model assigns them.
     """
-    from ..attention.vq import nearest_codes
+    from ..kernels.vq.codes import nearest_codes
 
     G, C = centroids.shape[:2]
     codes = nearest_codes(keys.transpose(0, 1)[None], centroids, whitener)[0].T  # (G, N)
@@ -345,7 +345,7 @@ def export_code_for(model: torch.nn.Module):
 
 # -- remote code: one self-contained modeling file -------------------------------------------------------
 
-_BUNDLE = ("kernels/rope.py", "kernels/vq/naive.py", "kernels/vq/chunk.py", "attention/vq.py")
+_BUNDLE = ("kernels/rope.py", "kernels/vq/naive.py", "kernels/vq/chunk.py", "kernels/vq/codes.py", "attention/vq.py")
 
 
 def bundle_modeling_code() -> str:

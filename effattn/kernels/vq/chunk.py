@@ -34,13 +34,20 @@ from torch import Tensor
 from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.naive import check_vq_inputs, compute_dtype
 
+try:  # the compiled step loop; absent where this file is bundled as a model's remote code
+    from effattn.kernels.vq import native as _native
+except ImportError:
+    _native = None
+
 # Queries per step (rounded to a multiple of block_size). Larger steps amortise PyTorch's per-op
 # overhead but widen the span every query is scored against (W - 1 + TILE keys, plus TILE - 1 far
 # ones); 64 is the fastest on a 2-core AVX-512 CPU for W = 256, C = 512 (see effattn/bench.py).
 TILE = 64
 # Positions per segment: the per-position work (RoPE, quantization, layouts) of a segment's steps
-# is done in one go, leaving the step loop only the attention itself. Bounds the working memory.
-SEGMENT = 1024
+# is done in one go, leaving the step loop only the attention itself. Bounds the working memory
+# (a few megabytes); fewer, larger segments cost less per-op overhead, and give the compiled loop's
+# threads longer runs of steps (4,096 measured faster than 1,024 and 2,048 on 2 threads).
+SEGMENT = 4096
 
 
 @dataclass
@@ -204,6 +211,39 @@ def _scratch(workspace: dict, name: str, shape: tuple[int, ...], like: Tensor) -
     return buffer
 
 
+def _step_forward(q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, log_counts, means, sink_v,
+                  near_masks, far_bias, workspace, saved):  # fmt: skip
+    """The forward pass of :class:`_StepAttention` (read its docstring); returns ``(out, probs)``.
+
+    Without ``saved`` (no backward pass to come), the probabilities and the output live in
+    ``workspace`` buffers reused by the next step.
+    """
+    BG, M, _ = q_near.shape
+    sizes = (span_rk.shape[1], far_kq.shape[1], codebook.shape[1], sink_k.shape[1])
+    shape = (BG, M, sum(sizes))
+
+    def buffer(name, shape, like):  # a fresh tensor (out=None) when it is saved for backward
+        return None if saved else _scratch(workspace, name, shape, like)
+
+    logits = _scratch(workspace, "logits", shape, q_near)  # (BG, M, N), never saved
+    near, far, code, sink = logits.split(sizes, dim=-1)
+    torch.bmm(q_near, span_rk.mT, out=near)
+    for columns, bias in near_masks:
+        near[..., columns] += bias
+    torch.bmm(q_far, far_kq.mT, out=far).add_(far_bias)
+    torch.bmm(q_far, codebook.mT, out=code).add_(log_counts[:, None, :])
+    if sizes[3]:
+        torch.bmm(q_far, sink_k.mT, out=sink)
+    probs = torch.softmax(logits, dim=-1, out=buffer("probs", shape, q_near))
+
+    p_near, p_far, p_code, p_sink = probs.split(sizes, dim=-1)
+    out = torch.bmm(p_near, span_v, out=buffer("out", (BG, M, span_v.shape[2]), q_near))
+    out.baddbmm_(p_far, far_v).baddbmm_(p_code, means)  # (BG, M, Dv)
+    if sizes[3]:
+        out.baddbmm_(p_sink, sink_v)
+    return out, probs
+
+
 class _StepAttention(torch.autograd.Function):
     """Softmax attention of one step's queries over its four column groups, with a hand-written backward.
 
@@ -212,23 +252,25 @@ class _StepAttention(torch.autograd.Function):
     ==========  ====================  ==========================================  ==================
     near (S)    the span              ``q_near @ span_rk^T + near masks``         ``span_v``
     far (F)     first F span keys     ``q_far @ far_kq^T + far_bias``             ``far_v``
-    codes (C)   the codewords         ``q_far @ codebook^T + log(counts)``        ``sums / counts``
+    codes (C)   the codewords         ``q_far @ codebook^T + log_counts``         ``means``
     sinks (m)   aggregated sinks      ``q_far @ sink_k^T``                        ``sink_v``
     ==========  ====================  ==========================================  ==================
 
     ``q_near`` are the queries rotated to their positions and ``span_rk`` the keys to theirs;
     ``q_far`` are the queries unrotated and the far keys (span keys quantized, codewords, sinks) are
-    rotated by -F (F the far position), which gives the ReRoPE logit ``<rope(q, F), k>``. All keys carry the logit scale.
+    rotated by -F (F the far position), which gives the ReRoPE logit ``<rope(q, F), k>``. All keys
+    carry the logit scale. A code column stands for all the aggregated keys with that code: its
+    logit carries ``log(count)`` (``-inf`` drops empty codes) and its value is their mean value.
 
-    The masks are 0 / -inf biases (``log(0) = -inf`` drops empty codes); the near ones are added only on
-    the column bands where they mask something, ``near_masks = [(columns, bias), ...]``. The four
-    products are written straight into one logits tensor and the output is accumulated part by part,
-    so the largest tensors of a step are never concatenated or copied; without autograd, the step's
-    buffers come from ``workspace`` and are reused (the returned output too: copy it before the next step).
+    The masks are 0 / -inf biases; the near ones are added only on the column bands where they mask
+    something, ``near_masks = [(columns, bias), ...]``. The four products are written straight into
+    one logits tensor and the output is accumulated part by part, so the largest tensors of a step are
+    never concatenated or copied. Without a backward pass to come the kernel calls
+    :func:`_step_forward` directly, which reuses the step's buffers from ``workspace``.
 
     Shapes, batch and key/value heads flattened into BG and M = R*Q rows ordered (head, query):
     q_near, q_far (BG, M, D); span_rk (BG, S, D); far_kq (BG, F, D); codebook (BG, C, D); sink_k (BG, m, D);
-    span_v (BG, S, Dv); far_v (BG, F, Dv); counts (BG, C); sums (BG, C, Dv); sink_v (BG, m, Dv);
+    span_v (BG, S, Dv); far_v (BG, F, Dv); log_counts (BG, C); means (BG, C, Dv); sink_v (BG, m, Dv);
     near_masks: biases (M, band width); far_bias (M, F); frozen (M, F) bool. Returns (BG, M, Dv).
 
     Gradients reach q_near, q_far, span_rk, far_kq, span_v and far_v. Codewords, statistics and sinks
@@ -237,31 +279,11 @@ class _StepAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, counts, sums, sink_v,
+    def forward(ctx, q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, log_counts, means, sink_v,
                 near_masks, far_bias, frozen, workspace):  # fmt: skip
-        BG, M, _ = q_near.shape
-        sizes = (span_rk.shape[1], far_kq.shape[1], codebook.shape[1], sink_k.shape[1])
-        shape = (BG, M, sum(sizes))
-        saved = any(ctx.needs_input_grad)  # tensors saved for the backward pass cannot be reused
-
-        def buffer(name, shape, like):  # a fresh tensor (out=None) when it is saved for backward
-            return None if saved else _scratch(workspace, name, shape, like)
-
-        logits = _scratch(workspace, "logits", shape, q_near)  # (BG, M, N), never saved
-        near, far, code, sink = logits.split(sizes, dim=-1)
-        torch.bmm(q_near, span_rk.mT, out=near)
-        for columns, bias in near_masks:
-            near[..., columns] += bias
-        torch.bmm(q_far, far_kq.mT, out=far).add_(far_bias)
-        torch.bmm(q_far, codebook.mT, out=code).add_(counts.log()[:, None, :])
-        torch.bmm(q_far, sink_k.mT, out=sink)
-        probs = torch.softmax(logits, dim=-1, out=buffer("probs", shape, q_near))
-
-        means = torch.div(sums, counts.clamp(min=1.0)[..., None], out=buffer("means", sums.shape, sums))
-        p_near, p_far, p_code, p_sink = probs.split(sizes, dim=-1)
-        out = torch.bmm(p_near, span_v, out=buffer("out", (BG, M, span_v.shape[2]), q_near))
-        out.baddbmm_(p_far, far_v).baddbmm_(p_code, means).baddbmm_(p_sink, sink_v)  # (BG, M, Dv)
-        ctx.sizes = sizes
+        out, probs = _step_forward(q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, log_counts,
+                                   means, sink_v, near_masks, far_bias, workspace, saved=True)  # fmt: skip
+        ctx.sizes = (span_rk.shape[1], far_kq.shape[1], codebook.shape[1], sink_k.shape[1])
         ctx.save_for_backward(q_near, q_far, span_rk, far_kq, codebook, sink_k, span_v, far_v, means, sink_v,
                               frozen, probs, out)  # fmt: skip
         return out
@@ -289,6 +311,22 @@ class _StepAttention(torch.autograd.Function):
         grad_far_v = p_far_thawed.mT @ grad_out if needs[7] else None
         return (grad_q_near, grad_q_far, grad_span_rk, grad_far_kq, None, None, grad_span_v, grad_far_v,
                 None, None, None, None, None, None, None)  # fmt: skip
+
+
+def _step_queries(q_step: Tensor, cos: Tensor, sin: Tensor, workspace: dict) -> tuple[Tensor, Tensor]:
+    """One step's queries as the step reads them, without autograd: ``(q_near, q_far)``, each (BG, M, D).
+
+    q_step: (B, Q, G, R, D) unrotated queries; cos, sin: (Q, D) their RoPE tables. Rows are ordered
+    (head, query) within each group; ``q_near`` is ``apply_rope(q_far, cos, sin)`` written in place.
+    """
+    B, Q, G, R, D = q_step.shape
+    q_view = q_step.permute(0, 2, 3, 1, 4)  # (B, G, R, Q, D)
+    q_far = _scratch(workspace, "q_far", q_view.shape, q_step).copy_(q_view)
+    q_near = torch.mul(q_far, cos, out=_scratch(workspace, "q_near", q_view.shape, q_step))
+    h = D // 2  # rotate_half: [x1, x2] -> [-x2, x1]
+    q_near[..., :h].addcmul_(q_far[..., h:], sin[:, :h], value=-1.0)
+    q_near[..., h:].addcmul_(q_far[..., :h], sin[:, h:])
+    return q_near.view(B * G, R * Q, D), q_far.view(B * G, R * Q, D)
 
 
 def vq_attention_chunk(
@@ -354,6 +392,9 @@ def vq_attention_chunk(
     codebook_far = apply_rope(codebook, far_cos, far_sin)  # (G, C, D), the code columns' keys
     counts = state.counts.reshape(B * G, C).clone()  # (BG, C), updated in place step by step
     sums = state.sums.reshape(B * G, C, Dv).clone()  # (BG, C, Dv)
+    # What the code columns read, kept up to date code by code as keys are aggregated.
+    log_counts = counts.log()  # (BG, C), -inf for empty codes
+    means = sums / counts.clamp(min=1.0)[..., None]  # (BG, C, Dv)
     sink_k, sink_v = state.sink_k.to(dt), state.sink_v.to(dt)  # (B, G, m, D), (B, G, m, Dv)
 
     # The last W - 1 keys (rotated, quantized), values and codes, zero-padded before position 0.
@@ -374,6 +415,11 @@ def vq_attention_chunk(
     # steps are concatenated; without it they go straight into the output.
     keep_graph = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     out = None if keep_graph else q.new_empty(B, T, H, Dv)
+    native = (not keep_graph and in_dtype == dt == torch.float32 and dev.type == "cpu" and _native is not None
+              and _native.available())  # fmt: skip
+    if native:
+        q_native, cos_native, sin_native = q.contiguous(), cos.to(dt).contiguous(), sin.to(dt).contiguous()
+        log_counts.clamp_(min=_native.MASKED)  # the C code keeps its maths finite
     pieces = []
     masks = {}  # most steps share their masks; they depend on t0 only near the sequence start
     workspace = {}  # step buffers reused without autograd
@@ -386,9 +432,14 @@ def vq_attention_chunk(
         cos_g, sin_g = cos_g.to(dt), sin_g.to(dt)  # (n*Q, D)
 
         # Queries grouped by key/value head and step, each step's rows contiguous: (B, G, n, R, Q, D).
-        # The far columns take them as they are; the near ones rotated to their positions.
-        q_far = q_g.to(dt).view(B, n, Q, G, R, D).permute(0, 3, 1, 4, 2, 5).contiguous()
-        q_near = apply_rope(q_far, cos_g.view(n, 1, Q, D), sin_g.view(n, 1, Q, D))
+        # The far columns take them as they are; the near ones rotated to their positions. Without
+        # autograd this is done step by step (_step_queries), on data that stays in cache.
+        if keep_graph:
+            q_far = q_g.to(dt).view(B, n, Q, G, R, D).permute(0, 3, 1, 4, 2, 5).contiguous()
+            q_near = apply_rope(q_far, cos_g.view(n, 1, Q, D), sin_g.view(n, 1, Q, D))
+            q_near, q_far = q_near.flatten(0, 1).flatten(2, 3), q_far.flatten(0, 1).flatten(2, 3)  # (BG, n, M, D)
+        else:
+            q_steps = q_g.to(dt).view(B, n, Q, G, R, D)
 
         # The W-1 recent keys then the segment's own; step j's span is entries [j*Q, j*Q + S).
         k_g, v_g, z_g = k_g.to(dt).transpose(1, 2), v_g.to(dt).transpose(1, 2), z_g.long().transpose(1, 2)
@@ -402,50 +453,56 @@ def vq_attention_chunk(
         sink_v = torch.cat((sink_v, v_g[:, :, :n_new].detach()), dim=2)
 
         # The steps work on batch and key/value heads flattened: (BG, ...).
-        q_near, q_far = q_near.flatten(0, 1).flatten(2, 3), q_far.flatten(0, 1).flatten(2, 3)  # (BG, n, M, D)
         rk_bg, kq_bg, v_bg, z_bg = (x.flatten(0, 1) for x in (all_rk, all_kq, all_v, all_z))  # (BG, P + n*Q, ...)
         sink_k_bg = apply_rope(sink_k, far_cos, far_sin).flatten(0, 1)  # (BG, m, D)
         sink_v_bg = sink_v.flatten(0, 1)  # (BG, m, Dv)
-        for j in range(n):
-            t_j, lo = t0 + j * Q, j * Q  # first position of the step, its span's start in the buffers
-            n_sink = max(0, min(sinks, t_j - P))  # sinks far for the whole step (aggregated)
-            mask_key = (Q, min(t_j, P), t_j % L)
-            if mask_key not in masks:  # per query, repeated for the R heads of a group: rows (head, query)
-                bias = _span_bias(t_j, Q, W, dt, dev).repeat(R, 1)  # (M, S + F)
-                near_masks = [(slice(0, S), bias[:, :S])]
-                if t_j >= P and F < S - F:  # span columns F .. S-F-1 are near for every query: no mask
-                    near_masks = [(slice(0, F), bias[:, :F]), (slice(S - F, S), bias[:, S - F : S])]
-                masks[mask_key] = (near_masks, bias[:, S:], _aggregated_pairs(t_j, Q, W, L, dev).repeat(R, 1))
-            near_masks, far_bias, frozen = masks[mask_key]
-            o = _StepAttention.apply(
-                q_near[:, j],  # (BG, M, D)
-                q_far[:, j],
-                rk_bg[:, lo : lo + S],  # (BG, S, D)
-                kq_bg[:, lo : lo + F],  # (BG, F, D)
-                codebook_bg,  # (BG, C, D)
-                sink_k_bg[:, :n_sink],  # (BG, m, D)
-                v_bg[:, lo : lo + S],  # (BG, S, Dv)
-                v_bg[:, lo : lo + F],  # (BG, F, Dv)
-                counts,  # (BG, C)
-                sums,  # (BG, C, Dv)
-                sink_v_bg[:, :n_sink],  # (BG, m, Dv)
-                near_masks,
-                far_bias,
-                frozen,
-                workspace,
-            ).view(B, G, R, Q, Dv)
-            o = o.permute(0, 3, 1, 2, 4)  # (B, Q, G, R, Dv)
-            if keep_graph:
-                pieces.append(o.reshape(B, Q, H, Dv))
-            else:
-                out[:, t_j - start : t_j - start + Q].view(B, Q, G, R, Dv).copy_(o)
+        if native:  # the same steps, compiled (native.c)
+            _native.run_segment(q=q_native, cos=cos_native, sin=sin_native, rk=rk_bg, kq=kq_bg, v=v_bg, z=z_bg,
+                                codebook=codebook_bg, sink_k=sink_k_bg, sink_v=sink_v_bg,
+                                stats=(counts, sums, log_counts, means), out=out, R=R, W=W, Q=Q, n=n,
+                                seg_t0=t0, start=start, sinks=sinks)  # fmt: skip
+        else:
+            for j in range(n):
+                t_j, lo = t0 + j * Q, j * Q  # first position of the step, its span's start in the buffers
+                n_sink = max(0, min(sinks, t_j - P))  # sinks far for the whole step (aggregated)
+                mask_key = (Q, min(t_j, P), t_j % L)
+                if mask_key not in masks:  # per query, repeated for the R heads of a group: rows (head, query)
+                    bias = _span_bias(t_j, Q, W, dt, dev).repeat(R, 1)  # (M, S + F)
+                    near_masks = [(slice(0, S), bias[:, :S])]
+                    if t_j >= P and F < S - F:  # span columns F .. S-F-1 are near for every query: no mask
+                        near_masks = [(slice(0, F), bias[:, :F]), (slice(S - F, S), bias[:, S - F : S])]
+                    masks[mask_key] = (near_masks, bias[:, S:], _aggregated_pairs(t_j, Q, W, L, dev).repeat(R, 1))
+                near_masks, far_bias, frozen = masks[mask_key]
+                columns = (
+                    rk_bg[:, lo : lo + S],  # (BG, S, D)
+                    kq_bg[:, lo : lo + F],  # (BG, F, D)
+                    codebook_bg,  # (BG, C, D)
+                    sink_k_bg[:, :n_sink],  # (BG, m, D)
+                    v_bg[:, lo : lo + S],  # (BG, S, Dv)
+                    v_bg[:, lo : lo + F],  # (BG, F, Dv)
+                )
+                if keep_graph:  # the means are saved for backward as they are now
+                    stats = (log_counts, means.clone(), sink_v_bg[:, :n_sink])
+                    o = _StepAttention.apply(q_near[:, j], q_far[:, j], *columns, *stats, near_masks, far_bias, frozen,
+                                             workspace)  # fmt: skip
+                    pieces.append(o.view(B, G, R, Q, Dv).permute(0, 3, 1, 2, 4).reshape(B, Q, H, Dv))
+                else:
+                    qn_j, qf_j = _step_queries(q_steps[:, j], cos_g[lo : lo + Q], sin_g[lo : lo + Q], workspace)
+                    o, _ = _step_forward(qn_j, qf_j, *columns, log_counts, means, sink_v_bg[:, :n_sink], near_masks,
+                                         far_bias, workspace, saved=False)  # fmt: skip
+                    out[:, t_j - start : t_j - start + Q].view(B, Q, G, R, Dv).copy_(o.view(B, G, R, Q, Dv).permute(0, 3, 1, 2, 4))
 
-            # The step's first Q span keys leave the span for good: fold them (detached) into the
-            # statistics. Padding before position 0 and sinks are never counted.
-            first = lo + max(0, sinks - (t_j - P), P - t_j)
-            z_out, v_out = z_bg[:, first : lo + Q], v_bg[:, first : lo + Q].detach()
-            counts.scatter_add_(1, z_out, ones[:, : z_out.shape[1]])
-            sums.scatter_add_(1, z_out[..., None].expand(-1, -1, Dv), v_out)
+                # The step's first Q span keys leave the span for good: fold them (detached) into the
+                # statistics. Padding before position 0 and sinks are never counted.
+                first = lo + max(0, sinks - (t_j - P), P - t_j)
+                z_out, v_out = z_bg[:, first : lo + Q], v_bg[:, first : lo + Q].detach()
+                z_out_v = z_out[..., None].expand(-1, -1, Dv)
+                counts.scatter_add_(1, z_out, ones[:, : z_out.shape[1]])
+                sums.scatter_add_(1, z_out_v, v_out)
+                # only the codes of those keys changed (a code listed twice gets the same value twice)
+                touched = counts.gather(1, z_out)
+                log_counts.scatter_(1, z_out, touched.log())
+                means.scatter_(1, z_out_v, sums.gather(1, z_out_v) / touched[..., None])
 
         buf_rk, buf_kq, buf_v, buf_z = (x[:, :, n * Q :] for x in (all_rk, all_kq, all_v, all_z))
         t0 += n * Q

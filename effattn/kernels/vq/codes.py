@@ -1,0 +1,35 @@
+"""Code assignment: the nearest codeword of every key, the quantization step of Transformer-VQ."""
+
+import torch
+from torch import Tensor
+
+# Positions scored per pass: the (G, B * CHUNK, C) score buffer stays a few megabytes, so the
+# memory used does not grow with the sequence.
+CHUNK = 1024
+
+
+@torch.no_grad()
+def nearest_codes(k: Tensor, codebook: Tensor, metric: Tensor | None = None) -> Tensor:
+    """Index of the nearest codeword of every key: k (B, T, G, D), codebook (G, C, D) -> (B, T, G) int64.
+
+    ``metric`` (G, D, E) is a whitening map W: the distance is ``‖Wᵀ(k − c)‖²`` (W = I: the plain
+    distance). The nearest codeword maximises ``<k, c> − ‖c‖² / 2`` (in whitened space), one batched
+    matrix product per ``CHUNK`` positions. Ties go to the lower index.
+    """
+    B, T, G, D = k.shape
+    codebook = codebook.to(k.dtype)
+    w = None if metric is None else metric.to(k.dtype)
+    if w is not None:
+        codebook = codebook @ w  # (G, C, E)
+    neg_half_norms = -0.5 * codebook.square().sum(-1)[:, None, :]  # (G, 1, C)
+    codes = torch.empty(B, T, G, dtype=torch.int64, device=k.device)
+    scores = None
+    for i in range(0, T, CHUNK):
+        piece = k[:, i : i + CHUNK].permute(2, 0, 1, 3).reshape(G, -1, D)  # (G, B*n, D)
+        if w is not None:
+            piece = piece @ w
+        if scores is None or scores.shape[1] != piece.shape[1]:
+            scores = piece.new_empty(G, piece.shape[1], codebook.shape[1])
+        torch.baddbmm(neg_half_norms, piece, codebook.mT, out=scores)  # (G, B*n, C)
+        codes[:, i : i + CHUNK] = scores.max(-1).indices.view(G, B, -1).permute(1, 2, 0)  # max: faster than argmax
+    return codes

@@ -1,0 +1,195 @@
+/* Transformer-VQ attention with ReRoPE: the step loop of chunk.py in C, for float32 inference.
+ *
+ * Same maths as vq_attention_chunk without autograd (read chunk.py and naive.py first). One call
+ * runs the steps [j_lo, j_hi) of one segment. The statistics a step reads depend only on the keys
+ * before it, so a call first folds the keys that leave the span in steps [0, j_lo) into its own copy
+ * of the statistics (cheap: no attention) and then runs its steps. The Python side gives each
+ * thread a range of steps and a copy of the statistics, so the threads never wait for each other.
+ *
+ * Per step and key/value group the work is four matrix products by the BLAS sgemm (logits of the
+ * span, far span, code and sink columns), one pass that masks, takes the row maximum,
+ * exponentiates and sums, and four products for the output, scaled by 1 / sum at the end. Rows are
+ * ordered (head, query) as in chunk.py: row = r * Q + i is query i of the group's r-th query head.
+ *
+ * Build: cc -O3 -march=native -ffast-math -fPIC -shared (see native.py). With -ffast-math the
+ * maths must stay finite: masked logits are MASKED, not -inf, and so is an empty code's log count.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MASKED (-1e30f)
+
+/* Fortran BLAS sgemm (column-major), as exported by MKL and OpenBLAS. */
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+                         const float *beta, float *c, const int *ldc);
+
+/* Row-major C (rows x cols, ldc) = A (rows x k, lda) @ B^T with B (cols x k, ldb) row-major. */
+static void gemm_abt(sgemm_fn sgemm, int rows, int cols, int k, const float *a, int lda, const float *b, int ldb,
+                     float *c, int ldc) {
+    const float one = 1.0f, zero = 0.0f;
+    if (rows <= 0 || cols <= 0) return;
+    sgemm("T", "N", &cols, &rows, &k, &one, b, &ldb, a, &lda, &zero, c, &ldc);
+}
+
+/* Row-major C (rows x cols, ldc) (+)= A (rows x k, lda) @ B with B (k x cols, ldb) row-major. */
+static void gemm_ab(sgemm_fn sgemm, int rows, int cols, int k, const float *a, int lda, const float *b, int ldb,
+                    float beta, float *c, int ldc) {
+    const float one = 1.0f;
+    if (rows <= 0 || k <= 0) return;
+    sgemm("N", "N", &cols, &rows, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+/* One segment's inputs for one key/value group bg = b * G + g (see vq_segment for the shapes). */
+typedef struct {
+    int b, g, T, H, R, D, Dv, C, W, Q, sinks;
+    long start;
+    const float *q, *cos_t, *sin_t;         /* whole call */
+    const float *rk, *kq, *v, *cb, *sk, *sv; /* this group's rows */
+    const int64_t *z;
+    float *counts, *sums, *log_counts, *means, *out;
+} group_t;
+
+/* Attention of the step starting at absolute position t_j (span entries [lo, lo + P + Q)). */
+static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *work) {
+    const int P = a->W - 1, Q = a->Q, S = P + Q, F = Q - 1, C = a->C, D = a->D, Dv = a->Dv, W = a->W;
+    const int rows = a->R * Q, h = D / 2;
+    const long n_sink = t_j - P < a->sinks ? t_j - P : a->sinks; /* sinks far for the whole step */
+    const int m = n_sink > 0 ? (int)n_sink : 0;
+    const int N = S + F + C + m;
+    float *logits = work;            /* rows x N */
+    float *qn = logits + (long)rows * N; /* rows x D: queries rotated to their positions */
+    float *qf = qn + (long)rows * D;     /* rows x D: queries unrotated */
+    float *o = qf + (long)rows * D;      /* rows x Dv */
+    float *inv_sum = o + (long)rows * Dv; /* rows */
+
+    /* the step's queries: unrotated and rotated to their positions */
+    for (int row = 0; row < rows; row++) {
+        const int r = row / Q, i = row % Q;
+        const long t_rel = t_j + i - a->start;
+        const float *src = a->q + (((long)a->b * a->T + t_rel) * a->H + (long)a->g * a->R + r) * D;
+        const float *c = a->cos_t + t_rel * D, *s = a->sin_t + t_rel * D;
+        float *dn = qn + (long)row * D, *df = qf + (long)row * D;
+        memcpy(df, src, sizeof(float) * D);
+        for (int d = 0; d < h; d++) dn[d] = src[d] * c[d] - src[d + h] * s[d];
+        for (int d = h; d < D; d++) dn[d] = src[d] * c[d] + src[d - h] * s[d];
+    }
+
+    /* logits: span (near), far span, codes, sinks */
+    gemm_abt(sgemm, rows, S, D, qn, D, a->rk + lo * D, D, logits, N);
+    gemm_abt(sgemm, rows, F, D, qf, D, a->kq + lo * D, D, logits + S, N);
+    gemm_abt(sgemm, rows, C, D, qf, D, a->cb, D, logits + S + F, N);
+    gemm_abt(sgemm, rows, m, D, qf, D, a->sk, D, logits + S + F + C, N);
+
+    /* masks and code biases, then exp(logit - row max) and the row sums */
+    for (int row = 0; row < rows; row++) {
+        const int i = row % Q;
+        float *x = logits + (long)row * N;
+        /* span column c holds key position t_j - P + c, at distance P + i - c from query i */
+        for (int c = 0; c < S; c++) {
+            const long delta = P + i - c;
+            if (delta < 0 || delta >= W || t_j - P + c < 0) x[c] = MASKED;
+        }
+        for (int c = 0; c < F; c++) {
+            const long delta = P + i - c;
+            if (delta < W || t_j - P + c < 0) x[S + c] = MASKED;
+        }
+        float *xc = x + S + F;
+        for (int c = 0; c < C; c++) xc[c] += a->log_counts[c];
+        float mx = MASKED;
+        for (int c = 0; c < N; c++) mx = x[c] > mx ? x[c] : mx;
+        /* exp's argument is kept >= -87 (no underflow: out-of-range inputs send the vector expf to
+           a slow scalar path), and masked columns are set to exactly 0 */
+        float sum = 0.0f;
+        for (int c = 0; c < N; c++) {
+            const float d = x[c] - mx;
+            const float e = expf(d < -87.0f ? -87.0f : d);
+            x[c] = x[c] <= 0.5f * MASKED ? 0.0f : e;
+            sum += x[c];
+        }
+        inv_sum[row] = 1.0f / sum;
+    }
+
+    /* output: probabilities times span values, far values, code means, sink values */
+    gemm_ab(sgemm, rows, Dv, S, logits, N, a->v + lo * Dv, Dv, 0.0f, o, Dv);
+    gemm_ab(sgemm, rows, Dv, F, logits + S, N, a->v + lo * Dv, Dv, 1.0f, o, Dv);
+    gemm_ab(sgemm, rows, Dv, C, logits + S + F, N, a->means, Dv, 1.0f, o, Dv);
+    gemm_ab(sgemm, rows, Dv, m, logits + S + F + C, N, a->sv, Dv, 1.0f, o, Dv);
+    for (int row = 0; row < rows; row++) {
+        const int r = row / Q, i = row % Q;
+        const long t_rel = t_j + i - a->start;
+        float *dst = a->out + (((long)a->b * a->T + t_rel) * a->H + (long)a->g * a->R + r) * Dv;
+        const float *src = o + (long)row * Dv;
+        for (int d = 0; d < Dv; d++) dst[d] = src[d] * inv_sum[row];
+    }
+}
+
+/* After the step at t_j its first Q span keys leave the span for good: fold them into the
+   statistics. Padding before position 0 and sinks are never counted. */
+static void fold(const group_t *a, long t_j, long lo) {
+    const int P = a->W - 1, Dv = a->Dv;
+    long skip = 0;
+    if (a->sinks - (t_j - P) > skip) skip = a->sinks - (t_j - P);
+    if (P - t_j > skip) skip = P - t_j;
+    for (long s = lo + skip; s < lo + a->Q; s++) {
+        const long c = a->z[s];
+        a->counts[c] += 1.0f;
+        for (int d = 0; d < Dv; d++) a->sums[c * Dv + d] += a->v[s * Dv + d];
+    }
+    for (long s = lo + skip; s < lo + a->Q; s++) { /* a code seen twice is refreshed twice, same values */
+        const long c = a->z[s];
+        const float inv = 1.0f / a->counts[c];
+        a->log_counts[c] = logf(a->counts[c]);
+        for (int d = 0; d < Dv; d++) a->means[c * Dv + d] = a->sums[c * Dv + d] * inv;
+    }
+}
+
+/* Scratch floats one call needs (attend's layout). */
+long vq_segment_work_floats(int R, int Q, int P, int C, int m_max, int D, int Dv) {
+    const long rows = (long)R * Q, S = (long)P + Q, F = Q - 1;
+    return rows * (S + F + C + m_max) + 2 * rows * D + rows * Dv + rows;
+}
+
+/*
+ * Shapes (all float32 contiguous; BG = batch x key/value groups, group bg = b * G + g):
+ *   q        (B, T, H, D)  unrotated queries of the whole call, H = G * R; positions start..start+T-1
+ *   cos, sin (T, D)        their RoPE tables (rotate-half layout)
+ *   rk       (BG, P + n*Q, D)  span keys rotated to their positions and scaled (P = W - 1 carried keys first)
+ *   kq       (BG, P + n*Q, D)  the same keys quantized (sinks exact), rotated by -F and scaled
+ *   v        (BG, P + n*Q, Dv) their values
+ *   z        (BG, P + n*Q) int64 their codes
+ *   codebook (BG, C, D)    codewords rotated by -F and scaled
+ *   sink_k   (BG, m_max, D), sink_v (BG, m_max, Dv): the sinks, sink_k rotated by -F and scaled
+ *   counts (BG, C), sums (BG, C, Dv), log_counts (BG, C), means (BG, C, Dv): statistics of the
+ *            aggregated keys, updated in place (log_counts is MASKED for an empty code)
+ *   out      (B, T, H, Dv) written for the positions of the steps run
+ *   work     vq_segment_work_floats(...) floats
+ * Scalars: seg_t0 the absolute position of the segment's first query, start that of q's first row,
+ * n steps of Q queries in the segment, W the window (P = W - 1), sinks the number of sink positions,
+ * [j_lo, j_hi) the steps to run.
+ */
+void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C, int W, int Q, int n,
+                long seg_t0, long start, int sinks, int m_max, int j_lo, int j_hi,
+                const float *q, const float *cos_t, const float *sin_t, const float *rk, const float *kq,
+                const float *v, const int64_t *z, const float *codebook, const float *sink_k, const float *sink_v,
+                float *counts, float *sums, float *log_counts, float *means, float *out, float *work) {
+    const long span_len = (long)(W - 1) + (long)n * Q;
+    for (int bg = 0; bg < B * G; bg++) {
+        const group_t a = {
+            .b = bg / G, .g = bg % G, .T = T, .H = G * R, .R = R, .D = D, .Dv = Dv, .C = C, .W = W, .Q = Q,
+            .sinks = sinks, .start = start, .q = q, .cos_t = cos_t, .sin_t = sin_t,
+            .rk = rk + bg * span_len * D, .kq = kq + bg * span_len * D, .v = v + bg * span_len * Dv,
+            .cb = codebook + (long)bg * C * D, .sk = sink_k + (long)bg * m_max * D,
+            .sv = sink_v + (long)bg * m_max * Dv, .z = z + bg * span_len,
+            .counts = counts + (long)bg * C, .sums = sums + (long)bg * C * Dv,
+            .log_counts = log_counts + (long)bg * C, .means = means + (long)bg * C * Dv, .out = out,
+        };
+        for (int j = 0; j < j_hi; j++) {
+            const long t_j = seg_t0 + (long)j * Q, lo = (long)j * Q;
+            if (j >= j_lo) attend(sgemm, &a, t_j, lo, work);
+            fold(&a, t_j, lo);
+        }
+    }
+}

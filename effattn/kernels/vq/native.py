@@ -1,0 +1,155 @@
+"""The compiled step loop of ``vq_attention_chunk`` (``native.c``), for float32 inference on the CPU.
+
+``vq_attention_chunk`` runs the steps of a segment here instead of in Python when autograd is off,
+the inputs are float32 on the CPU, and this module is available: a C compiler built ``native.c``
+(once per source and machine, cached under ``effattn``'s cache folder) and torch's BLAS is MKL, whose
+``sgemm`` and per-thread thread count the C code uses. Otherwise, or with ``EFFATTN_NATIVE=0``, the
+kernel keeps its PyTorch step loop, which computes the same thing.
+
+With ``torch.get_num_threads()`` = n > 1, the steps of a segment are split into n ranges, one per
+thread, each with its own copy of the per-code statistics (brought up to its first step from the
+keys alone), so the threads never wait for each other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+MASKED = -1e30  # native.c's finite stand-in for -inf (it is built with -ffast-math)
+
+_lib = None  # the loaded library, False once it failed
+_blas = None
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_why_not = ""
+
+
+def why_unavailable() -> str:
+    """Why the compiled loop is not used ('' when it is available)."""
+    available()
+    return _why_not
+
+
+def available() -> bool:
+    """Whether the compiled step loop can run here (built and loaded on first call)."""
+    global _lib, _blas, _why_not
+    if _lib is None:
+        try:
+            _lib, _blas = _load()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            _lib, _why_not = False, str(error)
+    return bool(_lib) and os.environ.get("EFFATTN_NATIVE", "1") != "0"
+
+
+def _machine_tag() -> str:
+    """The source, flags and CPU: -march=native code is only valid on the CPU that built it."""
+    cpu = ""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    text = SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode() + cpu.encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        if result.returncode:
+            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: another process may be building the same file
+
+
+def _load():
+    if platform.system() != "Linux":
+        raise RuntimeError("the compiled VQ loop is built for Linux only")
+    blas = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    for name in ("sgemm_", "MKL_Set_Num_Threads_Local"):
+        if not hasattr(blas, name):
+            raise RuntimeError(f"torch's BLAS does not export {name} (not MKL)")
+    from effattn.io.cache import cache_dir
+
+    target = cache_dir() / "kernels" / f"vq_native-{_machine_tag()}.so"
+    if not target.exists():
+        _build(target)
+    lib = ctypes.CDLL(str(target))
+    lib.vq_segment.restype = None
+    lib.vq_segment_work_floats.restype = ctypes.c_long
+    blas.MKL_Set_Num_Threads_Local.restype = ctypes.c_int
+    blas.MKL_Set_Num_Threads_Local.argtypes = [ctypes.c_int]
+    return lib, blas
+
+
+def _single_threaded_blas() -> None:
+    _blas.MKL_Set_Num_Threads_Local(1)  # this worker thread's sgemm calls stay on this thread
+
+
+def _workers(n: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    if _pool is None or _pool_size != n:
+        if _pool is not None:
+            _pool.shutdown()
+        _pool, _pool_size = ThreadPoolExecutor(n, initializer=_single_threaded_blas), n
+    return _pool
+
+
+def _ptr(x: Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(x.data_ptr())
+
+
+def run_segment(
+    *, q: Tensor, cos: Tensor, sin: Tensor, rk: Tensor, kq: Tensor, v: Tensor, z: Tensor, codebook: Tensor,
+    sink_k: Tensor, sink_v: Tensor, stats: tuple[Tensor, Tensor, Tensor, Tensor], out: Tensor,
+    R: int, W: int, Q: int, n: int, seg_t0: int, start: int, sinks: int,
+) -> None:  # fmt: skip
+    """Run the ``n`` steps of ``Q`` queries of one segment; arguments as in ``native.c``'s ``vq_segment``.
+
+    ``stats`` = (counts, sums, log_counts, means) are updated in place and ``out`` receives the rows:
+    these must be contiguous. Every tensor is float32 (``z`` int64) on the CPU.
+    """
+    B, T, H, D = q.shape
+    G, Dv, C, m_max = H // R, v.shape[-1], codebook.shape[1], sink_k.shape[1]
+    if not all(x.is_contiguous() for x in (*stats, out)):
+        raise ValueError("run_segment updates stats and out in place: they must be contiguous")
+    inputs = [x.contiguous() for x in (q, cos, sin, rk, kq, v, z, codebook, sink_k, sink_v)]
+    threads = max(1, min(torch.get_num_threads(), n))
+    bounds = [n * i // threads for i in range(threads + 1)]
+
+    def call(i: int, own_stats) -> None:
+        lo, hi = bounds[i], bounds[i + 1]
+        work = torch.empty(_lib.vq_segment_work_floats(R, Q, W - 1, C, m_max, D, Dv), dtype=torch.float32)
+        _lib.vq_segment(
+            ctypes.cast(_blas.sgemm_, ctypes.c_void_p), *(ctypes.c_int(x) for x in (B, T, G, R, D, Dv, C, W, Q, n)),
+            ctypes.c_long(seg_t0), ctypes.c_long(start), ctypes.c_int(sinks), ctypes.c_int(m_max),
+            ctypes.c_int(lo), ctypes.c_int(hi), *(_ptr(x) for x in inputs),
+            *(_ptr(x) for x in own_stats), _ptr(out), _ptr(work),
+        )  # fmt: skip
+
+    if threads == 1:
+        call(0, stats)
+        return
+    # every thread starts from a copy of the statistics; the last one ends where the segment ends
+    copies = [tuple(x.clone() for x in stats) for _ in range(threads)]
+    for future in [_workers(threads).submit(call, i, copies[i]) for i in range(threads)]:
+        future.result()
+    for x, final in zip(stats, copies[-1]):
+        x.copy_(final)

@@ -1,0 +1,90 @@
+"""The compiled step loop (kernels/vq/native.c) against the PyTorch step loop of vq_attention_chunk,
+and the fallback when it cannot be built."""
+
+import pytest
+import torch
+
+import effattn.kernels.vq.chunk as vq_chunk
+from effattn.kernels.vq import native, vq_attention_chunk, vq_attention_naive
+from tests.test_vq_kernels import make_inputs, run_in_pieces
+
+
+@pytest.fixture
+def count_native_calls(monkeypatch):
+    calls = []
+    real = native.run_segment
+    monkeypatch.setattr(native, "run_segment", lambda **kw: (calls.append(kw["n"]), real(**kw))[1])
+    return calls
+
+
+def test_native_loop_is_built_and_used_here(count_native_calls):
+    # CI and the development machines have a C compiler and torch's MKL: the fast path must be tested
+    assert native.available(), native.why_unavailable()
+    inputs = make_inputs(1, 40, 2, 1, 8, 8, 5, 4, dtype=torch.float32)
+    with torch.no_grad():
+        vq_attention_chunk(**inputs, window=4, block_size=2)
+    assert count_native_calls, "vq_attention_chunk did not run the compiled loop on float32 without autograd"
+
+
+# (B, T, H, G, D, Dv, C, W, L, sinks, tile, segment, threads): odd sizes, several segments, an
+# unaligned head, sinks, more threads than steps, W = 1
+CASES = [
+    (2, 301, 6, 2, 16, 18, 7, 37, 5, 3, 8, 64, 1),
+    (1, 513, 4, 4, 8, 8, 5, 64, 16, 0, 16, 128, 2),
+    (2, 200, 3, 1, 32, 8, 9, 5, 3, 2, 4, 40, 3),
+    (1, 190, 2, 1, 4, 4, 3, 1, 1, 0, 2, 16, 2),
+    (1, 130, 9, 3, 64, 64, 32, 48, 64, 4, 64, 4096, 2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_native_matches_torch_loop_and_naive(monkeypatch, count_native_calls, case):
+    B, T, H, G, D, Dv, C, W, L, sinks, tile, segment, threads = case
+    monkeypatch.setattr(vq_chunk, "TILE", tile)
+    monkeypatch.setattr(vq_chunk, "SEGMENT", segment)
+    inputs = make_inputs(B, T, H, G, D, Dv, C, W, dtype=torch.float32, seed=3)
+    kwargs = dict(window=W, block_size=L, sinks=sinks)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            fast, fast_state = vq_attention_chunk(**inputs, **kwargs, return_state=True)
+            pieces, pieces_state = run_in_pieces(inputs, [T // 3, 1, T - T // 3 - 1], **kwargs)
+            monkeypatch.setenv("EFFATTN_NATIVE", "0")
+            n_native = len(count_native_calls)
+            slow, slow_state = vq_attention_chunk(**inputs, **kwargs, return_state=True)
+            assert len(count_native_calls) == n_native, "EFFATTN_NATIVE=0 did not turn the compiled loop off"
+            ref = vq_attention_naive(**inputs, **kwargs)
+    finally:
+        torch.set_num_threads(previous)
+    assert n_native > 0
+    torch.testing.assert_close(fast, slow, rtol=0, atol=2e-6)
+    torch.testing.assert_close(fast, ref, rtol=0, atol=2e-6)
+    torch.testing.assert_close(pieces, ref, rtol=0, atol=2e-6)
+    for state in (fast_state, pieces_state):
+        assert torch.equal(state.counts, slow_state.counts)
+        torch.testing.assert_close(state.sums, slow_state.sums, rtol=0, atol=1e-5)
+        assert state.seen == slow_state.seen == T
+
+
+def test_autograd_and_other_dtypes_keep_the_torch_loop(count_native_calls):
+    inputs = make_inputs(1, 30, 2, 1, 8, 8, 5, 4, dtype=torch.float32)
+    q = inputs.pop("q").requires_grad_(True)
+    vq_attention_chunk(q=q, **inputs, window=4, block_size=2).sum().backward()
+    with torch.no_grad():
+        vq_attention_chunk(**make_inputs(1, 30, 2, 1, 8, 8, 5, 4), window=4, block_size=2)  # float64
+    assert count_native_calls == [] and q.grad is not None
+
+
+def test_a_failed_build_falls_back_with_its_reason(monkeypatch, tmp_path, count_native_calls):
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setenv("EFFATTN_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    assert not native.available()
+    assert "failed to build native.c" in native.why_unavailable()
+    assert not list(tmp_path.rglob("*.so")), "a failed build left a library behind"
+    inputs = make_inputs(1, 30, 2, 1, 8, 8, 5, 4, dtype=torch.float32)
+    with torch.no_grad():
+        out = vq_attention_chunk(**inputs, window=4, block_size=2)
+    torch.testing.assert_close(out, vq_attention_naive(**inputs, window=4, block_size=2), rtol=0, atol=2e-6)
+    assert count_native_calls == []
