@@ -24,6 +24,10 @@ performance choice, independent of L when ``L <= TILE``.
 
 The recurrence state is a :class:`VQState`; passing it back in continues the sequence, so any
 chunking of a sequence (down to one token per call) reproduces the output of a single call.
+
+For float32 inference on the CPU the steps of each segment run in C instead (``native.c``, see
+``native.py``): the same columns, masks and statistics, with the per-step work fused and no Python
+between steps. The PyTorch loop below stays the one autograd, other dtypes and devices use.
 """
 
 from dataclasses import dataclass, fields
