@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import effattn.kernels.vq.chunk as vq_chunk
 from effattn.kernels.rope import apply_rope, rope_tables
-from effattn.kernels.vq import VQState, vq_attention_chunk, vq_attention_naive
+from effattn.kernels.vq import VQState, nearest_codes, vq_attention_chunk, vq_attention_naive
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
 
@@ -305,3 +305,21 @@ def test_bench_attention_rejects_bad_settings():
         bench_attention(["vq_naive"], [16384])
     with pytest.raises(ValueError, match="heads=9 is not a multiple of kv_heads=2"):
         bench_attention(["vq"], [64], kv_heads=2)
+
+
+@pytest.mark.parametrize("C", [5, 64, 96, 512])
+def test_nearest_codes_is_the_nearest_codeword_first_on_ties(C):
+    g = torch.Generator().manual_seed(C)
+    k = torch.randn(2, 1500, 3, 8, generator=g)  # more positions than one pass of CHUNK
+    codebook = torch.randn(3, C, 8, generator=g)
+    k[0, :10] = codebook[:, C - 1]  # exactly on a codeword (distance 0, in the last run of scores)
+    codebook[:, C // 2] = codebook[:, C - 1]  # ... that has an identical twin earlier: ties go to it
+    metric = torch.randn(3, 8, 8, generator=g)
+    for w in (None, metric):
+        kw = k if w is None else torch.einsum("btgd,gde->btge", k, w)
+        cw = codebook if w is None else torch.einsum("gcd,gde->gce", codebook, w)
+        distances = (kw[..., None, :] - cw[None, None]).square().sum(-1)  # (B, T, G, C)
+        codes = nearest_codes(k, codebook, w)
+        chosen = distances.gather(-1, codes[..., None])[..., 0]
+        assert torch.allclose(chosen, distances.amin(-1), rtol=1e-5, atol=1e-5)
+        assert (codes[0, :10] == C // 2).all()
