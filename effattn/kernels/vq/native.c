@@ -44,8 +44,8 @@ static void gemm_ab(sgemm_fn sgemm, int rows, int cols, int k, const float *a, i
 
 /* One segment's inputs for one key/value group bg = b * G + g (see vq_segment for the shapes). */
 typedef struct {
-    int b, g, T, H, R, D, Dv, C, W, Q, sinks;
-    long start;
+    int b, g, T, H, R, D, Dv, C, W, Q;
+    long start, sinks; /* sinks may exceed any position (ReRoPE only: every key is a sink) */
     const float *q, *cos_t, *sin_t;         /* whole call */
     const float *rk, *kq, *v, *cb, *sk, *sv; /* this group's rows */
     const int64_t *z;
@@ -171,7 +171,7 @@ long vq_segment_work_floats(int R, int Q, int P, int C, int m_max, int D, int Dv
  * [j_lo, j_hi) the steps to run.
  */
 void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C, int W, int Q, int n,
-                long seg_t0, long start, int sinks, int m_max, int j_lo, int j_hi,
+                long seg_t0, long start, long sinks, int m_max, int j_lo, int j_hi,
                 const float *q, const float *cos_t, const float *sin_t, const float *rk, const float *kq,
                 const float *v, const int64_t *z, const float *codebook, const float *sink_k, const float *sink_v,
                 float *counts, float *sums, float *log_counts, float *means, float *out, float *work) {

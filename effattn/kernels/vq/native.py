@@ -139,7 +139,7 @@ def run_segment(
         work = torch.empty(_lib.vq_segment_work_floats(R, Q, W - 1, C, m_max, D, Dv), dtype=torch.float32)
         _lib.vq_segment(
             ctypes.cast(_blas.sgemm_, ctypes.c_void_p), *(ctypes.c_int(x) for x in (B, T, G, R, D, Dv, C, W, Q, n)),
-            ctypes.c_long(seg_t0), ctypes.c_long(start), ctypes.c_int(sinks), ctypes.c_int(m_max),
+            ctypes.c_long(seg_t0), ctypes.c_long(start), ctypes.c_long(sinks), ctypes.c_int(m_max),
             ctypes.c_int(lo), ctypes.c_int(hi), *(_ptr(x) for x in inputs),
             *(_ptr(x) for x in own_stats), _ptr(out), _ptr(work),
         )  # fmt: skip
