@@ -55,6 +55,7 @@ def test_native_matches_torch_loop_and_naive(monkeypatch, count_native_calls, ca
             n_native = len(count_native_calls)
             slow, slow_state = vq_attention_chunk(**inputs, **kwargs, return_state=True)
             assert len(count_native_calls) == n_native, "EFFATTN_NATIVE=0 did not turn the compiled loop off"
+            assert native.why_unavailable() == "turned off by EFFATTN_NATIVE=0"
             ref = vq_attention_naive(**inputs, **kwargs)
     finally:
         torch.set_num_threads(previous)

@@ -4,7 +4,8 @@
 attention modules are replaced by `VQAttention`:
 
 * ReRoPE: keys within `vq_window` positions of the query get exact RoPE; older keys see one constant
-  relative position (`vq_far_position`, by default the window), so they enter the logits unrotated (pre-RoPE);
+  relative position (`vq_far_position`: 4 x the window in new conversions; the window itself, classic
+  ReRoPE, in configs without the key), so they enter the logits unrotated (pre-RoPE);
 * VQ: those older keys are quantized to a per-layer, per-KV-head codebook (the first `vq_sinks`
   positions excepted), which lets the blockwise kernel summarise them per code (count, value sum):
   linear time, and a cache whose size stops growing after the window (`VQCache`);

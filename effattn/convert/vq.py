@@ -24,6 +24,7 @@ The output loads with `AutoModelForCausalLM.from_pretrained(OUT)` after `import 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,26 @@ def _positive_int(options: dict, key: str, default: int, low: int = 1) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class _Common:
+    """What the ReRoPE and VQ plans share: validated settings, the model config and the tensors to write."""
+
+    shape: AttentionShape
+    window: int
+    far: int  # the relative position of every key beyond the window
+    sinks: int
+    block: int
+    size: int  # codewords per KV head (1 without quantization)
+    config: dict[str, Any]
+    kv_before: float  # KV-cache bytes per token of the source model
+    specs: list
+    target: Any  # the output dtype, or None to keep the checkpoint's
+
+
 class _ReRoPEBase:
     quantize = False
 
-    def _common(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]):
+    def _common(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> _Common:
         from ..attention.vq import vq_config_from
 
         if family.rope_layout != "rotate_half":
@@ -100,7 +117,7 @@ class _ReRoPEBase:
         dtype = target or ckpt.dtype
         kv_before = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype.itemsize
         specs = same_specs(ckpt, target) + vq_buffer_specs(family, shape, size)
-        return shape, window, far, sinks, block, size, config, kv_before, specs, target
+        return _Common(shape, window, far, sinks, block, size, config, kv_before, specs, target)
 
     def write_extra(self, folder: Path) -> None:
         (folder / "modeling_effattn_vq.py").write_text(bundle_modeling_code())
@@ -116,14 +133,15 @@ class ReRoPEConversion(_ReRoPEBase):
         return "--window W: exact RoPE within W tokens, one relative position beyond (weight-only)"
 
     def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
-        shape, window, far, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
+        c = self._common(ckpt, family, options)
+        shape, kv = c.shape, c.kv_before
         return Plan(
-            conversion=self.name, settings={"window": window, "far_position": far}, config=config, specs=specs,
+            conversion=self.name, settings={"window": c.window, "far_position": c.far}, config=c.config, specs=c.specs,
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
-                     ("attention", f"ReRoPE, window {window}: exact inside, relative position {far} beyond"),
+                     ("attention", f"ReRoPE, window {c.window}: exact inside, relative position {c.far} beyond"),
                      ("KV cache", f"{kv:,.0f} bytes/token, unchanged (every key is kept)")],
             kv_bytes_per_token=(kv, kv), est_seconds=ckpt.nbytes / 200e6,
-            est_peak_bytes=layer_bytes(ckpt, family) * 2, state={"shape": shape, "target": target, "size": size},
+            est_peak_bytes=layer_bytes(ckpt, family) * 2, state={"shape": shape, "target": c.target, "size": c.size},
         )
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
@@ -150,7 +168,8 @@ class VQConversion(_ReRoPEBase):
     def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
         from .calibrate import CalibSettings
 
-        shape, window, far, sinks, block, size, config, kv, specs, target = self._common(ckpt, family, options)
+        c = self._common(ckpt, family, options)
+        shape, window, sinks, size, kv = c.shape, c.window, c.sinks, c.size, c.kv_before
         metric = options.get("metric") or "attention"
         if metric not in METRICS:
             raise EffattnError(f"unknown --metric {metric!r}", one_of(metric, METRICS))
@@ -170,13 +189,13 @@ class VQConversion(_ReRoPEBase):
         activations = calib.tokens * shape.hidden * 4 * 3 + calib.tokens * shape.kv_heads * shape.head_dim * 4 * 2
         return Plan(
             conversion=self.name,
-            settings={"codebook_size": size, "window": window, "far_position": far, "sinks": sinks, "block_size": block, "metric": metric,
-                      "code_bias": config["vq_code_bias"],
+            settings={"codebook_size": size, "window": window, "far_position": c.far, "sinks": sinks,
+                      "block_size": c.block, "metric": metric, "code_bias": c.config["vq_code_bias"],
                       "kmeans": method, "calib": calib.corpus, "calib_tokens": calib.tokens,
                       "calib_seq_len": calib.seq_len},
-            config=config, specs=specs,
+            config=c.config, specs=c.specs,
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
-                     ("attention", f"ReRoPE window {window} (exact; relative position {far} beyond) + VQ beyond it, "
+                     ("attention", f"ReRoPE window {window} (exact; relative position {c.far} beyond) + VQ beyond it, "
                                    f"codebook {size} per KV head"
                                    + (f", {sinks} sink positions never quantized" if sinks else "")),
                      ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
@@ -185,7 +204,7 @@ class VQConversion(_ReRoPEBase):
                                   f"(= {kv:,.0f} bytes/token x {state_bytes / kv:,.0f} tokens)")],
             kv_bytes_per_token=(kv, state_bytes / (4 * window)),
             est_seconds=est, est_peak_bytes=layer_bytes(ckpt, family) * 3 + activations + 400 * 2**20,
-            state={"shape": shape, "target": target, "size": size, "calib": calib, "metric": metric,
+            state={"shape": shape, "target": c.target, "size": size, "calib": calib, "metric": metric,
                    "kmeans": method},
         )
 

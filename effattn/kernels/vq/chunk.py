@@ -423,7 +423,6 @@ def vq_attention_chunk(
               and _native.available())  # fmt: skip
     if native:
         q_native, cos_native, sin_native = q.contiguous(), cos.to(dt).contiguous(), sin.to(dt).contiguous()
-        log_counts.clamp_(min=_native.MASKED)  # the C code keeps its maths finite
     pieces = []
     masks = {}  # most steps share their masks; they depend on t0 only near the sequence start
     workspace = {}  # step buffers reused without autograd
@@ -442,7 +441,7 @@ def vq_attention_chunk(
             q_far = q_g.to(dt).view(B, n, Q, G, R, D).permute(0, 3, 1, 4, 2, 5).contiguous()
             q_near = apply_rope(q_far, cos_g.view(n, 1, Q, D), sin_g.view(n, 1, Q, D))
             q_near, q_far = q_near.flatten(0, 1).flatten(2, 3), q_far.flatten(0, 1).flatten(2, 3)  # (BG, n, M, D)
-        else:
+        elif not native:
             q_steps = q_g.to(dt).view(B, n, Q, G, R, D)
 
         # The W-1 recent keys then the segment's own; step j's span is entries [j*Q, j*Q + S).
@@ -494,7 +493,8 @@ def vq_attention_chunk(
                     qn_j, qf_j = _step_queries(q_steps[:, j], cos_g[lo : lo + Q], sin_g[lo : lo + Q], workspace)
                     o, _ = _step_forward(qn_j, qf_j, *columns, log_counts, means, sink_v_bg[:, :n_sink], near_masks,
                                          far_bias, workspace, saved=False)  # fmt: skip
-                    out[:, t_j - start : t_j - start + Q].view(B, Q, G, R, Dv).copy_(o.view(B, G, R, Q, Dv).permute(0, 3, 1, 2, 4))
+                    o = o.view(B, G, R, Q, Dv).permute(0, 3, 1, 2, 4)  # (B, Q, G, R, Dv)
+                    out[:, t_j - start : t_j - start + Q].view(B, Q, G, R, Dv).copy_(o)
 
                 # The step's first Q span keys leave the span for good: fold them (detached) into the
                 # statistics. Padding before position 0 and sinks are never counted.

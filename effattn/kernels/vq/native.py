@@ -39,8 +39,9 @@ _why_not = ""
 
 def why_unavailable() -> str:
     """Why the compiled loop is not used ('' when it is available)."""
-    available()
-    return _why_not
+    if available():
+        return ""
+    return _why_not or "turned off by EFFATTN_NATIVE=0"
 
 
 def available() -> bool:
@@ -124,13 +125,15 @@ def run_segment(
     """Run the ``n`` steps of ``Q`` queries of one segment; arguments as in ``native.c``'s ``vq_segment``.
 
     ``stats`` = (counts, sums, log_counts, means) are updated in place and ``out`` receives the rows:
-    these must be contiguous. Every tensor is float32 (``z`` int64) on the CPU.
+    these must be contiguous. Every tensor is float32 (``z`` int64) on the CPU. ``-inf`` log counts
+    (empty codes) become ``MASKED``, which the C code treats alike.
     """
     B, T, H, D = q.shape
     G, Dv, C, m_max = H // R, v.shape[-1], codebook.shape[1], sink_k.shape[1]
     if not all(x.is_contiguous() for x in (*stats, out)):
         raise ValueError("run_segment updates stats and out in place: they must be contiguous")
     inputs = [x.contiguous() for x in (q, cos, sin, rk, kq, v, z, codebook, sink_k, sink_v)]
+    stats[2].clamp_(min=MASKED)  # native.c is built with -ffast-math: its maths must stay finite
     threads = max(1, min(torch.get_num_threads(), n))
     bounds = [n * i // threads for i in range(threads + 1)]
 
@@ -147,9 +150,7 @@ def run_segment(
     if threads == 1:
         call(0, stats)
         return
-    # every thread starts from a copy of the statistics; the last one ends where the segment ends
-    copies = [tuple(x.clone() for x in stats) for _ in range(threads)]
-    for future in [_workers(threads).submit(call, i, copies[i]) for i in range(threads)]:
+    # the others work on copies; the last thread runs to the segment's end, so it updates the caller's
+    own = [tuple(x.clone() for x in stats) for _ in range(threads - 1)] + [stats]
+    for future in [_workers(threads).submit(call, i, own[i]) for i in range(threads)]:
         future.result()
-    for x, final in zip(stats, copies[-1]):
-        x.copy_(final)
