@@ -24,7 +24,7 @@ from effattn.errors import EffattnError
 from effattn.finetune import finetune, load_recipe
 from effattn.finetune.data import BlockStream, check_disjoint
 from effattn.finetune.loop import lr_multiplier
-from effattn.finetune.losses import distillation_kl, heal_loss
+from effattn.finetune.losses import AttentionOutputs, attention_output_error, distillation_kl, heal_loss
 from effattn.finetune.config import Loss, Schedule
 
 from .aux_model import make_aux_model, register
@@ -97,6 +97,39 @@ def test_heal_loss_adds_weighted_terms_and_consumes_aux_losses():
     torch.testing.assert_close(terms["loss"], 2.0 * terms["kl"] + 0.5 * terms["ce"] + 3.0 * 0.5)
     assert module.effattn_aux_loss is None  # consumed: never counted twice
     assert "aux" not in heal_loss(Loss(), s, t, ids, module)
+
+
+def test_attention_output_error_is_the_mean_relative_error_over_layers():
+    torch.manual_seed(0)
+    t = [torch.randn(2, 5, 8) for _ in range(3)]
+    s = [x + 0.1 * torch.randn_like(x) for x in t]
+    expected = sum(((a - b) ** 2).sum() / (b**2).sum() for a, b in zip(s, t)) / 3
+    torch.testing.assert_close(attention_output_error(s, t), expected)
+    assert attention_output_error(t, t).item() == 0.0
+    with pytest.raises(EffattnError, match="3 attention layers and the teacher 2"):
+        attention_output_error(s, t[:2])
+    terms = heal_loss(Loss(kl=1.0, attn_out=2.0), torch.randn(1, 4, 7), torch.randn(1, 4, 7),
+                      torch.randint(0, 7, (1, 4)), torch.nn.Linear(2, 2), (s, t))
+    torch.testing.assert_close(terms["loss"], terms["kl"] + 2.0 * terms["attn_out"])
+
+
+def test_attention_hooks_keep_each_layers_attention_output(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny("llama", heads=6, kv_heads=3))
+    hooks = AttentionOutputs(model, "student")
+    seen = []
+    for layer in model.model.layers:  # what the attention returned, as the decoder layer received it
+        layer.self_attn.register_forward_hook(lambda m, a, out: seen.append(out[0]))
+    model(input_ids=torch.randint(0, 100, (1, 9)), use_cache=False)
+    outputs = hooks.take()
+    assert len(outputs) == len(model.model.layers) > 1
+    assert all(o is s for o, s in zip(outputs, seen)) and outputs[0].shape == (1, 9, model.config.hidden_size)
+    with pytest.raises(RuntimeError):  # taken: nothing is kept twice
+        hooks.take()
+    hooks.remove()
+    model(input_ids=torch.randint(0, 100, (1, 9)), use_cache=False)
+    assert hooks.outputs == [None] * len(outputs)
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
@@ -354,6 +387,15 @@ def test_conversion_aux_losses_and_ema_buffers_take_part(heal):
     saved = load_file(result.out / "model.safetensors")
     assert saved["model.layers.0.self_attn.probe.ema"].abs().sum() > 0
     assert not torch.equal(saved["model.layers.1.self_attn.probe.scale"], torch.ones(48))
+
+
+def test_attention_output_distillation_alone_heals(heal):
+    """loss.attn_out with no KL: the per-layer term is logged, is the whole loss and falls."""
+    result = finetune(heal("loss.kl=0", "loss.attn_out=1.0", "eval.every=0", "checkpoint.every=0"))
+    records = [r for r in metrics(result.out) if r["kind"] == "train"]
+    assert all("kl" not in r and r["loss"] == pytest.approx(r["attn_out"], rel=1e-6) for r in records)
+    assert sum(r["attn_out"] for r in records[-3:]) < 0.9 * sum(r["attn_out"] for r in records[:3])
+    assert result.record["finetune"]["teacher"] == str(heal.src)
 
 
 @pytest.mark.slow

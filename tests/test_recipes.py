@@ -68,7 +68,7 @@ def test_steps_or_tokens_exactly_one():
 
 
 def test_a_loss_with_nothing_to_learn_is_refused():
-    with pytest.raises(EffattnError, match="loss.kl and loss.ce are both 0"):
+    with pytest.raises(EffattnError, match="loss.kl, loss.ce and loss.attn_out are all 0"):
         validate_recipe(MINIMAL | {"loss": {"kl": 0}})
 
 

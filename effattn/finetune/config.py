@@ -110,12 +110,13 @@ class Loss(_Section):
     kl: float = Field(1.0, ge=0, description="weight of KL(teacher || student) on the logits")
     temperature: float = Field(1.0, gt=0)
     ce: float = Field(0.0, ge=0, description="weight of next-token cross-entropy")
+    attn_out: float = Field(0.0, ge=0, description="weight of the per-layer attention-output error against the teacher")
     aux_weight: float = Field(1.0, ge=0, description="weight of conversion-specific terms (effattn_aux_loss)")
 
     @model_validator(mode="after")
     def _something_to_learn(self):
-        if self.kl == 0 and self.ce == 0:
-            raise ValueError("loss.kl and loss.ce are both 0; give at least one a positive weight")
+        if self.kl == 0 and self.ce == 0 and self.attn_out == 0:
+            raise ValueError("loss.kl, loss.ce and loss.attn_out are all 0; give at least one a positive weight")
         return self
 
 

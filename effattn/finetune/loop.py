@@ -46,7 +46,7 @@ from ..io.writer import write_json
 from .config import Optimizer, Recipe, Schedule, Student, Train
 from .data import BlockStream, check_disjoint, read_sources, training_blocks
 from .heldout import evaluate_student, held_out_sets, score_teacher
-from .losses import heal_loss
+from .losses import AttentionOutputs, heal_loss
 from .params import conversion_modules, count_params, native, select_trainable
 from .report import finetune_card, plot_curves
 from .state import MetricsLog, RunFolder, decide_start, read_state, save_checkpoint
@@ -115,14 +115,14 @@ def resolve_teacher(recipe: Recipe, student_record: dict[str, Any] | None, stude
     """teacher.model, else the model the student was converted from; None when no term needs one."""
     if recipe.teacher.model:
         return recipe.teacher.model
-    if recipe.loss.kl == 0:
+    if recipe.loss.kl == 0 and recipe.loss.attn_out == 0:
         return None
     if recipe.student.convert is not None:
         return recipe.student.model
     source = (student_record or {}).get("source")
     if not source:
         raise EffattnError(f"no teacher: {student_path} has no effattn.json naming the model it was converted from",
-                           "set teacher.model, or loss.kl=0 to train on cross-entropy alone")
+                           "set teacher.model, or loss.kl=0 and loss.attn_out=0 to train on cross-entropy alone")
     return source["model"] if source.get("kind") in ("builtin", "hub") else source["path"]
 
 
@@ -156,10 +156,12 @@ def sync_conversion_buffers(modules: list[torch.nn.Module], accelerator) -> None
 
 
 def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.Tensor],
-                   recipe: Recipe) -> tuple[dict[str, torch.Tensor], float | None]:
+                   recipe: Recipe, hooks: tuple[AttentionOutputs, AttentionOutputs] | None = None,
+                   ) -> tuple[dict[str, torch.Tensor], float | None]:
     """One optimizer step over micro-batches [B, T] of this process: forward, loss, backward,
     (gradients all-reduced on the last one), clip, update. Returns the loss terms averaged over the
-    micro-batches, and the gradient norm before clipping."""
+    micro-batches, and the gradient norm before clipping. hooks: (student, teacher) attention-output
+    hooks, for loss.attn_out."""
     sums: dict[str, torch.Tensor] = {}
     grad_norm = None
     for ids in batches:
@@ -169,7 +171,8 @@ def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.T
                 logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
                 with torch.no_grad():
                     teacher_logits = None if teacher is None else teacher(input_ids=ids, use_cache=False).logits
-                terms = heal_loss(recipe.loss, logits, teacher_logits, ids, model)
+                attention = None if hooks is None else (hooks[0].take(), hooks[1].take())
+                terms = heal_loss(recipe.loss, logits, teacher_logits, ids, model, attention)
             accelerator.backward(terms["loss"])
             if accelerator.sync_gradients and recipe.train.max_grad_norm:
                 grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), recipe.train.max_grad_norm))
@@ -292,7 +295,10 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     # -- the loop ---------------------------------------------------------------------------------
     B, accum = recipe.train.batch_size, recipe.train.grad_accum
     step_tokens = tokens_per_step(recipe, world)
-    use_teacher = teacher is not None and recipe.loss.kl > 0
+    use_teacher = teacher is not None and (recipe.loss.kl > 0 or recipe.loss.attn_out > 0)
+    hooks = None
+    if use_teacher and recipe.loss.attn_out > 0:
+        hooks = (AttentionOutputs(accelerator.unwrap_model(model), "student"), AttentionOutputs(teacher, "teacher"))
     task = progress.add_task("healing", total=steps, completed=step, loss=float("nan"), tok_s=0.0) if (progress and main) else None
     last_saved = step if start.checkpoint is not None else None
     session_t0, session_tokens = time.perf_counter(), 0
@@ -300,7 +306,7 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
         t0 = time.perf_counter()
         batches = [stream.take(samples + (micro * world + rank) * B, B) for micro in range(accum)]  # accum x (B, T)
         sums, grad_norm = optimizer_step(accelerator, model, teacher if use_teacher else None, optimizer, batches,
-                                         recipe)
+                                         recipe, hooks)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         sync_conversion_buffers(conv_modules, accelerator)
@@ -355,7 +361,7 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
             "processes": world,
             "seconds": round(seconds, 1),
             "final_loss": final_loss,  # mean training loss of the last 10 steps
-            "final_terms": {k: train_records[-1][k] for k in ("kl", "ce", "aux") if k in train_records[-1]},
+            "final_terms": {k: train_records[-1][k] for k in ("kl", "ce", "attn_out", "aux") if k in train_records[-1]},
             "start_eval": start_eval,
             "final_eval": final_eval,
             "teacher_eval": teacher_eval,

@@ -1,10 +1,19 @@
 """The healing loss: distillation from the teacher, optional LM cross-entropy, conversion terms.
 
-    loss = kl * T^2 * KL(p_teacher(T) || p_student(T)) + ce * CE(student, next token) + aux_weight * sum(aux)
+    loss = kl * T^2 * KL(p_teacher(T) || p_student(T)) + ce * CE(student, next token)
+           + attn_out * mean_l |o_l - o_l'|^2 / |o_l'|^2 + aux_weight * sum(aux)
 
 KL is taken between the softmaxes of the logits divided by the temperature T and multiplied by
 T^2 so that its gradient keeps the same scale as T changes (Hinton et al. 2015, "Distilling the
 Knowledge in a Neural Network", Sec. 2). It is averaged over every position of every sequence.
+
+The attention-output term compares, layer by layer, what each student attention module returns
+(after its output projection) with what the teacher's returns on the same tokens: the squared
+error relative to the teacher's squared norm, averaged over the layers (intermediate-layer
+distillation, as in TinyBERT, Jiao et al. 2020, Sec. 3.1, here on attention outputs). It gives every
+converted attention a direct target instead of only the one the logits pass back through the
+layers above it. Each model runs on its own hidden states, so a layer is also asked to absorb the
+drift of the layers below it.
 
 Conversion-specific terms: after each training forward, every submodule of the student with a
 non-None attribute `effattn_aux_loss` (a scalar tensor, e.g. a VQ commitment loss) contributes it.
@@ -13,10 +22,15 @@ The trainer reads and then clears the attribute, so a module that skips a forwar
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
+from ..errors import EffattnError
 from .config import Loss
+
+_ATTENTION = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn$")
 
 
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -32,6 +46,55 @@ def next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Each decoder layer's attention module (`...layers.N.self_attn`), in layer order."""
+    found = {}
+    for name, module in model.named_modules():
+        match = _ATTENTION.search(name)
+        if match:
+            found[int(match.group(1))] = module
+    return [found[i] for i in sorted(found)]
+
+
+class AttentionOutputs:
+    """Forward hooks keeping what each attention module of `model` returned in its last forward."""
+
+    def __init__(self, model: torch.nn.Module, role: str):
+        modules = attention_modules(model)
+        if not modules:
+            raise EffattnError(f"the {role} has no `layers.N.self_attn` modules to compare attention outputs on",
+                               "set loss.attn_out=0 for this model family")
+        self.outputs: list[torch.Tensor | None] = [None] * len(modules)
+        self._handles = [m.register_forward_hook(self._keep(i)) for i, m in enumerate(modules)]
+
+    def _keep(self, i: int):
+        def hook(module, args, output):
+            self.outputs[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def take(self) -> list[torch.Tensor]:
+        outputs, self.outputs = self.outputs, [None] * len(self.outputs)
+        if any(o is None for o in outputs):
+            raise RuntimeError("an attention module did not run in the last forward")
+        return outputs
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def attention_output_error(student: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
+    """mean over layers of |o_s - o_t|^2 / |o_t|^2 (sums over batch, positions and features)."""
+    if len(student) != len(teacher):
+        raise EffattnError(f"the student has {len(student)} attention layers and the teacher {len(teacher)}",
+                           "distil attention outputs from the model the student was converted from, or set loss.attn_out=0")
+    terms = []
+    for s, t in zip(student, teacher):
+        s, t = s.float(), t.float().detach()  # (B, T, hidden)
+        terms.append((s - t).pow(2).sum() / t.pow(2).sum().clamp_min(1e-12))
+    return torch.stack(terms).mean()
+
+
 def take_aux_losses(model: torch.nn.Module) -> list[torch.Tensor]:
     """The `effattn_aux_loss` of every submodule that set one, clearing them."""
     terms = []
@@ -44,8 +107,11 @@ def take_aux_losses(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def heal_loss(cfg: Loss, student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, ids: torch.Tensor,
-              model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """{"loss": weighted total, "kl", "ce", "aux": the unweighted terms that are on}."""
+              model: torch.nn.Module, attention: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+              ) -> dict[str, torch.Tensor]:
+    """{"loss": weighted total, "kl", "ce", "attn_out", "aux": the unweighted terms that are on}.
+
+    attention: (student, teacher) attention outputs per layer, needed when cfg.attn_out > 0."""
     terms: dict[str, torch.Tensor] = {}
     total = student_logits.new_zeros((), dtype=torch.float32)
     if cfg.kl > 0:
@@ -54,6 +120,9 @@ def heal_loss(cfg: Loss, student_logits: torch.Tensor, teacher_logits: torch.Ten
     if cfg.ce > 0:
         terms["ce"] = next_token_ce(student_logits, ids)
         total = total + cfg.ce * terms["ce"]
+    if cfg.attn_out > 0:
+        terms["attn_out"] = attention_output_error(*attention)
+        total = total + cfg.attn_out * terms["attn_out"]
     aux = take_aux_losses(model)
     if aux:
         terms["aux"] = torch.stack([a.float() for a in aux]).sum()

@@ -18,7 +18,7 @@ def plot_curves(records: list[dict[str, Any]], path: Path, teacher: dict[str, fl
     evals = [r for r in records if r.get("kind") == "eval"]
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=90)
     steps = [r["step"] for r in train]
-    terms = [k for k in ("kl", "ce", "aux") if train and k in train[0]]
+    terms = [k for k in ("kl", "ce", "attn_out", "aux") if train and k in train[0]]
     for key in ["loss"] + (terms if len(terms) > 1 else []):  # the terms only when the total mixes several
         ax_loss.plot(steps, [r[key] for r in train], label=key, lw=1)
     ax_loss.set(xlabel="step", ylabel="training loss", title="training loss")
@@ -105,6 +105,8 @@ def _loss_terms(loss: dict[str, Any], present: list[str]) -> str:
         terms.append(f"{loss['kl']} x KL(teacher‖student) at T={loss['temperature']}")
     if loss["ce"]:
         terms.append(f"{loss['ce']} x cross-entropy")
+    if loss.get("attn_out"):
+        terms.append(f"{loss['attn_out']} x the attention-output error against the teacher, per layer")
     if "aux" in present:
         terms.append(f"{loss['aux_weight']} x the conversion's own terms")
     return " + ".join(terms)
