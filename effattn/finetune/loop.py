@@ -334,6 +334,8 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
             last_saved = step
 
     # -- the end: evaluate, checkpoint, write the model -------------------------------------------
+    for hook in hooks or ():
+        hook.remove()
     final_eval = None
     if main:
         final_eval = evaluate_now()

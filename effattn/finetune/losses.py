@@ -1,19 +1,19 @@
 """The healing loss: distillation from the teacher, optional LM cross-entropy, conversion terms.
 
     loss = kl * T^2 * KL(p_teacher(T) || p_student(T)) + ce * CE(student, next token)
-           + attn_out * mean_l |o_l - o_l'|^2 / |o_l'|^2 + aux_weight * sum(aux)
+           + attn_out * mean_l |o_l - t_l|^2 / |t_l|^2 + aux_weight * sum(aux)
 
 KL is taken between the softmaxes of the logits divided by the temperature T and multiplied by
 T^2 so that its gradient keeps the same scale as T changes (Hinton et al. 2015, "Distilling the
 Knowledge in a Neural Network", Sec. 2). It is averaged over every position of every sequence.
 
 The attention-output term compares, layer by layer, what each student attention module returns
-(after its output projection) with what the teacher's returns on the same tokens: the squared
-error relative to the teacher's squared norm, averaged over the layers (intermediate-layer
-distillation, as in TinyBERT, Jiao et al. 2020, Sec. 3.1, here on attention outputs). It gives every
-converted attention a direct target instead of only the one the logits pass back through the
-layers above it. Each model runs on its own hidden states, so a layer is also asked to absorb the
-drift of the layers below it.
+(o_l, after its output projection) with what the teacher's returns on the same tokens (t_l): the
+squared error relative to the teacher's squared norm, averaged over the layers (intermediate-layer
+distillation, as TinyBERT does on hidden states and attention maps, Jiao et al. 2020; here on
+attention outputs). It gives every converted attention a direct target instead of only the one
+the logits pass back through the layers above it. Each model runs on its own hidden states, so a
+layer is also asked to absorb the drift of the layers below it.
 
 Conversion-specific terms: after each training forward, every submodule of the student with a
 non-None attribute `effattn_aux_loss` (a scalar tensor, e.g. a VQ commitment loss) contributes it.
