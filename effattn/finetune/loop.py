@@ -297,7 +297,7 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     step_tokens = tokens_per_step(recipe, world)
     use_teacher = teacher is not None and (recipe.loss.kl > 0 or recipe.loss.attn_out > 0)
     hooks = None
-    if use_teacher and recipe.loss.attn_out > 0:
+    if recipe.loss.attn_out > 0:  # resolve_teacher gave a teacher
         hooks = (AttentionOutputs(accelerator.unwrap_model(model), "student"), AttentionOutputs(teacher, "teacher"))
     task = progress.add_task("healing", total=steps, completed=step, loss=float("nan"), tok_s=0.0) if (progress and main) else None
     last_saved = step if start.checkpoint is not None else None
