@@ -23,7 +23,7 @@ from effattn.convert import convert
 from effattn.errors import EffattnError
 from effattn.finetune import finetune, load_recipe
 from effattn.finetune.data import BlockStream, check_disjoint
-from effattn.finetune.loop import lr_multiplier
+from effattn.finetune.loop import lr_multiplier, teacher_forward
 from effattn.finetune.losses import AttentionOutputs, attention_output_error, distillation_kl, heal_loss
 from effattn.finetune.config import Loss, Schedule
 
@@ -130,6 +130,23 @@ def test_attention_hooks_keep_each_layers_attention_output(tiny):
     hooks.remove()
     model(input_ids=torch.randint(0, 100, (1, 9)), use_cache=False)
     assert hooks.outputs == [None] * len(outputs)
+
+
+def test_teacher_forward_skips_the_vocabulary_projection_when_only_attention_outputs_are_needed(tiny):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny("llama", heads=6, kv_heads=3)).eval()
+    calls = []
+    teacher.lm_head.register_forward_hook(lambda m, a, out: calls.append(out))
+    hooks = AttentionOutputs(teacher, "teacher")
+    ids = torch.randint(0, 100, (2, 9))
+    assert teacher_forward(teacher, ids, logits=False) is None and calls == []
+    decoder_only = hooks.take()
+    logits = teacher_forward(teacher, ids, logits=True)
+    with torch.no_grad():
+        assert torch.equal(logits, teacher(input_ids=ids, use_cache=False).logits)
+    assert all(torch.equal(a, b) for a, b in zip(decoder_only, hooks.take())) and len(calls) == 2
+    assert teacher_forward(None, ids, logits=True) is None
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

@@ -155,6 +155,18 @@ def sync_conversion_buffers(modules: list[torch.nn.Module], accelerator) -> None
                 buf.copy_(accelerator.reduce(buf, "mean"))
 
 
+@torch.no_grad()
+def teacher_forward(teacher, ids: torch.Tensor, *, logits: bool) -> torch.Tensor | None:
+    """The teacher's logits [B, T, V], or (logits=False: only its attention outputs are needed, which
+    the hooks collect) a pass through its decoder alone, skipping the vocabulary projection."""
+    if teacher is None:
+        return None
+    if logits:
+        return teacher(input_ids=ids, use_cache=False).logits
+    teacher.get_decoder()(input_ids=ids, use_cache=False)
+    return None
+
+
 def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.Tensor],
                    recipe: Recipe, hooks: tuple[AttentionOutputs, AttentionOutputs] | None = None,
                    ) -> tuple[dict[str, torch.Tensor], float | None]:
@@ -169,8 +181,7 @@ def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.T
         with accelerator.accumulate(model):  # no all-reduce until the last micro-batch; loss / grad_accum
             with accelerator.autocast():
                 logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
-                with torch.no_grad():
-                    teacher_logits = None if teacher is None else teacher(input_ids=ids, use_cache=False).logits
+                teacher_logits = teacher_forward(teacher, ids, logits=recipe.loss.kl > 0)
                 attention = None if hooks is None else (hooks[0].take(), hooks[1].take())
                 terms = heal_loss(recipe.loss, logits, teacher_logits, ids, model, attention)
             accelerator.backward(terms["loss"])
