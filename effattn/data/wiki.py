@@ -66,12 +66,14 @@ def plain_text(wikitext: str) -> str:
     import mwparserfromhell
     from mwparserfromhell.nodes import Heading
 
+    # references first, by pattern: the parser leaves a malformed <ref> as text, citation and all
+    wikitext = re.sub(r"<ref[^>/]*/>|<ref[^>]*>.*?</ref>", "", wikitext, flags=re.DOTALL | re.IGNORECASE)
     code = mwparserfromhell.parse(wikitext)
     for i, node in enumerate(code.nodes):  # sections are top-level nodes: cut from the first list-only one
         if isinstance(node, Heading) and node.title.strip_code().strip().lower() in TAIL_SECTIONS:
             del code.nodes[i:]
             break
-    for tag in code.filter_tags(recursive=False, matches=lambda n: str(n.tag).lower() in {"ref", "table", "gallery", "math"}):
+    for tag in code.filter_tags(recursive=True, matches=lambda n: str(n.tag).lower() in {"ref", "table", "gallery", "math"}):
         _remove(code, tag)
     for link in code.filter_wikilinks():
         if str(link.title).strip().lower().split(":")[0] in {"file", "image", "category", "media"}:
