@@ -12,7 +12,8 @@ ARTICLE = """{{Infobox person|name=Ada|birth_date=1815}}
 [[File:Ada Lovelace portrait.jpg|thumb|right|A portrait]]
 
 == Early life ==
-She was the only legitimate child of the poet [[Lord Byron]].<ref name="b">Byron, p. 3.</ref>
+She was the only legitimate child of the poet [[Lord Byron]].<ref name="b">Byron, p. 3.</ref><ref name=c/>
+Her notes hold an algorithm.<ref>"Ada's notes." (1843). ''Taylor's Memoirs''.'.' Retrieved 12 January 2006.</ref>
 {| class="wikitable"
 |-
 | 1815 || born
@@ -30,7 +31,8 @@ She was the only legitimate child of the poet [[Lord Byron]].<ref name="b">Byron
 def test_wikitext_becomes_prose():
     text = wiki.plain_text(ARTICLE)
     assert text == ("Ada Lovelace was an English mathematician and writer, chiefly known for her work on the "
-                    "Analytical Engine.\n\nEarly life\nShe was the only legitimate child of the poet Lord Byron.")
+                    "Analytical Engine.\n\nEarly life\nShe was the only legitimate child of the poet Lord Byron.\n"
+                    "Her notes hold an algorithm.")
 
 
 def _page(title: str, text: str, ns: str = "0", redirect: bool = False) -> str:
