@@ -2,7 +2,7 @@
 
 The articles come from a real (shortened) English Wikipedia dump that gensim ships as test data in
 its source distribution on PyPI: about a hundred articles from the start of the alphabet (Anarchism,
-Aristotle, Albert Einstein, Alabama, ...), about 3.3 million characters once the markup is gone.
+Aristotle, Albert Einstein, Alabama, ...), about 2.8 million characters once the markup is gone.
 Wikipedia text is licensed CC BY-SA.
 
 The markup goes through `mwparserfromhell`: references, files, categories, tables and templates are
