@@ -124,7 +124,7 @@ def _wiki() -> str:
     """Wikipedia articles as plain text, built once from the gensim sdist and cached."""
     from . import wiki
 
-    dest = cache_dir() / "corpora" / f"enwiki-{wiki.GENSIM_SDIST[1]}.txt"
+    dest = cache_dir() / "corpora" / f"enwiki-gensim-{wiki.GENSIM_SDIST[1]}-v{wiki.EXTRACTION_VERSION}.txt"
     if not dest.exists():
         project, version, filename, sha = wiki.GENSIM_SDIST
         archive = fetch_pinned(project, version, filename, sha, cache_dir() / "downloads" / filename)

@@ -29,6 +29,8 @@ DUMP_MEMBER = "gensim-4.4.0/gensim/test/test_data/enwiki-latest-pages-articles1.
 TAIL_SECTIONS = {"see also", "references", "notes", "external links", "further reading", "bibliography",
                  "sources", "footnotes", "citations", "notes and references", "works cited"}
 NGRAM = 13
+# Bump when the extraction changes: the cached text is named after it, so an old cache is rebuilt.
+EXTRACTION_VERSION = 2
 
 
 def dump_xml(archive: Path) -> bytes:
