@@ -13,6 +13,7 @@ ARTICLE = """{{Infobox person|name=Ada|birth_date=1815}}
 
 == Early life ==
 She was the only legitimate child of the poet [[Lord Byron]].<ref name="b">Byron, p. 3.</ref><ref name=c/>
+[[File:Note G.png|thumb|Her [[table]] of Note G]
 Her notes hold an algorithm.<ref>"Ada's notes." (1843). ''Taylor's Memoirs''.'.' Retrieved 12 January 2006.</ref>
 {| class="wikitable"
 |-

@@ -30,7 +30,8 @@ TAIL_SECTIONS = {"see also", "references", "notes", "external links", "further r
                  "sources", "footnotes", "citations", "notes and references", "works cited"}
 NGRAM = 13
 # Bump when the extraction changes: the cached text is named after it, so an old cache is rebuilt.
-EXTRACTION_VERSION = 2
+EXTRACTION_VERSION = 3
+LEFTOVER_MARKUP = ("[[", "]]", "{{", "}}", "<ref", "</ref")
 
 
 def dump_xml(archive: Path) -> bytes:
@@ -82,7 +83,8 @@ def plain_text(wikitext: str) -> str:
             _remove(code, link)
     text = code.strip_code(normalize=True, collapse=True, keep_template_params=False)
     lines = [line.strip() for line in text.splitlines()]
-    lines = [line for line in lines if not line.startswith(("{|", "|", "!"))]  # table rows that survived
+    # table rows, and lines with markup the parser left as text (a malformed file link, say)
+    lines = [line for line in lines if not line.startswith(("{|", "|", "!")) and not any(m in line for m in LEFTOVER_MARKUP)]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
