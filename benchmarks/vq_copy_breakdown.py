@@ -25,9 +25,8 @@ from effattn.data.corpora import load_text, token_blocks
 from effattn.io.load import load_model
 
 
-def token_losses(path: str, blocks: torch.Tensor) -> torch.Tensor:
+def token_losses(model, blocks: torch.Tensor) -> torch.Tensor:
     """Negative log-likelihood of every predicted token: [N, T-1]."""
-    model, _, _ = load_model(path)
     model.eval()
     rows = []
     with torch.no_grad():
@@ -61,15 +60,18 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    _, tok, _ = load_model(args.baseline)
+    baseline, tok, _ = load_model(args.baseline)
     corpora = args.corpora.split(",")
     blocks = {c: token_blocks(tok, load_text(c), args.context, args.tokens, spread=True) for c in corpora}
-    base = {c: token_losses(args.baseline, blocks[c]) for c in corpora}
+    base = {c: token_losses(baseline, blocks[c]) for c in corpora}
+    repeats = {c: far_repeats(blocks[c], args.window) for c in corpora}
+    del baseline
     rows = []
     for path in args.models:
+        model, _, _ = load_model(path)
         for c in corpora:
-            extra = token_losses(path, blocks[c]) - base[c]
-            rep = far_repeats(blocks[c], args.window)
+            extra = token_losses(model, blocks[c]) - base[c]
+            rep = repeats[c]
             rows.append({
                 "model": path, "corpus": c, "far_repeat_share": rep.float().mean().item(),
                 "extra_nats_far_repeats": extra[rep].mean().item(), "extra_nats_other": extra[~rep].mean().item(),
