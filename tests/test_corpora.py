@@ -61,6 +61,16 @@ def test_decontamination_drops_paragraphs_sharing_thirteen_words_with_held_out_t
     assert kept == [shares_12, "Unrelated prose."] and dropped == 1
 
 
+def test_wiki_text_drops_the_paragraphs_an_evaluation_text_quotes():
+    prose = "A long enough paragraph about the subject of this article. " * 30
+    quote = "He quoted: to be or not to be that is the question whether tis nobler in the mind."
+    xml = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">'
+           + _page("Hamlet", prose + "\n\n" + quote) + "</mediawiki>").encode()
+    held_out = ["To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"]
+    assert wiki.wiki_text(xml, held_out) == "Hamlet\n\n" + prose.strip()
+    assert wiki.wiki_text(xml, []) == "Hamlet\n\n" + prose.strip() + "\n\n" + quote
+
+
 @pytest.mark.real
 def test_wiki_corpus_is_encyclopedic_prose_disjoint_from_the_evaluation_corpora():
     assert CORPORA["wiki"].role == "train" and "wiki" in corpus_names("train")
