@@ -14,7 +14,7 @@ ARTICLE = """{{Infobox person|name=Ada|birth_date=1815}}
 == Early life ==
 She was the only legitimate child of the poet [[Lord Byron]].<ref name="b">Byron, p. 3.</ref><ref name=c/>
 [[File:Note G.png|thumb|Her [[table]] of Note G]
-Her notes hold an algorithm.<ref>"Ada's notes." (1843). ''Taylor's Memoirs''.'.' Retrieved 12 January 2006.</ref>
+Her notes hold an algorithm.<ref>"[http://example.org Ada's notes]." (1843). ''Taylor's Memoirs.'.' Retrieved 12 January 2006.</ref>
 {| class="wikitable"
 |-
 | 1815 || born
@@ -80,5 +80,7 @@ def test_wiki_corpus_is_encyclopedic_prose_disjoint_from_the_evaluation_corpora(
     for marker in ("Aristotle", "Albert Einstein", "Abraham Lincoln"):
         assert f"\n\n\n{marker}\n\n" in text
     assert "<ref" not in text and "{{" not in text and "[[" not in text
+    # a citation the parser leaves as text (unbalanced italics inside it): removed, its sentence kept
+    assert "In China, a historical preference for a male child" in text and "China Bans Sex-selection" not in text
     banned = wiki.held_out_ngrams(load_text(name) for name in corpus_names("eval"))
     assert not wiki.held_out_ngrams([text]) & banned
