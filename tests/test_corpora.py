@@ -84,3 +84,14 @@ def test_wiki_corpus_is_encyclopedic_prose_disjoint_from_the_evaluation_corpora(
     assert "In China, a historical preference for a male child" in text and "China Bans Sex-selection" not in text
     banned = wiki.held_out_ngrams(load_text(name) for name in corpus_names("eval"))
     assert not wiki.held_out_ngrams([text]) & banned
+
+
+def test_the_cached_wiki_text_is_named_after_the_code_parser_and_held_out_texts(tmp_path, monkeypatch):
+    # a stale cache once passed for a fresh one (same hand-bumped version, older code): the name is now a fingerprint
+    key = wiki.cache_key(["held-out text"])
+    assert key == wiki.cache_key(["held-out text"]) and len(key) == 12
+    assert wiki.cache_key(["other held-out text"]) != key
+    edited = tmp_path / "wiki.py"
+    edited.write_bytes(open(wiki.__file__, "rb").read() + b"\n# an edit\n")
+    monkeypatch.setattr(wiki, "__file__", str(edited))
+    assert wiki.cache_key(["held-out text"]) != key

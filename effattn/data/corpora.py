@@ -124,11 +124,11 @@ def _wiki() -> str:
     """Wikipedia articles as plain text, built once from the gensim sdist and cached."""
     from . import wiki
 
-    dest = cache_dir() / "corpora" / f"enwiki-gensim-{wiki.GENSIM_SDIST[1]}-v{wiki.EXTRACTION_VERSION}.txt"
+    held_out = [CORPORA[name].load() for name in corpus_names("eval")]
+    dest = cache_dir() / "corpora" / f"enwiki-gensim-{wiki.GENSIM_SDIST[1]}-{wiki.cache_key(held_out)}.txt"
     if not dest.exists():
         project, version, filename, sha = wiki.GENSIM_SDIST
         archive = fetch_pinned(project, version, filename, sha, cache_dir() / "downloads" / filename)
-        held_out = [CORPORA[name].load() for name in corpus_names("eval")]
         text = wiki.wiki_text(wiki.dump_xml(archive), held_out)
         tmp = dest.with_suffix(".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ the model a passage it is evaluated on.
 from __future__ import annotations
 
 import bz2
+import hashlib
 import re
 import tarfile
 import xml.etree.ElementTree as ET
@@ -29,9 +30,20 @@ DUMP_MEMBER = "gensim-4.4.0/gensim/test/test_data/enwiki-latest-pages-articles1.
 TAIL_SECTIONS = {"see also", "references", "notes", "external links", "further reading", "bibliography",
                  "sources", "footnotes", "citations", "notes and references", "works cited"}
 NGRAM = 13
-# Bump when the extraction changes: the cached text is named after it, so an old cache is rebuilt.
-EXTRACTION_VERSION = 3
 LEFTOVER_MARKUP = ("[[", "]]", "{{", "}}", "<ref", "</ref")
+
+
+def cache_key(held_out: Iterable[str]) -> str:
+    """A fingerprint of everything the extracted text depends on: this module's code, the parser's
+    version and the held-out texts. The cached text is named after it, so a changed extraction (even an
+    uncommitted one) or a changed evaluation corpus never reads a stale cache."""
+    import mwparserfromhell
+
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update(mwparserfromhell.__version__.encode())
+    for text in held_out:
+        digest.update(hashlib.sha256(text.encode("utf-8")).digest())
+    return digest.hexdigest()[:12]
 
 
 def dump_xml(archive: Path) -> bytes:
