@@ -100,6 +100,7 @@ def convert(
     sinks: Optional[int] = typer.Option(None, "--sinks", help="vq: first positions never quantized (default 0)"),
     metric: Optional[str] = typer.Option(None, "--metric", help="vq: k-means fit, attention (attention-weighted logit error, default), query (logit error) or key"),
     kmeans: Optional[str] = typer.Option(None, "--kmeans", help="vq: k-means implementation, torch or sklearn"),
+    exact_heads: Optional[int] = typer.Option(None, "--exact-heads", help="vq: KV heads (the K whose quantization costs most on the calibration text) that keep exact far keys (default 0)"),
     force: bool = ForceOpt,
     dry_run: bool = DryRunOpt,
     measure: Optional[bool] = MeasureOpt,
@@ -111,7 +112,7 @@ def convert(
 ):
     """Convert MODEL's attention and write a native transformers checkpoint to -o OUT."""
     options = {"kv_heads": kv_heads, "method": method, "calib": calib, "calib_tokens": calib_tokens,
-               "window": window, "far_position": far_position, "codebook_size": codebook_size, "sinks": sinks, "metric": metric, "kmeans": kmeans}
+               "window": window, "far_position": far_position, "codebook_size": codebook_size, "sinks": sinks, "metric": metric, "kmeans": kmeans, "exact_heads": exact_heads}
     _run_conversion(model, output, to, options, dtype=dtype, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
                     measure=measure, eval_tokens=eval_tokens, as_json=as_json, trust_remote_code=trust_remote_code,
                     allow_pickle=allow_pickle)
@@ -130,6 +131,7 @@ def vq_init(
     metric: Optional[str] = typer.Option(None, "--metric", help="k-means fit: attention (keys weighted by the attention they get when far, attention-weighted logit error; default), query (logit error under the model's queries) or key (plain distance)"),
     kmeans: Optional[str] = typer.Option(None, "--kmeans", help="k-means implementation: torch (default) or sklearn (MiniBatchKMeans)"),
     code_bias: bool = typer.Option(False, "--code-bias/--no-code-bias", help="per-code logit correction for the keys each code stands for (measured: worse, off by default)"),
+    exact_heads: Optional[int] = typer.Option(None, "--exact-heads", help="K: the K KV heads whose quantization most changes their attention output on the calibration text keep exact far keys (a cache growing on those heads only; default 0)"),
     dtype: str = DtypeOpt,
     force: bool = ForceOpt,
     dry_run: bool = DryRunOpt,
@@ -142,7 +144,8 @@ def vq_init(
 ):
     """Transformer-VQ from a pretrained model: ReRoPE window + k-means codebooks (= convert --to vq)."""
     options = {"codebook_size": codebook_size, "window": window, "far_position": far_position, "sinks": sinks, "calib": calib,
-               "calib_tokens": calib_tokens, "metric": metric, "kmeans": kmeans, "code_bias": code_bias}
+               "calib_tokens": calib_tokens, "metric": metric, "kmeans": kmeans, "code_bias": code_bias,
+               "exact_heads": exact_heads}
     _run_conversion(model, output, "vq", options, dtype=dtype, force=force, dry_run=dry_run,
                     max_shard_size=max_shard_size, measure=measure, eval_tokens=eval_tokens, as_json=as_json,
                     trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)

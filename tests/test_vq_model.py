@@ -166,7 +166,7 @@ def test_eval_measures_the_vq_cache(tiny, tmp_path, calib_file):
 
 def test_remote_code_loads_without_effattn(tiny, tmp_path, calib_file):
     src = tiny("qwen3", heads=6, kv_heads=3, head_dim=8)
-    out = vq_init(src, tmp_path / "vq", calib_file, sinks=1)
+    out = vq_init(src, tmp_path / "vq", calib_file, sinks=1, exact_heads=2)  # split layers too
     assert "auto_map" in json.loads((out / "config.json").read_text())
     assert "import effattn" in (out / "README.md").read_text()  # the card's Load section says how
     script = f"""
@@ -322,6 +322,9 @@ def test_bad_vq_options_are_one_line_errors(tiny, tmp_path, calib_file, capsys):
          "--window does not apply"),
         (["convert", str(src), "--to", "rerope", "--window", "16", "--far-position", "4", "-o", str(tmp_path / "g")],
          "inside the window"),
+        (["vq-init", str(src), "--exact-heads", "7", "-o", str(tmp_path / "h")], "more than the model's 6 KV heads"),
+        (["convert", str(src), "--to", "rerope", "--exact-heads", "1", "-o", str(tmp_path / "i")],
+         "--exact-heads does not apply"),
     ]
     for args, message in cases:
         code, _, err = run_cli(capsys, *args)
@@ -393,3 +396,88 @@ def test_codes_are_assigned_under_the_stored_metric(tiny, tmp_path, calib_file):
         attn.code_metric.copy_(torch.diag(torch.tensor([30.0, 1, 1, 1, 30, 1, 1, 1], dtype=attn.code_metric.dtype)))
     assert not torch.equal(nearest_codes(k, attn.codebook, attn.code_metric), plain)
     assert (logits(model) - before).abs().max() > 1e-6  # and the model uses them
+
+
+# -- exact heads (`--exact-heads K`): ReRoPE alone on K KV heads, VQ on the others ---------------------------
+
+def _attention_inputs(model, layer: int, ids=IDS):
+    """What layer `layer`'s o_proj receives (B, T, H * D): the per-head attention outputs."""
+    seen = []
+    hook = model.model.layers[layer].self_attn.o_proj.register_forward_hook(lambda m, a, o: seen.append(a[0]))
+    logits(model, ids)
+    hook.remove()
+    return seen[0]
+
+
+def test_exact_heads_are_chosen_by_quantization_error_and_recorded(tiny, tmp_path, calib_file):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8, layers=3)
+    out = vq_init(src, tmp_path / "vq", calib_file, exact_heads=2)
+    pairs = json.loads((out / "config.json").read_text())["vq_exact_heads"]
+    conversion = json.loads((out / "effattn.json").read_text())["conversion"]
+    errors = conversion["head_errors"]
+    assert len(errors) == 9 and all(e > 0 for e in errors.values())
+    top = sorted(errors, key=errors.get, reverse=True)[:2]
+    assert sorted(pairs) == sorted([int(x) for x in key.split(".")] for key in top) == conversion["exact_heads_chosen"]
+    assert conversion["exact_heads"] == 2 and load(out).config.vq_exact_heads == pairs
+    # the same codebooks as a conversion without exact heads: only the config differs
+    plain = vq_init(src, tmp_path / "plain", calib_file)
+    assert "vq_exact_heads" in json.loads((plain / "config.json").read_text())
+    a, b = load(out), load(plain)
+    for x, y in zip(a.vq_attention_modules(), b.vq_attention_modules()):
+        assert torch.equal(x.codebook, y.codebook)
+
+
+@pytest.mark.parametrize("kernel", ["chunk", "naive"])
+def test_an_exact_head_reads_exact_far_keys_and_the_others_their_codes(tiny, tmp_path, calib_file, kernel):
+    src = tiny("qwen2", heads=6, kv_heads=3, head_dim=8)
+    model = load(vq_init(src, tmp_path / "vq", calib_file, sinks=2), vq_kernel=kernel)
+    rerope = load(convert(src, tmp_path / "rerope", to="rerope", options={"window": 16}, measure=False).out)
+    every = [[layer, g] for layer in range(2) for g in range(3)]
+    model.config.vq_exact_heads = every  # every head exact: the ReRoPE model
+    torch.testing.assert_close(logits(model), logits(rerope), rtol=1e-9, atol=1e-9)
+    model.config.vq_exact_heads = []
+    quantized = _attention_inputs(model, 0).view(2, -1, 6, 8)
+    model.config.vq_exact_heads = every
+    exact = _attention_inputs(model, 0).view(2, -1, 6, 8)
+    assert (quantized - exact).abs().max() > 1e-4
+    model.config.vq_exact_heads = [[0, 1]]  # KV head 1 of layer 0 = query heads 2 and 3
+    mixed = _attention_inputs(model, 0).view(2, -1, 6, 8)
+    torch.testing.assert_close(mixed[:, :, 2:4], exact[:, :, 2:4], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(mixed[:, :, [0, 1, 4, 5]], quantized[:, :, [0, 1, 4, 5]], rtol=1e-9, atol=1e-9)
+    model.config.vq_exact_heads = [[0, 3]]
+    with pytest.raises(ValueError, match="KV head 3 of layer 0"):
+        logits(model)
+
+
+def test_exact_heads_decode_through_the_cache_which_grows_on_those_heads_only(tiny, tmp_path, calib_file):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    model = load(vq_init(src, tmp_path / "vq", calib_file, sinks=1), vq_exact_heads=[[0, 2], [1, 0], [1, 1]])
+    ids = IDS[:1]
+    full = logits(model, ids)
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :40], use_cache=True)
+        cache, steps, sizes = out.cache, [out.logits], []
+        for t in range(40, ids.shape[1]):
+            out = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
+            cache = out.cache
+            steps.append(out.logits)
+            sizes.append(cache.nbytes())
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
+    assert cache.get_seq_length() == ids.shape[1]
+    # each new token adds a key and a value (head_dim 8, float64) on each of the 3 exact heads, nothing else
+    assert {b - a for a, b in zip(sizes, sizes[1:])} == {3 * 2 * 8 * 8}
+
+
+def test_training_leaves_the_exact_heads_codebooks_alone(tiny, tmp_path, calib_file):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    model = AutoModelForCausalLM.from_pretrained(vq_init(src, tmp_path / "vq", calib_file)).train()
+    model.config.vq_exact_heads = [[0, 1], [1, 0], [1, 1], [1, 2]]  # layer 1 has no quantized head left
+    attn0, attn1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    before0, before1 = attn0.codebook.clone(), attn1.codebook.clone()
+    out = model(input_ids=IDS, labels=IDS, use_cache=False)
+    assert attn0.effattn_aux_loss is not None and attn0.effattn_aux_loss.item() > 0
+    assert attn1.effattn_aux_loss is None
+    (out.loss + attn0.effattn_aux_loss).backward()
+    assert torch.equal(attn0.codebook[1], before0[1]) and torch.equal(attn1.codebook, before1)
+    assert (attn0.codebook[[0, 2]] - before0[[0, 2]]).abs().max() > 0
+    assert attn1.k_proj.weight.grad.abs().sum() > 0  # exact heads still learn through their exact keys

@@ -9,7 +9,10 @@ attention modules are replaced by `VQAttention`:
 * VQ: those older keys are quantized to a per-layer, per-KV-head codebook (the first `vq_sinks`
   positions excepted), which lets the blockwise kernel summarise them per code (count, value sum):
   linear time, and a cache whose size stops growing after the window (`VQCache`);
-* `vq_quantize: false` gives the ReRoPE model alone (no codebook; its cache holds every key).
+* `vq_quantize: false` gives the ReRoPE model alone (no codebook; its cache holds every key);
+* `vq_exact_heads` ([layer, KV head] pairs) keeps the far keys of a few KV heads exact (ReRoPE alone
+  on those heads, the rest quantized), as DuoAttention and RazorAttention keep full caches for the few
+  retrieval heads that need them: those heads' cache grows with the sequence, the others' does not.
 
 Codebooks are buffers. In training mode every VQ attention exposes `effattn_aux_loss` (the
 commitment loss ‖k − sg(c)‖², Transformer-VQ's) and updates its codebook by exponential moving
@@ -45,6 +48,7 @@ VQ_DEFAULTS = {
     "vq_commit_weight": 1e-4,
     "vq_kernel": "chunk",
     "vq_code_bias": False,
+    "vq_exact_heads": [],  # [layer, KV head] pairs whose far keys stay exact (a growing cache on those heads)
 }
 
 
@@ -74,12 +78,28 @@ class EffattnVQConfig(PretrainedConfig):
         return AutoConfig.for_model(self.base_model_type, **values)
 
 
+class SplitState:
+    """A layer's state when some of its KV heads are exact: the quantized heads' `VQState` (constant
+    size) and the exact heads' (every key kept)."""
+
+    def __init__(self, quantized: VQState, exact: VQState):
+        self.quantized, self.exact = quantized, exact
+
+    @property
+    def seen(self) -> int:
+        return self.quantized.seen
+
+    def nbytes(self) -> int:
+        return self.quantized.nbytes() + self.exact.nbytes()
+
+
 class VQCache:
     """Per-layer `VQState`s: the window's keys/values, the sinks and per-code statistics. Its size
-    stops growing once the window is full (for `vq_quantize: false`, every key is kept)."""
+    stops growing once the window is full (for `vq_quantize: false`, every key is kept; for the KV
+    heads of `vq_exact_heads`, theirs are)."""
 
     def __init__(self):
-        self.states: dict[int, VQState] = {}
+        self.states: dict[int, VQState | SplitState] = {}
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         state = self.states.get(layer_idx)
@@ -116,6 +136,24 @@ class VQAttention(nn.Module):
         # than its centroid alone, Σ_i exp(q·k_i) ≈ n_c exp(q·c + b_c); vq-init fits b_c on calibration text
         self.register_buffer("code_bias", torch.zeros(kv_heads, size))
         self.effattn_aux_loss = None
+        _ = self.exact_heads  # a bad vq_exact_heads fails at load time
+
+    @property
+    def exact_heads(self) -> list[int]:
+        """This layer's KV heads whose far keys stay exact (all of them without quantization)."""
+        kv_heads = self.codebook.shape[0]
+        if not self.config.vq_quantize:
+            return list(range(kv_heads))
+        pairs = getattr(self.config, "vq_exact_heads", None) or []
+        exact = sorted({int(g) for layer, g in pairs if int(layer) == self.layer_idx})
+        if any(not 0 <= g < kv_heads for g in exact):
+            raise ValueError(f"vq_exact_heads names KV head {exact[-1]} of layer {self.layer_idx}, which has {kv_heads}")
+        return exact
+
+    @property
+    def quantized_heads(self) -> list[int]:
+        exact = self.exact_heads
+        return [g for g in range(self.codebook.shape[0]) if g not in exact]
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pre-RoPE q (B, T, H, D), k and v (B, T, G, D), after the q/k norms where the family has them."""
@@ -136,32 +174,61 @@ class VQAttention(nn.Module):
         B, T, _ = hidden_states.shape
         q, k, v = self.project(hidden_states)
         cos, sin = (x[0].to(q.dtype) for x in position_embeddings)  # (T, D): one sequence layout per batch
-        far_cos, far_sin = (x.to(q.dtype) for x in vq_far)
-        if cfg.vq_quantize:
-            codebook = self.codebook
-            codes = nearest_codes(k.detach(), codebook, self.code_metric)
-            sinks = cfg.vq_sinks
-        else:
-            codebook = k.new_zeros(k.shape[2], 1, k.shape[3])
-            codes = torch.zeros(B, T, k.shape[2], dtype=torch.long, device=k.device)
-            sinks = _ALL_SINKS
+        rope = (cos, sin, *(x.to(q.dtype) for x in vq_far))
         state = cache.states.get(self.layer_idx) if cache is not None else None
-        k_raw = k
-        if cfg.vq_quantize and cfg.vq_code_bias:
-            q, k, codebook, cos, sin, far_cos, far_sin = self._with_code_bias(q, k, codebook, cos, sin, far_cos, far_sin)
-        args = (q, k, v, codebook.to(q.dtype), codes, cos, sin, far_cos, far_sin)
-        settings = dict(window=cfg.vq_window, block_size=cfg.vq_block_size, sinks=sinks, scale=self.scaling)
-        if cfg.vq_kernel == "naive" and cache is None:  # the reference has no state: full sequences only
-            out = vq_attention_naive(*args, **settings)
-        elif cache is not None:
-            out, cache.states[self.layer_idx] = vq_attention_chunk(*args, **settings, state=state, return_state=True)
-        else:
-            out = vq_attention_chunk(*args, **settings)
-        if self.training and cfg.vq_quantize:
-            self._learn_codebook(k_raw, codes, state.seen if state is not None else 0)
+        G = k.shape[2]
+        quant, exact = self.quantized_heads, self.exact_heads
+        if not exact:
+            out, new_state = self._attend_quantized(q, k, v, rope, state, cache is not None)
+        elif not quant:
+            out, new_state = self._attend_exact(q, k, v, rope, state, cache is not None)
+        else:  # some heads of each kind: each group runs its own kernel, the outputs go back in head order
+            rep = q.shape[2] // G
+            rows = lambda heads: torch.tensor([g * rep + r for g in heads for r in range(rep)], device=q.device)
+            sq, se = (state.quantized, state.exact) if state is not None else (None, None)
+            out_q, sq = self._attend_quantized(q[:, :, rows(quant)], k[:, :, quant], v[:, :, quant], rope, sq,
+                                               cache is not None, heads=quant)
+            out_e, se = self._attend_exact(q[:, :, rows(exact)], k[:, :, exact], v[:, :, exact], rope, se,
+                                           cache is not None)
+            out = torch.cat((out_q, out_e), 2)[:, :, torch.argsort(torch.cat((rows(quant), rows(exact))))]
+            new_state = SplitState(sq, se) if cache is not None else None
+        if cache is not None:
+            cache.states[self.layer_idx] = new_state
         return self.o_proj(out.reshape(B, T, -1)), None
 
-    def _with_code_bias(self, q, k, codebook, cos, sin, far_cos, far_sin):
+    def _kernel(self, args, sinks, state, stateful):
+        cfg = self.config
+        settings = dict(window=cfg.vq_window, block_size=cfg.vq_block_size, sinks=sinks, scale=self.scaling)
+        if cfg.vq_kernel == "naive" and not stateful:  # the reference has no state: full sequences only
+            return vq_attention_naive(*args, **settings), None
+        if stateful:
+            return vq_attention_chunk(*args, **settings, state=state, return_state=True)
+        return vq_attention_chunk(*args, **settings), None
+
+    def _attend_exact(self, q, k, v, rope, state, stateful):
+        """ReRoPE alone: every key is kept exact (a cache that grows with the sequence)."""
+        codebook = k.new_zeros(k.shape[2], 1, k.shape[3])
+        codes = torch.zeros(k.shape[:3], dtype=torch.long, device=k.device)
+        return self._kernel((q, k, v, codebook, codes, *rope), _ALL_SINKS, state, stateful)
+
+    def _attend_quantized(self, q, k, v, rope, state, stateful, heads=None):
+        """ReRoPE + VQ on the KV heads `heads` (all by default): far keys read through their codebooks."""
+        cfg = self.config
+        pick = (lambda t: t) if heads is None else (lambda t: t[heads])
+        codebook, metric = pick(self.codebook), pick(self.code_metric)
+        codes = nearest_codes(k.detach(), codebook, metric)
+        k_raw = k
+        cos, sin, far_cos, far_sin = rope
+        if cfg.vq_code_bias:
+            q, k, codebook, cos, sin, far_cos, far_sin = self._with_code_bias(
+                q, k, codebook, cos, sin, far_cos, far_sin, pick(self.code_bias))
+        out, new_state = self._kernel((q, k, v, codebook.to(q.dtype), codes, cos, sin, far_cos, far_sin),
+                                      cfg.vq_sinks, state, stateful)
+        if self.training:
+            self._learn_codebook(k_raw, codes, state.seen if state is not None else 0, heads)
+        return out, new_state
+
+    def _with_code_bias(self, q, k, codebook, cos, sin, far_cos, far_sin, code_bias):
         """One extra RoPE pair that never rotates (cos 1, sin 0): queries carry 1 there, keys 0 and
         codewords b_c / scale, so every code logit gains b_c and nothing else changes."""
         h = self.head_dim // 2
@@ -170,33 +237,38 @@ class VQAttention(nn.Module):
             value = value if torch.is_tensor(value) else torch.full_like(x[..., :1], value)
             return torch.cat((x[..., :h], value, x[..., h:], torch.full_like(x[..., :1], last)), dim=-1)
 
-        bias = (self.code_bias / self.scaling).to(codebook.dtype)[..., None]  # (G, C, 1)
+        bias = (code_bias / self.scaling).to(codebook.dtype)[..., None]  # (G, C, 1)
         return (extend(q, 1.0), extend(k, 0.0), extend(codebook, bias), extend(cos, 1.0, 1.0),
                 extend(sin, 0.0), extend(far_cos, 1.0, 1.0), extend(far_sin, 0.0))
 
-    def _learn_codebook(self, k: torch.Tensor, codes: torch.Tensor, first_position: int) -> None:
-        """Commitment loss on the keys (their gradient) and an EMA step of the codebook (no gradient)."""
+    def _learn_codebook(self, k: torch.Tensor, codes: torch.Tensor, first_position: int, heads=None) -> None:
+        """Commitment loss on the keys (their gradient) and an EMA step of the codebook (no gradient),
+        for the KV heads `heads` (all by default): exact heads' codebooks neither pull nor move."""
         cfg = self.config
         keep = torch.arange(first_position, first_position + k.shape[1], device=k.device) >= cfg.vq_sinks
         k, codes = k[:, keep], codes[:, keep]
         if k.shape[1] == 0:
             self.effattn_aux_loss = None
             return
-        chosen = self.codebook[torch.arange(k.shape[2], device=k.device), codes].to(k.dtype)  # (B, T, G, D)
+        idx = torch.arange(self.codebook.shape[0], device=k.device) if heads is None else torch.tensor(heads, device=k.device)
+        codebook = self.codebook[idx]  # (G', C, D): the codebooks of these heads
+        chosen = codebook[torch.arange(k.shape[2], device=k.device), codes].to(k.dtype)  # (B, T, G', D)
         self.effattn_aux_loss = cfg.vq_commit_weight * (k - chosen.detach()).float().pow(2).sum(-1).mean()
         with torch.no_grad():
-            onehot = F.one_hot(codes, self.codebook.shape[1]).float()  # (B, T, G, C)
-            counts = onehot.sum((0, 1))  # (G, C)
+            onehot = F.one_hot(codes, codebook.shape[1]).float()  # (B, T, G', C)
+            counts = onehot.sum((0, 1))  # (G', C)
             sums = torch.einsum("btgc,btgd->gcd", onehot, k.float())
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.all_reduce(counts)
                 torch.distributed.all_reduce(sums)
             decay = cfg.vq_ema_decay
-            self.ema_counts.mul_(decay).add_(counts, alpha=1 - decay)
-            self.ema_sums.mul_(decay).add_(sums, alpha=1 - decay)
-            used = self.ema_counts > 1e-6  # codes never used keep their codeword
-            update = self.ema_sums / self.ema_counts.clamp_min(1e-6)[..., None]
-            self.codebook.copy_(torch.where(used[..., None], update, self.codebook))
+            ema_counts = self.ema_counts[idx].mul_(decay).add_(counts, alpha=1 - decay)
+            ema_sums = self.ema_sums[idx].mul_(decay).add_(sums, alpha=1 - decay)
+            used = ema_counts > 1e-6  # codes never used keep their codeword
+            update = ema_sums / ema_counts.clamp_min(1e-6)[..., None]
+            self.ema_counts.index_copy_(0, idx, ema_counts)
+            self.ema_sums.index_copy_(0, idx, ema_sums)
+            self.codebook.index_copy_(0, idx, torch.where(used[..., None], update, codebook))
 
 
 class EffattnVQPreTrainedModel(PreTrainedModel):

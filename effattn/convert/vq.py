@@ -14,8 +14,11 @@ Levers (all measured in BENCHMARKS.md): the far position (`--far-position`), the
 (`--metric attention`, the default: the logit error weighted by the attention each far (query, key)
 pair really has under the ReRoPE model, Σ p_ts (q_tᵀ(k_s − c))², fitted as weighted k-means, see `attention_statistics`;
 `query`: the unweighted logit error E[(qᵀ(k − c))²] under the queries that read the keys; `key`: plain
-distance), sink positions never quantized (`--sinks`), and the k-means implementation
-(`--kmeans torch|sklearn`).
+distance), sink positions never quantized (`--sinks`), the k-means implementation
+(`--kmeans torch|sklearn`), and exact heads (`--exact-heads K`): the K (layer, KV head) pairs whose
+quantization costs most, ranked by the relative error it causes in their attention output on the
+calibration text, keep their far keys exact (a cache that grows on those heads only; DuoAttention's and
+RazorAttention's retrieval heads).
 
 The output loads with `AutoModelForCausalLM.from_pretrained(OUT)` after `import effattn`, and with
 `trust_remote_code=True` without effattn: the modeling code is bundled into the folder.
@@ -159,7 +162,7 @@ class VQConversion(_ReRoPEBase):
     description = "Transformer-VQ: ReRoPE window + keys beyond it quantized to k-means codebooks (linear time)"
     quantize = True
     options = ("codebook_size", "window", "far_position", "sinks", "block_size", "calib", "calib_tokens", "calib_seq_len", "metric",
-               "kmeans", "code_bias")
+               "kmeans", "code_bias", "exact_heads")
 
     def targets(self, config: dict[str, Any]) -> str:
         return ("effattn vq-init MODEL --codebook-size C --window W [--sinks S] [--calib ...]: ReRoPE window + "
@@ -179,20 +182,26 @@ class VQConversion(_ReRoPEBase):
         calib = CalibSettings(corpus=options.get("calib") or DEFAULT_CALIB,
                               tokens=_positive_int(options, "calib_tokens", 16384),
                               seq_len=_positive_int(options, "calib_seq_len", 1024)).validate()
+        exact_heads = _positive_int(options, "exact_heads", 0, low=0)
+        if exact_heads > shape.layers * shape.kv_heads:
+            raise EffattnError(f"--exact-heads {exact_heads} is more than the model's {shape.layers * shape.kv_heads} "
+                               f"KV heads ({shape.layers} layers x {shape.kv_heads})",
+                               f"use at most {shape.layers * shape.kv_heads} (or --to rerope to keep every key exact)")
         if calib.seq_len <= window:
             raise EffattnError(f"calibration sequences ({calib.seq_len} tokens) must be longer than the window "
                                f"({window}) for keys to be quantized", f"use --window below {calib.seq_len}")
         # the cache after T tokens: the window's K/V and the sinks (exact), plus per code a count and a value sum
         state_bytes = shape.layers * shape.kv_heads * (
             (window - 1 + sinks) * 2 * shape.head_dim * 4 + size * (shape.head_dim + 1) * 4)
-        est = ckpt.nbytes / 200e6 + calib.tokens * 2 * ckpt.num_params / 20e9
+        exact_bytes = exact_heads * 2 * shape.head_dim * (c.target or ckpt.dtype).itemsize  # per token, growing
+        est = ckpt.nbytes / 200e6 + calib.tokens * 2 * ckpt.num_params / 20e9 * (1.5 if exact_heads else 1)
         activations = calib.tokens * shape.hidden * 4 * 3 + calib.tokens * shape.kv_heads * shape.head_dim * 4 * 2
         return Plan(
             conversion=self.name,
             settings={"codebook_size": size, "window": window, "far_position": c.far, "sinks": sinks,
                       "block_size": c.block, "metric": metric, "code_bias": c.config["vq_code_bias"],
                       "kmeans": method, "calib": calib.corpus, "calib_tokens": calib.tokens,
-                      "calib_seq_len": calib.seq_len},
+                      "calib_seq_len": calib.seq_len, "exact_heads": exact_heads},
             config=c.config, specs=c.specs,
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
                      ("attention", f"ReRoPE window {window} (exact; relative position {c.far} beyond) + VQ beyond it, "
@@ -201,11 +210,16 @@ class VQConversion(_ReRoPEBase):
                      ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
                                    f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
                      ("KV cache", f"{kv:,.0f} bytes/token now; VQ state {state_bytes:,.0f} bytes at any length "
-                                  f"(= {kv:,.0f} bytes/token x {state_bytes / kv:,.0f} tokens)")],
-            kv_bytes_per_token=(kv, state_bytes / (4 * window)),
+                                  f"(= {kv:,.0f} bytes/token x {state_bytes / kv:,.0f} tokens)"
+                                  + (f", plus {exact_bytes:,.0f} bytes/token for the {exact_heads} exact heads' keys and values"
+                                     if exact_heads else "")),
+                     *([("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose quantization "
+                                        "most changes their attention output on the calibration text keep exact far keys")]
+                       if exact_heads else [])],
+            kv_bytes_per_token=(kv, state_bytes / (4 * window) + exact_bytes),
             est_seconds=est, est_peak_bytes=layer_bytes(ckpt, family) * 3 + activations + 400 * 2**20,
             state={"shape": shape, "target": c.target, "size": size, "calib": calib, "metric": metric,
-                   "kmeans": method},
+                   "kmeans": method, "exact_heads": exact_heads},
         )
 
     @torch.no_grad()
@@ -227,11 +241,12 @@ class VQConversion(_ReRoPEBase):
         written = set()
         task = progress.add_task(f"fitting codebooks ({ids.numel():,} tokens)", total=shape.layers) if progress else None
         keep = torch.arange(T) >= cfg.vq_sinks  # sink positions are never quantized: not fitted either
+        errors = torch.zeros(shape.layers, 2, shape.kv_heads, dtype=torch.float64)  # per head: Σ|Δout|², Σ|out|²
         for layer in range(shape.layers):
             prefix = family.prefix(layer)
             tensors = {n: ckpt.get(n) for n in ckpt.names() if n.startswith(prefix)}
             module = factory.layer(layer, tensors, shape.kv_heads)
-            attn = VQAttention(module.self_attn, cfg, layer)
+            attn = VQAttention(module.self_attn, cfg, layer).eval()  # eval: no EMA step while propagating
             keys, metric = [], torch.zeros(shape.kv_heads, shape.head_dim, shape.head_dim, dtype=torch.float64)
             group, seen, sampled, weights = shape.heads // shape.kv_heads, 0, [], []
             gen = torch.Generator().manual_seed(layer)
@@ -277,12 +292,38 @@ class VQConversion(_ReRoPEBase):
             _write_buffers(writer, family, layer, dict(attn.named_buffers()))
             ckpt.release()
             module.self_attn = attn
+            if st["exact_heads"]:
+                for sl in _batches(x, calib.batch_size):
+                    errors[layer] += quantization_error(attn, module.input_layernorm(x[sl]), cos, sin, far)
             x = torch.cat([module(x[sl], position_embeddings=(cos, sin), vq_far=far)
                            for sl in _batches(x, calib.batch_size)])
             if progress:
                 progress.update(task, advance=1, description=f"fitting codebooks: layer {layer}, "
                                                               f"error {result.error:.3g}")
         passthrough(ckpt, writer, [n for n in ckpt.names() if n not in written], target)
+        if st["exact_heads"]:
+            relative = errors[:, 0] / errors[:, 1].clamp_min(1e-30)  # (layers, G)
+            top = relative.flatten().argsort(descending=True)[: st["exact_heads"]]
+            pairs = sorted([int(i) // shape.kv_heads, int(i) % shape.kv_heads] for i in top)
+            plan.config["vq_exact_heads"] = pairs
+            plan.settings["exact_heads_chosen"] = pairs
+            plan.settings["head_errors"] = {f"{l}.{g}": round(float(relative[l, g]), 5)
+                                            for l in range(shape.layers) for g in range(shape.kv_heads)}
+
+
+def quantization_error(attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, far) -> torch.Tensor:
+    """What quantizing each KV head's far keys does to its attention output on hidden states h (B, T, hidden):
+    [2, G] float64, Σ‖out_VQ − out_exact‖² and Σ‖out_exact‖² over the positions and the head's query heads
+    (out_exact: ReRoPE alone). Their ratio ranks the heads for `--exact-heads`."""
+    q, k, v = attn.project(h)
+    rope = (cos[0].to(q.dtype), sin[0].to(q.dtype), far[0].to(q.dtype), far[1].to(q.dtype))
+    quantized, _ = attn._attend_quantized(q, k, v, rope, None, False)
+    exact, _ = attn._attend_exact(q, k, v, rope, None, False)
+    G = k.shape[2]
+    per_query_head = lambda t: t.double().pow(2).sum((0, 1, 3))  # (H,)
+    err = per_query_head(quantized - exact).view(G, -1).sum(1)
+    norm = per_query_head(exact).view(G, -1).sum(1)
+    return torch.stack((err, norm))
 
 
 def attention_statistics(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, far, scale: float,
