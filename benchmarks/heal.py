@@ -2,9 +2,10 @@
 
     python benchmarks/heal.py --to mqa --method mean [-o bench-out] [KEY=VALUE recipe overrides ...]
     python benchmarks/heal.py --to vq --window 64 --context 2048 [-o bench-out]
+    python benchmarks/heal.py --to vq --window 64 --context 2048 --exact-heads 9 --baseline-vq PLAIN_VQ [-o bench-out]
 
 1. convert the built-in SmolLM2-135M (`llama`): `--to mqa` with --method, or `--to vq` (vq-init,
-   C=512, --window) (the "before" model);
+   C=512, --window, --exact-heads) (the "before" model);
 2. heal it with the recipe (default: the built-in `heal-gqa` / `heal-vq`), the converted folder as
    the student and the original as the teacher, timing the whole `finetune` call (load, tokenize,
    train, evaluate, checkpoint, save);
@@ -13,7 +14,8 @@
 4. write OUT/results-NAME.json, the curve to benchmarks/results/heal-NAME.png, and print a
    Markdown table for BENCHMARKS.md.
 
-Gap recovered = (log ppl(converted) - log ppl(healed)) / (log ppl(converted) - log ppl(original)).
+Gap recovered = (log ppl(converted) - log ppl(healed)) / (log ppl(converted) - log ppl(original)); with
+--baseline-vq, also against that plain VQ model's perplexity in place of the converted one's.
 Rerunning after an interruption resumes the fine-tune from its last checkpoint.
 """
 
@@ -39,6 +41,10 @@ def main() -> None:
     parser.add_argument("--to", choices=["mqa", "vq"], default="mqa")
     parser.add_argument("--method", default=None, help="GQA method for the conversion (default: the conversion's default)")
     parser.add_argument("--window", type=int, default=64, help="vq: the ReRoPE window")
+    parser.add_argument("--exact-heads", type=int, default=0, help="vq: KV heads that keep exact far keys (vq-init --exact-heads)")
+    parser.add_argument("--baseline-vq", type=Path, default=None,
+                        help="vq: also report the gap recovered against this plain VQ folder's perplexities (e.g. the "
+                             "--exact-heads 0 conversion), so a heal from an exact-heads start compares with the plain one")
     parser.add_argument("--context", type=int, default=512, help="evaluation block length")
     parser.add_argument("--recipe", default=None, help="default: heal-gqa for mqa, heal-vq for vq")
     parser.add_argument("-o", "--out", type=Path, default=Path("bench-out"))
@@ -50,8 +56,8 @@ def main() -> None:
         base = f"mqa-{args.method or 'default'}"
         options = {"method": args.method} if args.method else {}
     else:
-        base = f"vq-w{args.window}"
-        options = {"codebook_size": 512, "window": args.window}
+        base = f"vq-w{args.window}" + (f"-x{args.exact_heads}" if args.exact_heads else "")
+        options = {"codebook_size": 512, "window": args.window} | ({"exact_heads": args.exact_heads} if args.exact_heads else {})
     name = base + (f"-{args.tag}" if args.tag else "")
     converted = args.out / f"llama-{base}"
     healed = args.out / f"llama-{name}-healed"
@@ -81,7 +87,14 @@ def main() -> None:
             "agreement_converted": before.agreement[corpus], "agreement_healed": after.agreement[corpus],
             "kl_converted": before.kl[corpus], "kl_healed": after.kl[corpus],
         }
+    if args.baseline_vq is not None:
+        plain = evaluate(str(args.baseline_vq), None, settings)
+        for corpus, r in rows.items():
+            p = plain.model.perplexity[corpus]
+            r["plain_vq"] = p
+            r["gap_recovered_vs_plain_vq"] = (math.log(p) - math.log(r["healed"])) / (math.log(p) - math.log(r["original"]))
     report = {"to": args.to, "method": args.method or "default", "window": args.window if args.to == "vq" else None,
+              "exact_heads": args.exact_heads if args.to == "vq" else None,
               "tag": args.tag, "recipe": recipe_name, "overrides": args.overrides, **run, "cpus": os.cpu_count(),
               "eval": {"tokens_per_corpus": 8192, "context": args.context}, "results": rows}
     (args.out / f"results-{name}.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -97,6 +110,8 @@ def main() -> None:
     for corpus, r in rows.items():
         print(f"| {corpus} | {r['original']:.2f} | {r['converted']:,.2f} | {r['healed']:.2f} | "
               f"{r['gap_recovered']:.1%} | {r['agreement_converted']:.1%} → {r['agreement_healed']:.1%} |")
+        if "plain_vq" in r:
+            print(f"  {corpus}: against the plain VQ model ({r['plain_vq']:.2f}): {r['gap_recovered_vs_plain_vq']:.1%} of its gap")
 
 
 if __name__ == "__main__":

@@ -419,6 +419,8 @@ def test_exact_heads_are_chosen_by_quantization_error_and_recorded(tiny, tmp_pat
     top = sorted(errors, key=errors.get, reverse=True)[:2]
     assert sorted(pairs) == sorted([int(x) for x in key.split(".")] for key in top) == conversion["exact_heads_chosen"]
     assert conversion["exact_heads"] == 2 and load(out).config.vq_exact_heads == pairs
+    card = (out / "README.md").read_text()
+    assert "| head_errors | in `effattn.json` |" in card and f"| exact_heads_chosen | `{pairs}` |" in card
     # the same codebooks as a conversion without exact heads: only the config differs
     plain = vq_init(src, tmp_path / "plain", calib_file)
     assert "vq_exact_heads" in json.loads((plain / "config.json").read_text())

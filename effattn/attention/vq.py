@@ -170,8 +170,8 @@ class VQAttention(nn.Module):
         if vq_far is None:
             raise ValueError("VQAttention needs vq_far (the RoPE table at the far relative position); "
                              "run it inside EffattnVQForCausalLM")
-        cfg = self.config
         B, T, _ = hidden_states.shape
+        self.effattn_aux_loss = None  # set again below where this layer has quantized heads and trains
         q, k, v = self.project(hidden_states)
         cos, sin = (x[0].to(q.dtype) for x in position_embeddings)  # (T, D): one sequence layout per batch
         rope = (cos, sin, *(x.to(q.dtype) for x in vq_far))

@@ -191,8 +191,9 @@ class VQConversion(_ReRoPEBase):
             raise EffattnError(f"calibration sequences ({calib.seq_len} tokens) must be longer than the window "
                                f"({window}) for keys to be quantized", f"use --window below {calib.seq_len}")
         # the cache after T tokens: the window's K/V and the sinks (exact), plus per code a count and a value sum
-        state_bytes = shape.layers * shape.kv_heads * (
-            (window - 1 + sinks) * 2 * shape.head_dim * 4 + size * (shape.head_dim + 1) * 4)
+        # (exact heads keep no per-code statistics: their older keys are in exact_bytes below)
+        state_bytes = (shape.layers * shape.kv_heads * (window - 1 + sinks) * 2 * shape.head_dim * 4
+                       + (shape.layers * shape.kv_heads - exact_heads) * size * (shape.head_dim + 1) * 4)
         exact_bytes = exact_heads * 2 * shape.head_dim * (c.target or ckpt.dtype).itemsize  # per token, growing
         est = ckpt.nbytes / 200e6 + calib.tokens * 2 * ckpt.num_params / 20e9 * (1.5 if exact_heads else 1)
         activations = calib.tokens * shape.hidden * 4 * 3 + calib.tokens * shape.kv_heads * shape.head_dim * 4 * 2

@@ -1,7 +1,7 @@
 """Training text as token blocks in a seeded order that any process can resume at any position.
 
 Sources (recipe `data.sources`):
-  * a built-in training corpus (`mix`, `plays`, `poems`, `docs`);
+  * a built-in training corpus (`mix`, `plays`, `poems`, `docs`, `code`, `wiki`);
   * a UTF-8 text file, or a folder of `.txt` files;
   * a `.jsonl` file, one JSON object per line, the text under `data.text_key`;
   * `hf:ORG/NAME[/CONFIG][:SPLIT]`, a Hugging Face Hub dataset (needs the optional `datasets` library),

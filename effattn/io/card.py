@@ -27,7 +27,8 @@ def measurement_rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
 def model_card(name: str, record: dict[str, Any], plan) -> str:
     src = record["source"]
     conv = record["conversion"]
-    settings = "\n".join(f"| {k} | `{v}` |" for k, v in conv.items())
+    settings = "\n".join(f"| {k} | " + ("in `effattn.json`" if isinstance(v, dict) else f"`{v}`") + " |"
+                         for k, v in conv.items())  # tables (e.g. per-head errors) stay in the record
     lines = [
         "---",
         f"base_model: {src['model']}",
