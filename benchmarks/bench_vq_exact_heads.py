@@ -4,10 +4,11 @@
 
 Converts the built-in SmolLM2-135M once with `effattn vq-init llama --codebook-size 512 --window W
 --exact-heads max(K)` (kept in OUT and reused), which ranks the 90 (layer, KV head) pairs by the
-relative error quantization causes in their attention output on the calibration text. A conversion
+relative error ReRoPE + VQ causes in their attention output (against the original attention) on the
+calibration text; the top K keep their original attention. A conversion
 with `--exact-heads K` writes the same codebooks and keeps the top K of that ranking, so each K is
 evaluated on the one folder by setting `vq_exact_heads` to the top K (K = 0 is the plain VQ model);
-ReRoPE alone (every head exact, `vq_quantize: false`) and the original close the table.
+ReRoPE alone (`vq_quantize: false`, no codebook) closes the table.
 
 Perplexity and top-1 agreement with the original on 8,192 tokens per held-out corpus in blocks of
 2048 (`effattn eval`'s blocks), and the KV cache measured after one 2048-token block (the bytes the
@@ -70,7 +71,7 @@ def main() -> None:
     rows, original = [], None
     variants = [(f"{k} exact" if k else "0 exact (plain VQ)", {"vq_quantize": True, "vq_exact_heads": top_heads(record, k)})
                 for k in ks]
-    variants.append(("ReRoPE alone (all 90 exact)", {"vq_quantize": False, "vq_exact_heads": []}))
+    variants.append(("ReRoPE alone (no codebook)", {"vq_quantize": False, "vq_exact_heads": []}))
     for label, overrides in variants:
         for key, value in overrides.items():
             setattr(model.config, key, value)
@@ -106,8 +107,8 @@ on {machine()}.
 
 SmolLM2-135M-Instruct, `effattn vq-init llama --codebook-size 512 --window {args.window} --exact-heads {max(ks)}`
 ({seconds:.0f} s to convert, ranking included): C=512 per layer and KV head, far keys at 4W. The K
-KV heads whose quantization most changes their attention output on the calibration text keep exact far
-keys (ReRoPE alone on them); the rest are quantized. One folder serves every K: `vq_exact_heads` set
+KV heads whose attention output ReRoPE + VQ changes most on the calibration text keep their original
+attention (full RoPE over every key); the rest are ReRoPE + VQ. One folder serves every K: `vq_exact_heads` set
 to the top K of the conversion's ranking (what `--exact-heads K` writes; the codebooks do not depend on
 K). Perplexity on {args.tokens:,} tokens per corpus in blocks of {args.context} (in brackets the ratio to the
 original); gap closed = the share of the plain VQ model's log-perplexity gap that the exact heads

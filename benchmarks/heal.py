@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--to", choices=["mqa", "vq"], default="mqa")
     parser.add_argument("--method", default=None, help="GQA method for the conversion (default: the conversion's default)")
     parser.add_argument("--window", type=int, default=64, help="vq: the ReRoPE window")
-    parser.add_argument("--exact-heads", type=int, default=0, help="vq: KV heads that keep exact far keys (vq-init --exact-heads)")
+    parser.add_argument("--exact-heads", type=int, default=0, help="vq: KV heads that keep their original attention (vq-init --exact-heads)")
     parser.add_argument("--baseline-vq", type=Path, default=None,
                         help="vq: also report the gap recovered against this plain VQ folder's perplexities (e.g. the "
                              "--exact-heads 0 conversion), so a heal from an exact-heads start compares with the plain one")

@@ -398,7 +398,7 @@ def test_codes_are_assigned_under_the_stored_metric(tiny, tmp_path, calib_file):
     assert (logits(model) - before).abs().max() > 1e-6  # and the model uses them
 
 
-# -- exact heads (`--exact-heads K`): ReRoPE alone on K KV heads, VQ on the others ---------------------------
+# -- exact heads (`--exact-heads K`): the original attention on K KV heads, ReRoPE + VQ on the others --------
 
 def _attention_inputs(model, layer: int, ids=IDS):
     """What layer `layer`'s o_proj receives (B, T, H * D): the per-head attention outputs."""
@@ -430,13 +430,13 @@ def test_exact_heads_are_chosen_by_quantization_error_and_recorded(tiny, tmp_pat
 
 
 @pytest.mark.parametrize("kernel", ["chunk", "naive"])
-def test_an_exact_head_reads_exact_far_keys_and_the_others_their_codes(tiny, tmp_path, calib_file, kernel):
-    src = tiny("qwen2", heads=6, kv_heads=3, head_dim=8)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_an_exact_head_keeps_its_original_attention_and_the_others_read_codes(tiny, tmp_path, calib_file, kernel, family):
+    src = tiny(family, heads=6, kv_heads=3, head_dim=8)
     model = load(vq_init(src, tmp_path / "vq", calib_file, sinks=2), vq_kernel=kernel)
-    rerope = load(convert(src, tmp_path / "rerope", to="rerope", options={"window": 16}, measure=False).out)
     every = [[layer, g] for layer in range(2) for g in range(3)]
-    model.config.vq_exact_heads = every  # every head exact: the ReRoPE model
-    torch.testing.assert_close(logits(model), logits(rerope), rtol=1e-9, atol=1e-9)
+    model.config.vq_exact_heads = every  # every head exact: the original model
+    torch.testing.assert_close(logits(model), logits_of(src, IDS, torch.float64), rtol=1e-9, atol=1e-9)
     model.config.vq_exact_heads = []
     quantized = _attention_inputs(model, 0).view(2, -1, 6, 8)
     model.config.vq_exact_heads = every

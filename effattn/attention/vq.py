@@ -10,9 +10,9 @@ attention modules are replaced by `VQAttention`:
   positions excepted), which lets the blockwise kernel summarise them per code (count, value sum):
   linear time, and a cache whose size stops growing after the window (`VQCache`);
 * `vq_quantize: false` gives the ReRoPE model alone (no codebook; its cache holds every key);
-* `vq_exact_heads` ([layer, KV head] pairs) keeps the far keys of a few KV heads exact (ReRoPE alone
-  on those heads, the rest quantized), as DuoAttention and RazorAttention keep full caches for the few
-  retrieval heads that need them: those heads' cache grows with the sequence, the others' does not.
+* `vq_exact_heads` ([layer, KV head] pairs) gives a few KV heads back their original attention (full
+  RoPE over every key, no window, no codebook), as DuoAttention and RazorAttention keep full caches for
+  the few retrieval heads that need them: those heads' cache grows with the sequence, the others' does not.
 
 Codebooks are buffers. In training mode every VQ attention exposes `effattn_aux_loss` (the
 commitment loss ‖k − sg(c)‖², Transformer-VQ's) and updates its codebook by exponential moving
@@ -31,6 +31,7 @@ from transformers import AutoConfig, GenerationMixin, PretrainedConfig, PreTrain
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from effattn.kernels.vq.chunk import VQState, vq_attention_chunk
+from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.codes import nearest_codes
 from effattn.kernels.vq.naive import vq_attention_naive
 
@@ -78,11 +79,43 @@ class EffattnVQConfig(PretrainedConfig):
         return AutoConfig.for_model(self.base_model_type, **values)
 
 
+class FullState:
+    """The cache of the exact heads' full attention: every rotated key and value so far, (B, G, seen, D)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+
+    @property
+    def seen(self) -> int:
+        return self.k.shape[2]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+def full_attention(q, k, v, cos, sin, scale: float, state: FullState | None = None):
+    """The original attention of a RoPE model: q (B, T, H, D), pre-RoPE k, v (B, T, G, D) at absolute
+    positions state.seen .. (cos, sin (T, D)), causal over the cached keys and these. Returns the
+    output (B, T, H, D) and the state holding every key and value (detached, like `VQState`)."""
+    B, T, H, D = q.shape
+    G = k.shape[2]
+    qr = apply_rope(q, cos[:, None], sin[:, None]).transpose(1, 2)  # (B, H, T, D)
+    kr = apply_rope(k, cos[:, None], sin[:, None]).transpose(1, 2)  # (B, G, T, D)
+    vt = v.transpose(1, 2)
+    past = 0 if state is None else state.seen
+    if state is not None:
+        kr, vt = torch.cat((state.k, kr), 2), torch.cat((state.v, vt), 2)
+    mask = torch.arange(past + T, device=q.device)[None, :] <= torch.arange(past, past + T, device=q.device)[:, None]
+    out = F.scaled_dot_product_attention(qr, kr.repeat_interleave(H // G, 1), vt.repeat_interleave(H // G, 1),
+                                         attn_mask=mask, scale=scale)
+    return out.transpose(1, 2), FullState(kr.detach(), vt.detach())
+
+
 class SplitState:
     """A layer's state when some of its KV heads are exact: the quantized heads' `VQState` (constant
-    size) and the exact heads' (every key kept)."""
+    size) and the exact heads' `FullState` (every key kept)."""
 
-    def __init__(self, quantized: VQState, exact: VQState):
+    def __init__(self, quantized: VQState, exact: FullState):
         self.quantized, self.exact = quantized, exact
 
     @property
@@ -140,10 +173,8 @@ class VQAttention(nn.Module):
 
     @property
     def exact_heads(self) -> list[int]:
-        """This layer's KV heads whose far keys stay exact (all of them without quantization)."""
+        """This layer's KV heads that keep their original attention (`vq_exact_heads`)."""
         kv_heads = self.codebook.shape[0]
-        if not self.config.vq_quantize:
-            return list(range(kv_heads))
         pairs = getattr(self.config, "vq_exact_heads", None) or []
         exact = sorted({int(g) for layer, g in pairs if int(layer) == self.layer_idx})
         if any(not 0 <= g < kv_heads for g in exact):
@@ -170,6 +201,7 @@ class VQAttention(nn.Module):
         if vq_far is None:
             raise ValueError("VQAttention needs vq_far (the RoPE table at the far relative position); "
                              "run it inside EffattnVQForCausalLM")
+        cfg = self.config
         B, T, _ = hidden_states.shape
         self.effattn_aux_loss = None  # set again below where this layer has quantized heads and trains
         q, k, v = self.project(hidden_states)
@@ -178,18 +210,19 @@ class VQAttention(nn.Module):
         state = cache.states.get(self.layer_idx) if cache is not None else None
         G = k.shape[2]
         quant, exact = self.quantized_heads, self.exact_heads
-        if not exact:
+        if not cfg.vq_quantize:  # ReRoPE alone: every key exact, far ones at the far position
+            out, new_state = self._attend_rerope(q, k, v, rope, state, cache is not None)
+        elif not exact:
             out, new_state = self._attend_quantized(q, k, v, rope, state, cache is not None)
         elif not quant:
-            out, new_state = self._attend_exact(q, k, v, rope, state, cache is not None)
+            out, new_state = full_attention(q, k, v, cos, sin, self.scaling, state)
         else:  # some heads of each kind: each group runs its own kernel, the outputs go back in head order
             rep = q.shape[2] // G
             rows = lambda heads: torch.tensor([g * rep + r for g in heads for r in range(rep)], device=q.device)
             sq, se = (state.quantized, state.exact) if state is not None else (None, None)
             out_q, sq = self._attend_quantized(q[:, :, rows(quant)], k[:, :, quant], v[:, :, quant], rope, sq,
                                                cache is not None, heads=quant)
-            out_e, se = self._attend_exact(q[:, :, rows(exact)], k[:, :, exact], v[:, :, exact], rope, se,
-                                           cache is not None)
+            out_e, se = full_attention(q[:, :, rows(exact)], k[:, :, exact], v[:, :, exact], cos, sin, self.scaling, se)
             out = torch.cat((out_q, out_e), 2)[:, :, torch.argsort(torch.cat((rows(quant), rows(exact))))]
             new_state = SplitState(sq, se) if cache is not None else None
         if cache is not None:
@@ -205,7 +238,7 @@ class VQAttention(nn.Module):
             return vq_attention_chunk(*args, **settings, state=state, return_state=True)
         return vq_attention_chunk(*args, **settings), None
 
-    def _attend_exact(self, q, k, v, rope, state, stateful):
+    def _attend_rerope(self, q, k, v, rope, state, stateful):
         """ReRoPE alone: every key is kept exact (a cache that grows with the sequence)."""
         codebook = k.new_zeros(k.shape[2], 1, k.shape[3])
         codes = torch.zeros(k.shape[:3], dtype=torch.long, device=k.device)

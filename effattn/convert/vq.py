@@ -16,9 +16,9 @@ pair really has under the ReRoPE model, Σ p_ts (q_tᵀ(k_s − c))², fitted as
 `query`: the unweighted logit error E[(qᵀ(k − c))²] under the queries that read the keys; `key`: plain
 distance), sink positions never quantized (`--sinks`), the k-means implementation
 (`--kmeans torch|sklearn`), and exact heads (`--exact-heads K`): the K (layer, KV head) pairs whose
-quantization costs most, ranked by the relative error it causes in their attention output on the
-calibration text, keep their far keys exact (a cache that grows on those heads only; DuoAttention's and
-RazorAttention's retrieval heads).
+ReRoPE + VQ costs most, ranked by the relative error it causes in their attention output on the
+calibration text, keep their original attention (full RoPE over every key: a cache that grows on those
+heads only; DuoAttention's and RazorAttention's retrieval heads).
 
 The output loads with `AutoModelForCausalLM.from_pretrained(OUT)` after `import effattn`, and with
 `trust_remote_code=True` without effattn: the modeling code is bundled into the folder.
@@ -214,8 +214,8 @@ class VQConversion(_ReRoPEBase):
                                   f"(= {kv:,.0f} bytes/token x {state_bytes / kv:,.0f} tokens)"
                                   + (f", plus {exact_bytes:,.0f} bytes/token for the {exact_heads} exact heads' keys and values"
                                      if exact_heads else "")),
-                     *([("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose quantization "
-                                        "most changes their attention output on the calibration text keep exact far keys")]
+                     *([("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose attention output "
+                                        "ReRoPE + VQ most changes on the calibration text keep their original attention")]
                        if exact_heads else [])],
             kv_bytes_per_token=(kv, state_bytes / (4 * window) + exact_bytes),
             est_seconds=est, est_peak_bytes=layer_bytes(ckpt, family) * 3 + activations + 400 * 2**20,
@@ -313,13 +313,16 @@ class VQConversion(_ReRoPEBase):
 
 
 def quantization_error(attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, far) -> torch.Tensor:
-    """What quantizing each KV head's far keys does to its attention output on hidden states h (B, T, hidden):
-    [2, G] float64, Σ‖out_VQ − out_exact‖² and Σ‖out_exact‖² over the positions and the head's query heads
-    (out_exact: ReRoPE alone). Their ratio ranks the heads for `--exact-heads`."""
+    """What ReRoPE + VQ does to each KV head's attention output on hidden states h (B, T, hidden):
+    [2, G] float64, Σ‖out_VQ − out_original‖² and Σ‖out_original‖² over the positions and the head's
+    query heads (out_original: the model's own attention, full RoPE). Their ratio ranks the heads for
+    `--exact-heads`."""
+    from ..attention.vq import full_attention
+
     q, k, v = attn.project(h)
     rope = (cos[0].to(q.dtype), sin[0].to(q.dtype), far[0].to(q.dtype), far[1].to(q.dtype))
     quantized, _ = attn._attend_quantized(q, k, v, rope, None, False)
-    exact, _ = attn._attend_exact(q, k, v, rope, None, False)
+    exact, _ = full_attention(q, k, v, rope[0], rope[1], attn.scaling)
     G = k.shape[2]
     per_query_head = lambda t: t.double().pow(2).sum((0, 1, 3))  # (H,)
     err = per_query_head(quantized - exact).view(G, -1).sum(1)
