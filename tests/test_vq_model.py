@@ -51,6 +51,24 @@ def logits(model, ids=IDS):
         return model(input_ids=ids, use_cache=False).logits
 
 
+def decode_matches_full_forward(model, ids, prefix: int = 40):
+    """Prefill `prefix` tokens, then decode the rest one by one through the VQCache: the logits must be the
+    full forward pass's. Returns the cache and its size after each decoded token."""
+    full = logits(model, ids)
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :prefix], use_cache=True)
+        cache, steps, sizes = out.cache, [out.logits], []
+        assert isinstance(cache, VQCache)
+        for t in range(prefix, ids.shape[1]):
+            out = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
+            cache = out.cache
+            steps.append(out.logits)
+            sizes.append(cache.nbytes())
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
+    assert cache.get_seq_length() == ids.shape[1]
+    return cache, sizes
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rerope_with_a_window_covering_the_sequence_is_the_original(tiny, tmp_path, family):
     src = tiny(family, heads=6, kv_heads=3, head_dim=8)
@@ -107,18 +125,7 @@ def test_cached_decoding_matches_the_full_forward_and_the_cache_stops_growing(ti
     src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
     model = load(vq_init(src, tmp_path / "vq", calib_file, sinks=2))
     ids = IDS[:1]
-    full = logits(model, ids)
-    with torch.no_grad():
-        out = model(input_ids=ids[:, :40], use_cache=True)
-        cache, steps, sizes = out.cache, [out.logits], []
-        assert isinstance(cache, VQCache)
-        for t in range(40, ids.shape[1]):
-            out = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
-            cache = out.cache
-            steps.append(out.logits)
-            sizes.append(cache.nbytes())
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
-    assert cache.get_seq_length() == ids.shape[1]
+    cache, sizes = decode_matches_full_forward(model, ids)
     assert len(set(sizes)) == 1  # window + sinks + per-code statistics: constant past the window
     generated = model.generate(ids[:, :8], max_new_tokens=24, min_new_tokens=24, do_sample=False)
     assert generated.shape == (1, 32)
@@ -455,17 +462,7 @@ def test_exact_heads_decode_through_the_cache_which_grows_on_those_heads_only(ti
     src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
     model = load(vq_init(src, tmp_path / "vq", calib_file, sinks=1), vq_exact_heads=[[0, 2], [1, 0], [1, 1]])
     ids = IDS[:1]
-    full = logits(model, ids)
-    with torch.no_grad():
-        out = model(input_ids=ids[:, :40], use_cache=True)
-        cache, steps, sizes = out.cache, [out.logits], []
-        for t in range(40, ids.shape[1]):
-            out = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
-            cache = out.cache
-            steps.append(out.logits)
-            sizes.append(cache.nbytes())
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-9, atol=1e-9)
-    assert cache.get_seq_length() == ids.shape[1]
+    _, sizes = decode_matches_full_forward(model, ids)
     # each new token adds a key and a value (head_dim 8, float64) on each of the 3 exact heads, nothing else
     assert {b - a for a, b in zip(sizes, sizes[1:])} == {3 * 2 * 8 * 8}
 
