@@ -351,15 +351,12 @@ def test_vq_dry_run_writes_nothing(tiny, tmp_path, calib_file):
     assert {"gqa", "rerope", "vq"} <= set(inspect_model(str(src))["conversions"])
 
 
-def test_heal_vq_trains_codebooks_and_writes_a_loadable_vq_model(tiny, tmp_path, calib_file, capsys):
-    import yaml
-    from safetensors.torch import load_file
-
-    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+def _tiny_heal_recipe(tmp_path: Path, src: Path, calib_file: Path) -> dict:
+    """A heal-vq-shaped recipe for a tiny model: vq-init first, then 10 steps on half the calibration text."""
     text = calib_file.read_text()
     (tmp_path / "train.txt").write_text(text[: len(text) // 2])
     (tmp_path / "held.txt").write_text(text[len(text) // 2:])
-    recipe = {
+    return {
         "student": {"model": str(src), "convert": {"to": "vq", "codebook_size": 16, "window": 8, "calib": str(calib_file),
                                                    "calib_tokens": 1024, "calib_seq_len": 128}},
         "data": {"sources": [str(tmp_path / "train.txt")], "seq_len": 64},
@@ -369,7 +366,30 @@ def test_heal_vq_trains_codebooks_and_writes_a_loadable_vq_model(tiny, tmp_path,
         "eval": {"every": 5, "corpora": [str(tmp_path / "held.txt")], "seq_len": 64, "tokens": 256},
         "checkpoint": {"every": 5},
     }
-    (tmp_path / "heal.yaml").write_text(yaml.safe_dump(recipe))
+
+
+def test_heal_vq_with_exact_heads_from_a_command_line_override(tiny, tmp_path, calib_file, capsys):
+    import yaml
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    (tmp_path / "heal.yaml").write_text(yaml.safe_dump(_tiny_heal_recipe(tmp_path, src, calib_file)))
+    out = tmp_path / "healed"
+    code, stdout, err = run_cli(capsys, "finetune", tmp_path / "heal.yaml", "-o", out, "--json",
+                                "student.convert.exact_heads=2", "train.max_steps=4")
+    assert code == 0, err
+    held = str(tmp_path / "held.txt")
+    report = json.loads(stdout)
+    assert report["final_eval"][held]["perplexity"] < report["start_eval"][held]["perplexity"]
+    pairs = json.loads((out / "config.json").read_text())["vq_exact_heads"]
+    assert len(pairs) == 2 and load(out).config.vq_exact_heads == pairs
+
+
+def test_heal_vq_trains_codebooks_and_writes_a_loadable_vq_model(tiny, tmp_path, calib_file, capsys):
+    import yaml
+    from safetensors.torch import load_file
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    (tmp_path / "heal.yaml").write_text(yaml.safe_dump(_tiny_heal_recipe(tmp_path, src, calib_file)))
     out = tmp_path / "healed"
     code, stdout, err = run_cli(capsys, "finetune", tmp_path / "heal.yaml", "-o", out, "--json")
     assert code == 0, err
