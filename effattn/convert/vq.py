@@ -165,7 +165,7 @@ class VQConversion(_ReRoPEBase):
                "kmeans", "code_bias", "exact_heads")
 
     def targets(self, config: dict[str, Any]) -> str:
-        return ("effattn vq-init MODEL --codebook-size C --window W [--sinks S] [--calib ...]: ReRoPE window + "
+        return ("effattn vq-init MODEL --codebook-size C --window W [--sinks S] [--exact-heads K] [--calib ...]: ReRoPE window + "
                 "k-means codebooks, linear-time attention, constant-size cache")
 
     def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
@@ -186,7 +186,7 @@ class VQConversion(_ReRoPEBase):
         if exact_heads > shape.layers * shape.kv_heads:
             raise EffattnError(f"--exact-heads {exact_heads} is more than the model's {shape.layers * shape.kv_heads} "
                                f"KV heads ({shape.layers} layers x {shape.kv_heads})",
-                               f"use at most {shape.layers * shape.kv_heads} (or --to rerope to keep every key exact)")
+                               f"use at most {shape.layers * shape.kv_heads} (all of them is the original model)")
         if calib.seq_len <= window:
             raise EffattnError(f"calibration sequences ({calib.seq_len} tokens) must be longer than the window "
                                f"({window}) for keys to be quantized", f"use --window below {calib.seq_len}")
