@@ -95,3 +95,20 @@ def test_the_cached_wiki_text_is_named_after_the_code_parser_and_held_out_texts(
     edited.write_bytes(open(wiki.__file__, "rb").read() + b"\n# an edit\n")
     monkeypatch.setattr(wiki, "__file__", str(edited))
     assert wiki.cache_key(["held-out text"]) != key
+
+
+def test_the_wiki_cache_is_read_under_its_fingerprint_and_rebuilt_when_it_changes(tmp_path, monkeypatch):
+    from effattn.data import corpora
+
+    monkeypatch.setenv("EFFATTN_CACHE", str(tmp_path))
+    monkeypatch.setattr(corpora, "corpus_names", lambda role=None: [])  # no held-out texts to fetch
+    monkeypatch.setattr(corpora, "fetch_pinned", lambda *args: tmp_path / "gensim.tar.gz")
+    monkeypatch.setattr(wiki, "dump_xml", lambda archive: b"")
+    builds = []
+    monkeypatch.setattr(wiki, "wiki_text", lambda xml, held_out: builds.append(xml) or f"build {len(builds)}")
+    first = wiki.cache_key([])
+    assert corpora._wiki() == "build 1" and corpora._wiki() == "build 1"  # the second call reads the cache
+    monkeypatch.setattr(wiki, "cache_key", lambda held_out: "changed")  # e.g. the extraction code changed
+    assert corpora._wiki() == "build 2"
+    assert sorted(p.name for p in (tmp_path / "corpora").iterdir()) == sorted(
+        [f"enwiki-gensim-4.4.0-{first}.txt", "enwiki-gensim-4.4.0-changed.txt"])

@@ -448,6 +448,16 @@ def test_exact_heads_are_chosen_by_quantization_error_and_recorded(tiny, tmp_pat
     assert conversion["exact_heads"] == 2 and load(out).config.vq_exact_heads == pairs
     card = (out / "README.md").read_text()
     assert "| head_errors | in `effattn.json` |" in card and f"| exact_heads_chosen | `{pairs}` |" in card
+    # layer 0 sees the embeddings whatever the other layers do, so its recorded errors can be recomputed:
+    # the VQ model's per-head attention outputs against the source model's own (transformers' attention)
+    from effattn.convert.calibrate import CalibSettings, calibration_tokens
+
+    ids = calibration_tokens(out, CalibSettings(corpus=str(calib_file), tokens=1024, seq_len=128))
+    vq_heads = _attention_inputs(load(out, vq_exact_heads=[]), 0, ids).view(*ids.shape, 3, 2, 8)  # (N, T, KV head, query, d)
+    original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64).eval()
+    orig_heads = _attention_inputs(original, 0, ids).view_as(vq_heads)
+    relative = ((vq_heads - orig_heads).pow(2).sum((0, 1, 3, 4)) / orig_heads.pow(2).sum((0, 1, 3, 4))).tolist()
+    assert relative == pytest.approx([errors[f"0.{g}"] for g in range(3)], rel=1e-2)
     # the same codebooks as a conversion without exact heads: only the config differs
     plain = vq_init(src, tmp_path / "plain", calib_file)
     assert "vq_exact_heads" in json.loads((plain / "config.json").read_text())

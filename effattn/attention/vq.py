@@ -49,7 +49,7 @@ VQ_DEFAULTS = {
     "vq_commit_weight": 1e-4,
     "vq_kernel": "chunk",
     "vq_code_bias": False,
-    "vq_exact_heads": [],  # [layer, KV head] pairs whose far keys stay exact (a growing cache on those heads)
+    "vq_exact_heads": [],  # [layer, KV head] pairs that keep their original attention (a growing cache on those heads)
 }
 
 
@@ -96,7 +96,9 @@ class FullState:
 def full_attention(q, k, v, cos, sin, scale: float, state: FullState | None = None):
     """The original attention of a RoPE model: q (B, T, H, D), pre-RoPE k, v (B, T, G, D) at absolute
     positions state.seen .. (cos, sin (T, D)), causal over the cached keys and these. Returns the
-    output (B, T, H, D) and the state holding every key and value (detached, like `VQState`)."""
+    output (B, T, H, D) and the state holding every key and value (detached, like `VQState`).
+    `effattn.attention.functional.causal_attention` with a cache; written here because this module
+    is bundled as remote code with the kernels only."""
     B, T, H, D = q.shape
     G = k.shape[2]
     qr = apply_rope(q, cos[:, None], sin[:, None]).transpose(1, 2)  # (B, H, T, D)
@@ -105,9 +107,9 @@ def full_attention(q, k, v, cos, sin, scale: float, state: FullState | None = No
     past = 0 if state is None else state.seen
     if state is not None:
         kr, vt = torch.cat((state.k, kr), 2), torch.cat((state.v, vt), 2)
+    # query t (absolute past + t) reads keys 0 .. past + t
     mask = torch.arange(past + T, device=q.device)[None, :] <= torch.arange(past, past + T, device=q.device)[:, None]
-    out = F.scaled_dot_product_attention(qr, kr.repeat_interleave(H // G, 1), vt.repeat_interleave(H // G, 1),
-                                         attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(qr, kr, vt, attn_mask=mask, scale=scale, enable_gqa=H != G)
     return out.transpose(1, 2), FullState(kr.detach(), vt.detach())
 
 
@@ -181,11 +183,6 @@ class VQAttention(nn.Module):
             raise ValueError(f"vq_exact_heads names KV head {exact[-1]} of layer {self.layer_idx}, which has {kv_heads}")
         return exact
 
-    @property
-    def quantized_heads(self) -> list[int]:
-        exact = self.exact_heads
-        return [g for g in range(self.codebook.shape[0]) if g not in exact]
-
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pre-RoPE q (B, T, H, D), k and v (B, T, G, D), after the q/k norms where the family has them."""
         B, T, _ = hidden_states.shape
@@ -209,7 +206,8 @@ class VQAttention(nn.Module):
         rope = (cos, sin, *(x.to(q.dtype) for x in vq_far))
         state = cache.states.get(self.layer_idx) if cache is not None else None
         G = k.shape[2]
-        quant, exact = self.quantized_heads, self.exact_heads
+        exact = self.exact_heads
+        quant = [g for g in range(G) if g not in exact]
         if not cfg.vq_quantize:  # ReRoPE alone: every key exact, far ones at the far position
             out, new_state = self._attend_rerope(q, k, v, rope, state, cache is not None)
         elif not exact:

@@ -293,11 +293,18 @@ class VQConversion(_ReRoPEBase):
             _write_buffers(writer, family, layer, dict(attn.named_buffers()))
             ckpt.release()
             module.self_attn = attn
-            if st["exact_heads"]:
-                for sl in _batches(x, calib.batch_size):
-                    errors[layer] += quantization_error(attn, module.input_layernorm(x[sl]), cos, sin, far)
-            x = torch.cat([module(x[sl], position_embeddings=(cos, sin), vq_far=far)
-                           for sl in _batches(x, calib.batch_size)])
+            # propagate; for --exact-heads, also score each head's VQ output (what o_proj receives) on the way
+            quantized = []
+            hook = attn.o_proj.register_forward_pre_hook(lambda _, args: quantized.append(args[0])) \
+                if st["exact_heads"] else None
+            outputs = []
+            for sl in _batches(x, calib.batch_size):
+                outputs.append(module(x[sl], position_embeddings=(cos, sin), vq_far=far))
+                if hook is not None:
+                    errors[layer] += quantization_error(attn, module.input_layernorm(x[sl]), quantized.pop(), cos, sin)
+            if hook is not None:
+                hook.remove()
+            x = torch.cat(outputs)
             if progress:
                 progress.update(task, advance=1, description=f"fitting codebooks: layer {layer}, "
                                                               f"error {result.error:.3g}")
@@ -312,20 +319,18 @@ class VQConversion(_ReRoPEBase):
                                             for l in range(shape.layers) for g in range(shape.kv_heads)}
 
 
-def quantization_error(attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, far) -> torch.Tensor:
-    """What ReRoPE + VQ does to each KV head's attention output on hidden states h (B, T, hidden):
-    [2, G] float64, Σ‖out_VQ − out_original‖² and Σ‖out_original‖² over the positions and the head's
-    query heads (out_original: the model's own attention, full RoPE). Their ratio ranks the heads for
-    `--exact-heads`."""
+def quantization_error(attn, h: torch.Tensor, quantized: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """What ReRoPE + VQ does to each KV head's attention output on hidden states h (B, T, hidden), given
+    that output (`quantized`, (B, T, H * D), what o_proj receives): [2, G] float64, Σ‖out_VQ − out_original‖²
+    and Σ‖out_original‖² over the positions and the head's query heads (out_original: the model's own
+    attention, full RoPE). Their ratio ranks the heads for `--exact-heads`."""
     from ..attention.vq import full_attention
 
     q, k, v = attn.project(h)
-    rope = (cos[0].to(q.dtype), sin[0].to(q.dtype), far[0].to(q.dtype), far[1].to(q.dtype))
-    quantized, _ = attn._attend_quantized(q, k, v, rope, None, False)
-    exact, _ = full_attention(q, k, v, rope[0], rope[1], attn.scaling)
+    exact, _ = full_attention(q, k, v, cos[0].to(q.dtype), sin[0].to(q.dtype), attn.scaling)
     G = k.shape[2]
     per_query_head = lambda t: t.double().pow(2).sum((0, 1, 3))  # (H,)
-    err = per_query_head(quantized - exact).view(G, -1).sum(1)
+    err = per_query_head(quantized.view_as(exact) - exact).view(G, -1).sum(1)
     norm = per_query_head(exact).view(G, -1).sum(1)
     return torch.stack((err, norm))
 
