@@ -16,6 +16,8 @@ Kinds, all taking pre-RoPE q/k and the RoPE tables as inputs, so that every kind
 
 * ``sdpa``: RoPE on q and k, then ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``;
 * ``vq``: nearest-codeword codes for the keys (1024 positions at a time) then ``vq_attention_chunk``;
+* ``vq_means``: the same with ``key_means=True`` (codes scored at the mean of their keys, a key sum
+  per code in the state);
 * ``vq_naive``: the same codes then the quadratic reference ``vq_attention_naive`` (short lengths only).
 """
 
@@ -33,7 +35,7 @@ import torch
 
 from effattn.errors import EffattnError, one_of
 
-KINDS = ("sdpa", "vq", "vq_naive")
+KINDS = ("sdpa", "vq", "vq_means", "vq_naive")
 NAIVE_MAX_LENGTH = 8192  # vq_naive materialises several (heads, T, T) tensors
 MEASURED = ("time_s", "time_min_s", "cpu_time_s", "peak_mem_bytes", "output_bytes", "threads")
 
@@ -294,13 +296,13 @@ def _layer(kind: str, spec: dict, T: int, device: str):
             return out.transpose(1, 2)
 
     else:
-        kernel = vq_attention_chunk if kind == "vq" else vq_attention_naive
+        kernel = vq_attention_naive if kind == "vq_naive" else vq_attention_chunk
 
         def run():
             codes = nearest_codes(k, codebook)
             return kernel(
                 q, k, v, codebook, codes, cos, sin, far_cos, far_sin,
-                window=W, block_size=spec["block_size"], sinks=spec["sinks"],
+                window=W, block_size=spec["block_size"], sinks=spec["sinks"], key_means=kind == "vq_means",
             )  # fmt: skip
 
     return run

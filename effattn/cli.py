@@ -101,6 +101,7 @@ def convert(
     metric: Optional[str] = typer.Option(None, "--metric", help="vq: k-means fit, attention (attention-weighted logit error, default), query (logit error) or key"),
     kmeans: Optional[str] = typer.Option(None, "--kmeans", help="vq: k-means implementation, torch or sklearn"),
     exact_heads: Optional[int] = typer.Option(None, "--exact-heads", help="vq: KV heads (the K that ReRoPE + VQ changes most on the calibration text) that keep their original attention (default 0)"),
+    key_means: Optional[bool] = typer.Option(None, "--key-means/--no-key-means", help="vq: score each code at the mean of the sequence's far keys it holds (default) or at its codeword"),
     force: bool = ForceOpt,
     dry_run: bool = DryRunOpt,
     measure: Optional[bool] = MeasureOpt,
@@ -112,7 +113,8 @@ def convert(
 ):
     """Convert MODEL's attention and write a native transformers checkpoint to -o OUT."""
     options = {"kv_heads": kv_heads, "method": method, "calib": calib, "calib_tokens": calib_tokens,
-               "window": window, "far_position": far_position, "codebook_size": codebook_size, "sinks": sinks, "metric": metric, "kmeans": kmeans, "exact_heads": exact_heads}
+               "window": window, "far_position": far_position, "codebook_size": codebook_size, "sinks": sinks, "metric": metric, "kmeans": kmeans, "exact_heads": exact_heads,
+               "key_means": key_means}
     _run_conversion(model, output, to, options, dtype=dtype, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
                     measure=measure, eval_tokens=eval_tokens, as_json=as_json, trust_remote_code=trust_remote_code,
                     allow_pickle=allow_pickle)
@@ -132,6 +134,7 @@ def vq_init(
     kmeans: Optional[str] = typer.Option(None, "--kmeans", help="k-means implementation: torch (default) or sklearn (MiniBatchKMeans)"),
     code_bias: bool = typer.Option(False, "--code-bias/--no-code-bias", help="per-code logit correction for the keys each code stands for (measured: worse, off by default)"),
     exact_heads: Optional[int] = typer.Option(None, "--exact-heads", help="K: the K KV heads whose attention output ReRoPE + VQ changes most on the calibration text keep their original attention (a cache growing on those heads only; default 0)"),
+    key_means: Optional[bool] = typer.Option(None, "--key-means/--no-key-means", help="score each code at the mean of the sequence's far keys it holds (default; a key sum per code in the cache) or at its fixed codeword (Transformer-VQ's)"),
     dtype: str = DtypeOpt,
     force: bool = ForceOpt,
     dry_run: bool = DryRunOpt,
@@ -145,7 +148,7 @@ def vq_init(
     """Transformer-VQ from a pretrained model: ReRoPE window + k-means codebooks (= convert --to vq)."""
     options = {"codebook_size": codebook_size, "window": window, "far_position": far_position, "sinks": sinks, "calib": calib,
                "calib_tokens": calib_tokens, "metric": metric, "kmeans": kmeans, "code_bias": code_bias,
-               "exact_heads": exact_heads}
+               "exact_heads": exact_heads, "key_means": key_means}
     _run_conversion(model, output, "vq", options, dtype=dtype, force=force, dry_run=dry_run,
                     max_shard_size=max_shard_size, measure=measure, eval_tokens=eval_tokens, as_json=as_json,
                     trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
@@ -220,7 +223,7 @@ def eval_(
 
 @app.command()
 def bench(
-    attention: str = typer.Option("sdpa,vq", "--attention", help="comma list of sdpa, vq, vq_naive"),
+    attention: str = typer.Option("sdpa,vq", "--attention", help="comma list of sdpa, vq, vq_means (key means), vq_naive"),
     lengths: str = typer.Option("1024,4096,16384,32768", "--lengths", help="comma list of sequence lengths"),
     heads: int = typer.Option(9, "--heads", help="query heads (SmolLM2's by default)"),
     kv_heads: int = typer.Option(3, "--kv-heads", help="key/value heads, dividing --heads"),

@@ -20,7 +20,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @pytest.mark.slow
 def test_bench_json_and_plot(capsys, tmp_path):
     plot = tmp_path / "bench.png"
-    code, stdout, _ = run_cli(capsys, "bench", "--attention", "sdpa,vq,vq_naive", "--lengths", "256,512", *TINY,
+    code, stdout, _ = run_cli(capsys, "bench", "--attention", ",".join(KINDS), "--lengths", "256,512", *TINY,
                               "--json", "--plot", plot)
     assert code in (0, None)
     report = json.loads(stdout)  # stdout holds the JSON and nothing else
@@ -51,7 +51,7 @@ def test_bench_prints_a_table(capsys):
 
 
 @pytest.mark.parametrize("args, needles", [
-    (["--attention", "sdpa,flash"], ["Unknown attention kind(s) ['flash']", "valid: sdpa, vq, vq_naive"]),
+    (["--attention", "sdpa,flash"], ["Unknown attention kind(s) ['flash']", "valid: sdpa, vq, vq_means, vq_naive"]),
     (["--attention", "vqq"], ["did you mean 'vq'?"]),
     (["--lengths", "1k,abc"], ["'1k'", "pass e.g. 1024,4096"]),
     (["--lengths", ","], ["not a comma-separated list", "pass e.g."]),

@@ -101,10 +101,13 @@ def test_vq_init_keeps_smollm2_close_to_rerope_and_its_cache_small(tmp_path, smo
                       measure=False).out  # fmt: skip
     vq = convert("llama", root / "vq", to="vq", measure=False,
                  options={"window": 64, "codebook_size": 256, "calib_tokens": 4096}).out
+    codewords = convert("llama", root / "codewords", to="vq", measure=False,
+                        options={"window": 64, "codebook_size": 256, "calib_tokens": 4096, "key_means": False}).out
     settings = EvalSettings(corpora=("britannica",), context=1024, max_tokens=2048, speed=False)
     r_rerope = evaluate(str(rerope), "llama", settings)
     r_vq = evaluate(str(vq), "llama", settings)
     r_classic = evaluate(str(classic), "llama", settings)
+    r_codewords = evaluate(str(codewords), "llama", settings)
     original = r_rerope.baseline.perplexity["britannica"]
     # far keys at 4W (the default) cost less than classic ReRoPE's W (BENCHMARKS.md, vq-quality)
     assert r_rerope.model.perplexity["britannica"] < r_classic.model.perplexity["britannica"]
@@ -112,5 +115,8 @@ def test_vq_init_keeps_smollm2_close_to_rerope_and_its_cache_small(tmp_path, smo
     assert ppl_rerope < 1.10 * original  # ReRoPE alone costs little
     assert ppl_rerope <= ppl_vq < 1.5 * original  # quantizing the far keys costs more, not much more
     assert r_vq.agreement["britannica"] > 0.75
+    # codes scored at their keys' mean (the default) beat fixed codewords (BENCHMARKS.md, vq-key-means)
+    assert ppl_vq < r_codewords.model.perplexity["britannica"]
+    assert r_vq.agreement["britannica"] > r_codewords.agreement["britannica"]
     # measured from the real caches after 1024 tokens: the VQ state is a fraction of the full cache
     assert r_vq.model.kv_bytes_per_token < 0.5 * r_vq.baseline.kv_bytes_per_token

@@ -68,16 +68,17 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("key_means", [False, True], ids=["codewords", "key-means"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "B{}-T{}-H{}-G{}-D{}-Dv{}-C{}-W{}-L{}-sinks{}".format(*c))
 @pytest.mark.parametrize("tile, segment", [(4, 16), (64, 1024)], ids=["small-steps", "default-steps"])
-def test_chunk_matches_naive(monkeypatch, config, dtype, tile, segment):
+def test_chunk_matches_naive(monkeypatch, config, dtype, tile, segment, key_means):
     monkeypatch.setattr(vq_chunk, "TILE", tile)  # steps of one block and of many blocks
     monkeypatch.setattr(vq_chunk, "SEGMENT", segment)  # several segments and one
     B, T, H, G, D, Dv, C, W, L, sinks = config
     inputs = make_inputs(B, T, H, G, D, Dv, C, W, dtype)
     grad_out = torch.randn(B, T, H, Dv, dtype=dtype, generator=torch.Generator().manual_seed(1))
-    kwargs = dict(window=W, block_size=L, sinks=sinks)
+    kwargs = dict(window=W, block_size=L, sinks=sinks, key_means=key_means)
     ref, ref_grads = run_with_grads(vq_attention_naive, inputs, grad_out, **kwargs)
     out, grads = run_with_grads(vq_attention_chunk, inputs, grad_out, **kwargs)
     assert out.dtype == dtype
@@ -148,6 +149,62 @@ def test_lossless_codebook_is_rerope(kernel):
     assert (ref_far - ref).abs().max() > 1e-3  # the far position matters
 
 
+def key_means_reference(q, k, v, codes, cos, sin, far_cos, far_sin, window, sinks=0):
+    """Key means written out query by query: near keys exact, far sinks exact, and per code of the
+    query's far keys one term ``count * exp(<rope(q, F), mean key>)`` carrying the mean value."""
+    B, T, H, D = q.shape
+    G = k.shape[2]
+    out = torch.zeros(B, T, H, v.shape[3], dtype=q.dtype)
+    q_near = apply_rope(q, cos[:, None], sin[:, None]) * D**-0.5
+    k_near = apply_rope(k, cos[:, None], sin[:, None])
+    q_far = apply_rope(q, far_cos, far_sin) * D**-0.5
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // G)
+            for t in range(T):
+                logits, values = [], []
+                for s in range(max(0, t - window + 1), t + 1):
+                    logits.append(q_near[b, t, h] @ k_near[b, s, g])
+                    values.append(v[b, s, g])
+                far = [s for s in range(0, t - window + 1)]
+                for s in (s for s in far if s < sinks):
+                    logits.append(q_far[b, t, h] @ k[b, s, g])
+                    values.append(v[b, s, g])
+                for c in sorted({int(codes[b, s, g]) for s in far if s >= sinks}):
+                    members = [s for s in far if s >= sinks and int(codes[b, s, g]) == c]
+                    logits.append(q_far[b, t, h] @ k[b, members, g].mean(0) + torch.log(torch.tensor(len(members), dtype=q.dtype)))
+                    values.append(v[b, members, g].mean(0))
+                p = torch.softmax(torch.stack(logits), 0)
+                out[b, t, h] = (p[:, None] * torch.stack(values)).sum(0)
+    return out
+
+
+@pytest.mark.parametrize("kernel", [vq_attention_naive, vq_attention_chunk])
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_key_means_score_each_code_at_the_mean_of_its_far_keys(kernel, sinks):
+    B, T, H, G, D, Dv, C, W = 2, 30, 4, 2, 8, 6, 4, 5
+    inputs = make_inputs(B, T, H, G, D, Dv, C, W)
+    ref = key_means_reference(inputs["q"], inputs["k"], inputs["v"], inputs["codes"], inputs["cos"], inputs["sin"],
+                              inputs["far_cos"], inputs["far_sin"], W, sinks)  # fmt: skip
+    out = kernel(**inputs, window=W, block_size=4, sinks=sinks, key_means=True)
+    assert_close("output", ref, out, 1e-12)
+    codewords = kernel(**inputs, window=W, block_size=4, sinks=sinks)
+    assert (codewords - out).abs().max() > 1e-2  # the codewords themselves no longer matter
+    moved = kernel(**{**inputs, "codebook": inputs["codebook"] + 1.0}, window=W, block_size=4, sinks=sinks, key_means=True)
+    assert_close("output with moved codewords", out, moved, 1e-12)
+
+
+@pytest.mark.parametrize("kernel", [vq_attention_naive, vq_attention_chunk])
+def test_key_means_with_one_key_per_code_is_rerope(kernel):
+    """Each code holding one key of the sequence: its mean is that key, and plain ReRoPE remains."""
+    B, T, H, G, D, Dv, W = 2, 41, 4, 2, 12, 6, 6
+    inputs = make_inputs(B, T, H, G, D, Dv, C=T, W=W)
+    inputs["codes"] = torch.arange(T)[None, :, None].expand(B, T, G)
+    out = kernel(**inputs, window=W, block_size=5, key_means=True)
+    ref = rerope_reference(inputs["q"], inputs["k"], inputs["v"], inputs["cos"], inputs["sin"], W)
+    assert_close("output", ref, out, 1e-12)
+
+
 def test_rope_rotations_compose():
     q, k = torch.randn(2, 10, dtype=torch.float64), torch.randn(2, 10, dtype=torch.float64)
     cos, sin = rope_tables(torch.tensor([3, 11, 8]), 10, dtype=torch.float64)
@@ -156,27 +213,39 @@ def test_rope_rotations_compose():
     torch.testing.assert_close(lhs, rhs, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("key_means", [False, True], ids=["codewords", "key-means"])
 @pytest.mark.parametrize("sinks", [0, 4])
 @pytest.mark.parametrize(
     "sizes", [[1] * 45, [3, 1, 10, 2, 20, 9], [45], [7, 38]], ids=["tokens", "ragged", "whole", "two"]
 )
-def test_state_continues_the_sequence(sizes, sinks):
+def test_state_continues_the_sequence(sizes, sinks, key_means):
     W, L = 6, 4
     inputs = make_inputs(2, 45, 6, 3, 10, 8, 7, W)
-    kwargs = dict(window=W, block_size=L, sinks=sinks)
+    kwargs = dict(window=W, block_size=L, sinks=sinks, key_means=key_means)
     whole = vq_attention_naive(**inputs, **kwargs)
     pieces, state = run_in_pieces(inputs, sizes, **kwargs)
     assert_close("chunked output", whole, pieces, 1e-12)
     assert state.seen == 45 and state.recent_k.shape[2] == W - 1 and state.sink_k.shape[2] == sinks
     assert state.counts.sum().item() == 2 * 3 * (45 - (W - 1) - sinks)  # every older non-sink key, once
+    if key_means:  # and its key, in its code's sum
+        older = slice(sinks, 45 - (W - 1))
+        onehot = F.one_hot(inputs["codes"][:, older], 7).double()  # (B, n, G, C)
+        expected = torch.einsum("bngc,bngd->bgcd", onehot, inputs["k"][:, older])
+        torch.testing.assert_close(state.key_sums, expected, rtol=0, atol=1e-12)
+    else:
+        assert state.key_sums is None
 
 
-def test_state_size_does_not_grow():
+@pytest.mark.parametrize("key_means", [False, True], ids=["codewords", "key-means"])
+def test_state_size_does_not_grow(key_means):
     W, sinks = 5, 2
     inputs = make_inputs(1, 90, 4, 2, 8, 8, 6, W)
-    kwargs = dict(window=W, block_size=3, sinks=sinks)
+    kwargs = dict(window=W, block_size=3, sinks=sinks, key_means=key_means)
     sizes = [run_in_pieces(inputs, [n], **kwargs)[1].nbytes() for n in (W + sinks, 30, 90)]
     assert sizes[0] == sizes[1] == sizes[2] > 0
+    # the key sums: one key per code and head (G=2, C=6, D=8, float64) on top of the codeword state
+    without = run_in_pieces(inputs, [90], window=W, block_size=3, sinks=sinks)[1].nbytes()
+    assert sizes[2] - without == (2 * 6 * 8 * 8 if key_means else 0)
     _, state = run_in_pieces(inputs, [2], **kwargs)  # before the window fills, the state is smaller
     assert isinstance(state, VQState) and state.nbytes() < sizes[0]
 
@@ -198,15 +267,16 @@ def test_sinks_keep_exact_keys(kernel):
     assert (quantized - out).abs().max() > 1e-3  # the sink keys' own codewords would change the output
 
 
+@pytest.mark.parametrize("key_means", [False, True], ids=["codewords", "key-means"])
 @pytest.mark.parametrize("tile", [4, 64])
 @pytest.mark.parametrize("kernel", ["naive", "chunk"])
-def test_stop_gradient_follows_the_block_rule(monkeypatch, kernel, tile):
+def test_stop_gradient_follows_the_block_rule(monkeypatch, kernel, tile, key_means):
     """Query t=15 with L=4, W=3: keys s <= floor(15/4)*4 - 3 = 9 are aggregated and get no gradient."""
     monkeypatch.setattr(vq_chunk, "TILE", tile)
     fn = vq_attention_naive if kernel == "naive" else vq_attention_chunk
     inputs = make_inputs(1, 20, 1, 1, 8, 4, 3, 3)
     leaves = {name: inputs[name].clone().requires_grad_(True) for name in ("q", "k", "v")}
-    out = fn(**{**inputs, **leaves}, window=3, block_size=4)
+    out = fn(**{**inputs, **leaves}, window=3, block_size=4, key_means=key_means)
     out[0, 15].sum().backward()
     for name in ("k", "v"):
         norms = leaves[name].grad[0, :, 0].norm(dim=-1)  # (T,)
@@ -274,8 +344,10 @@ def test_odd_head_dim_is_rejected():
 def test_state_from_other_settings_is_rejected():
     inputs = make_inputs(1, 8, 2, 1, 8, 4, 5, 3)
     _, state = vq_attention_chunk(**inputs, window=3, block_size=2, return_state=True)
-    with pytest.raises(ValueError, match="built with window=3, sinks=0 but this call uses window=4"):
+    with pytest.raises(ValueError, match="built with window=3, sinks=0, key_means=False but this call uses window=4"):
         vq_attention_chunk(**inputs, window=4, block_size=2, state=state)
+    with pytest.raises(ValueError, match="key_means=False but this call uses window=3, sinks=0, key_means=True"):
+        vq_attention_chunk(**inputs, window=3, block_size=2, state=state, key_means=True)
     other_batch = make_inputs(2, 8, 2, 1, 8, 4, 5, 3)
     with pytest.raises(ValueError, match=r"state.counts has shape \(1, 1, 5\) but these inputs need \(2, 1, 5\)"):
         vq_attention_chunk(**other_batch, window=3, block_size=2, state=state)

@@ -135,6 +135,36 @@ def test_cached_decoding_matches_the_full_forward_and_the_cache_stops_growing(ti
     assert torch.equal(predicted.argmax(-1), generated[0, 8:])
 
 
+def test_key_means_are_the_default_and_decode_through_a_cache_of_key_sums(tiny, tmp_path, calib_file):
+    from effattn.evaluate import kv_cache_bytes
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8, layers=2)
+    means = load(vq_init(src, tmp_path / "means", calib_file, sinks=2))
+    codewords = load(vq_init(src, tmp_path / "codewords", calib_file, sinks=2, key_means=False))
+    assert means.config.vq_key_means and not codewords.config.vq_key_means
+    # the same codebooks (key means change what a code is scored at, not the partition of the
+    # first layer, whose inputs do not depend on attention), different outputs
+    a, b = means.model.layers[0].self_attn, codewords.model.layers[0].self_attn
+    torch.testing.assert_close(a.codebook, b.codebook, rtol=0, atol=0)
+    assert (logits(means) - logits(codewords)).abs().max() > 1e-3
+    cache, sizes = decode_matches_full_forward(means, IDS[:1])
+    assert len(set(sizes)) == 1  # constant past the window
+    long = torch.randint(0, 256, (1, 400))
+    # one pre-RoPE key sum per code, KV head and layer (C=16, head_dim 8, float64) on top of the codeword cache
+    assert kv_cache_bytes(means, long) - kv_cache_bytes(codewords, long) == 2 * 3 * 16 * 8 * 8
+    chunk = logits(means)
+    means.config.vq_kernel = "naive"
+    torch.testing.assert_close(chunk, logits(means), rtol=1e-9, atol=1e-9)
+
+
+def test_key_means_refuse_the_code_bias_at_load(tiny, tmp_path, calib_file):
+    folder = vq_init(tiny("llama", heads=6, kv_heads=3, head_dim=8), tmp_path / "vq", calib_file)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"vq_code_bias": True}))
+    with pytest.raises(ValueError, match="vq_key_means and vq_code_bias do not combine"):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
 def test_code_bias_is_one_logit_offset_per_code(tiny, tmp_path, calib_file):
     src = tiny("qwen3", heads=6, kv_heads=3, head_dim=8)
     model = load(vq_init(src, tmp_path / "vq", calib_file, code_bias=True, sinks=2))
@@ -332,6 +362,9 @@ def test_bad_vq_options_are_one_line_errors(tiny, tmp_path, calib_file, capsys):
         (["vq-init", str(src), "--exact-heads", "7", "-o", str(tmp_path / "h")], "more than the model's 6 KV heads"),
         (["convert", str(src), "--to", "rerope", "--exact-heads", "1", "-o", str(tmp_path / "i")],
          "--exact-heads does not apply"),
+        (["vq-init", str(src), "--code-bias", "--key-means", "-o", str(tmp_path / "j")], "which --key-means replaces"),
+        (["convert", str(src), "--to", "gqa", "--kv-heads", "1", "--no-key-means", "-o", str(tmp_path / "k")],
+         "--key-means does not apply"),
     ]
     for args, message in cases:
         code, _, err = run_cli(capsys, *args)

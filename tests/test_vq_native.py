@@ -38,13 +38,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("key_means", [False, True], ids=["codewords", "key-means"])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_native_matches_torch_loop_and_naive(monkeypatch, count_native_calls, case):
+def test_native_matches_torch_loop_and_naive(monkeypatch, count_native_calls, case, key_means):
     B, T, H, G, D, Dv, C, W, L, sinks, tile, segment, threads = case
     monkeypatch.setattr(vq_chunk, "TILE", tile)
     monkeypatch.setattr(vq_chunk, "SEGMENT", segment)
     inputs = make_inputs(B, T, H, G, D, Dv, C, W, dtype=torch.float32, seed=3)
-    kwargs = dict(window=W, block_size=L, sinks=sinks)
+    kwargs = dict(window=W, block_size=L, sinks=sinks, key_means=key_means)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -67,6 +68,8 @@ def test_native_matches_torch_loop_and_naive(monkeypatch, count_native_calls, ca
         assert torch.equal(state.counts, slow_state.counts)
         torch.testing.assert_close(state.sums, slow_state.sums, rtol=0, atol=1e-5)
         assert state.seen == slow_state.seen == T
+        if key_means:
+            torch.testing.assert_close(state.key_sums, slow_state.key_sums, rtol=0, atol=1e-5)
 
 
 def test_autograd_and_other_dtypes_keep_the_torch_loop(count_native_calls):

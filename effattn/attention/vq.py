@@ -10,6 +10,8 @@ attention modules are replaced by `VQAttention`:
   positions excepted), which lets the blockwise kernel summarise them per code (count, value sum):
   linear time, and a cache whose size stops growing after the window (`VQCache`);
 * `vq_quantize: false` gives the ReRoPE model alone (no codebook; its cache holds every key);
+* `vq_key_means: true` scores each code at the mean of this sequence's far keys that share it instead
+  of at its codeword (the codebook only partitions the keys; the cache keeps a key sum per code);
 * `vq_exact_heads` ([layer, KV head] pairs) gives a few KV heads back their original attention (full
   RoPE over every key, no window, no codebook), as DuoAttention and RazorAttention keep full caches for
   the few retrieval heads that need them: those heads' cache grows with the sequence, the others' does not.
@@ -50,6 +52,7 @@ VQ_DEFAULTS = {
     "vq_kernel": "chunk",
     "vq_code_bias": False,
     "vq_exact_heads": [],  # [layer, KV head] pairs that keep their original attention (a growing cache on those heads)
+    "vq_key_means": False,  # score a far key's code at the mean of the sequence's far keys sharing it, not its codeword
 }
 
 
@@ -172,6 +175,9 @@ class VQAttention(nn.Module):
         self.register_buffer("code_bias", torch.zeros(kv_heads, size))
         self.effattn_aux_loss = None
         _ = self.exact_heads  # a bad vq_exact_heads fails at load time
+        if getattr(config, "vq_key_means", False) and config.vq_code_bias:
+            raise ValueError("vq_key_means and vq_code_bias do not combine: the code bias corrects a fixed "
+                             "codeword, key means replace it; set one of them to false in config.json")
 
     @property
     def exact_heads(self) -> list[int]:
@@ -227,9 +233,10 @@ class VQAttention(nn.Module):
             cache.states[self.layer_idx] = new_state
         return self.o_proj(out.reshape(B, T, -1)), None
 
-    def _kernel(self, args, sinks, state, stateful):
+    def _kernel(self, args, sinks, state, stateful, key_means=False):
         cfg = self.config
-        settings = dict(window=cfg.vq_window, block_size=cfg.vq_block_size, sinks=sinks, scale=self.scaling)
+        settings = dict(window=cfg.vq_window, block_size=cfg.vq_block_size, sinks=sinks, scale=self.scaling,
+                        key_means=key_means)
         if cfg.vq_kernel == "naive" and not stateful:  # the reference has no state: full sequences only
             return vq_attention_naive(*args, **settings), None
         if stateful:
@@ -254,7 +261,7 @@ class VQAttention(nn.Module):
             q, k, codebook, cos, sin, far_cos, far_sin = self._with_code_bias(
                 q, k, codebook, cos, sin, far_cos, far_sin, pick(self.code_bias))
         out, new_state = self._kernel((q, k, v, codebook.to(q.dtype), codes, cos, sin, far_cos, far_sin),
-                                      cfg.vq_sinks, state, stateful)
+                                      cfg.vq_sinks, state, stateful, key_means=bool(getattr(cfg, "vq_key_means", False)))
         if self.training:
             self._learn_codebook(k_raw, codes, state.seen if state is not None else 0, heads)
         return out, new_state

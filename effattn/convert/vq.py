@@ -112,8 +112,14 @@ class _ReRoPEBase:
         size = _positive_int(options, "codebook_size", 512) if self.quantize else 1
         target = options.get("dtype")
         use_bias = bool(options.get("code_bias")) and self.quantize  # off by default: measured to hurt
+        # on by default: measured better on every held-out corpus (BENCHMARKS.md, vq-key-means)
+        key_means = self.quantize and bool(options.get("key_means", not use_bias))
+        if key_means and use_bias:
+            raise EffattnError("--code-bias corrects a fixed codeword, which --key-means replaces",
+                               "pass --no-key-means with --code-bias, or drop --code-bias")
         config = vq_config_from(ckpt.config, vq_quantize=self.quantize, codebook_size=size if self.quantize else 0,
-                                vq_window=window, vq_far_position=far, vq_sinks=sinks, vq_block_size=block, vq_code_bias=use_bias)
+                                vq_window=window, vq_far_position=far, vq_sinks=sinks, vq_block_size=block,
+                                vq_code_bias=use_bias, vq_key_means=key_means)
         if target is not None:
             config["dtype"] = str(target).replace("torch.", "")
             config.pop("torch_dtype", None)
@@ -162,7 +168,7 @@ class VQConversion(_ReRoPEBase):
     description = "Transformer-VQ: ReRoPE window + keys beyond it quantized to k-means codebooks (linear time)"
     quantize = True
     options = ("codebook_size", "window", "far_position", "sinks", "block_size", "calib", "calib_tokens", "calib_seq_len", "metric",
-               "kmeans", "code_bias", "exact_heads")
+               "kmeans", "code_bias", "exact_heads", "key_means")
 
     def targets(self, config: dict[str, Any]) -> str:
         return ("effattn vq-init MODEL --codebook-size C --window W [--sinks S] [--exact-heads K] [--calib ...]: ReRoPE window + "
@@ -191,22 +197,27 @@ class VQConversion(_ReRoPEBase):
             raise EffattnError(f"calibration sequences ({calib.seq_len} tokens) must be longer than the window "
                                f"({window}) for keys to be quantized", f"use --window below {calib.seq_len}")
         # the cache after T tokens: the window's K/V and the sinks (exact), plus per code a count and a value sum
-        # (exact heads keep no per-code statistics: their older keys are in exact_bytes below)
+        # (and a key sum with key means; exact heads keep no per-code statistics: their older keys are in
+        # exact_bytes below)
+        key_means = c.config["vq_key_means"]
+        per_code = shape.head_dim * (2 if key_means else 1) + 1
         state_bytes = (shape.layers * shape.kv_heads * (window - 1 + sinks) * 2 * shape.head_dim * 4
-                       + (shape.layers * shape.kv_heads - exact_heads) * size * (shape.head_dim + 1) * 4)
+                       + (shape.layers * shape.kv_heads - exact_heads) * size * per_code * 4)
         exact_bytes = exact_heads * 2 * shape.head_dim * (c.target or ckpt.dtype).itemsize  # per token, growing
         est = ckpt.nbytes / 200e6 + calib.tokens * 2 * ckpt.num_params / 20e9 * (1.5 if exact_heads else 1)
         activations = calib.tokens * shape.hidden * 4 * 3 + calib.tokens * shape.kv_heads * shape.head_dim * 4 * 2
         return Plan(
             conversion=self.name,
             settings={"codebook_size": size, "window": window, "far_position": c.far, "sinks": sinks,
-                      "block_size": c.block, "metric": metric, "code_bias": c.config["vq_code_bias"],
+                      "block_size": c.block, "metric": metric, "code_bias": c.config["vq_code_bias"], "key_means": key_means,
                       "kmeans": method, "calib": calib.corpus, "calib_tokens": calib.tokens,
                       "calib_seq_len": calib.seq_len, "exact_heads": exact_heads},
             config=c.config, specs=c.specs,
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
                      ("attention", f"ReRoPE window {window} (exact; relative position {c.far} beyond) + VQ beyond it, "
                                    f"codebook {size} per KV head"
+                                   + (", each code scored at the mean of the sequence's keys it holds" if key_means
+                                      else ", each code scored at its codeword")
                                    + (f", {sinks} sink positions never quantized" if sinks else "")),
                      ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
                                    f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),

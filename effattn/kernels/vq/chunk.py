@@ -25,6 +25,11 @@ performance choice, independent of L when ``L <= TILE``.
 The recurrence state is a :class:`VQState`; passing it back in continues the sequence, so any
 chunking of a sequence (down to one token per call) reproduces the output of a single call.
 
+With ``key_means`` (see ``naive.py``) the code columns are scored at the per-code sums of the
+aggregated keys (rotated by -F), divided by their counts; the far span keys of a step are kept
+exact and, for the queries they are far for, folded into their codes' sums and counts on the fly,
+so that every query sees the mean of exactly its own far keys, whatever the step.
+
 For float32 inference on the CPU the steps of each segment run in C instead (``native.c``, see
 ``native.py``): the same columns, masks and statistics, with the per-step work fused and no Python
 between steps. The PyTorch loop below stays the one autograd, other dtypes and devices use.
@@ -72,6 +77,7 @@ class VQState:
         counts: (B, G, C) number of non-sink keys older than the recent ones, per code (float, exact
             up to 2**24 keys in float32).
         sums: (B, G, C, Dv) sum of their values, per code.
+        key_sums: (B, G, C, D) sum of their pre-RoPE keys, per code (``key_means`` only, else None).
 
     All tensors are detached: gradients never cross calls (truncated backpropagation).
     """
@@ -88,6 +94,7 @@ class VQState:
     sink_v: Tensor
     counts: Tensor
     sums: Tensor
+    key_sums: Tensor | None = None
 
     def nbytes(self) -> int:
         """Total size of the state's tensors in bytes."""
@@ -96,7 +103,8 @@ class VQState:
         )
 
 
-def _empty_state(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, cos: Tensor, window: int, sinks: int) -> VQState:
+def _empty_state(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, cos: Tensor, window: int, sinks: int,
+                 key_means: bool) -> VQState:
     B, _, G, D = k.shape
     Dv, C = v.shape[3], codebook.shape[1]
     stats_dtype = compute_dtype(q.dtype)
@@ -113,17 +121,22 @@ def _empty_state(q: Tensor, k: Tensor, v: Tensor, codebook: Tensor, cos: Tensor,
         sink_v=v.new_zeros(B, G, 0, Dv),
         counts=torch.zeros(B, G, C, dtype=stats_dtype, device=k.device),
         sums=torch.zeros(B, G, C, Dv, dtype=stats_dtype, device=k.device),
+        key_sums=torch.zeros(B, G, C, D, dtype=stats_dtype, device=k.device) if key_means else None,
     )
 
 
-def _check_state(state: VQState, k: Tensor, v: Tensor, codebook: Tensor, window: int, sinks: int) -> None:
-    if state.window != window or state.sinks != sinks:
+def _check_state(state: VQState, k: Tensor, v: Tensor, codebook: Tensor, window: int, sinks: int,
+                 key_means: bool) -> None:
+    if state.window != window or state.sinks != sinks or (state.key_sums is not None) != key_means:
         raise ValueError(
-            f"The state was built with window={state.window}, sinks={state.sinks} but this call uses "
-            f"window={window}, sinks={sinks}; continue a sequence with the settings that started it."
+            f"The state was built with window={state.window}, sinks={state.sinks}, "
+            f"key_means={state.key_sums is not None} but this call uses window={window}, sinks={sinks}, "
+            f"key_means={key_means}; continue a sequence with the settings that started it."
         )
     B, _, G, D = k.shape
     expected = {"counts": (B, G, codebook.shape[1]), "sums": (B, G, codebook.shape[1], v.shape[3])}
+    if key_means:
+        expected["key_sums"] = (B, G, codebook.shape[1], D)
     expected["recent_k"] = (B, G, min(state.seen, window - 1), D)
     for name, shape in expected.items():
         if tuple(getattr(state, name).shape) != shape:
@@ -317,6 +330,78 @@ class _StepAttention(torch.autograd.Function):
                 None, None, None, None, None, None, None)  # fmt: skip
 
 
+def _step_key_means(q_near, q_far, span_rk, far_k, code_k, sink_k, span_v, far_v, counts, log_counts, means, sink_v,
+                    far_codes, far_is_sink, near_masks, far_bias, frozen):  # fmt: skip
+    """One step's attention with key means, in differentiable PyTorch operations (with and without
+    autograd); the columns of :class:`_StepAttention` with two changes.
+
+    * Code columns are scored at the mean key of each code: ``code_k`` (BG, C, D) holds the sums of
+      the aggregated keys (rotated by -F, scaled), ``counts`` (BG, C) their numbers. The far span
+      keys ``far_k`` (BG, F, D, exact, rotated by -F and scaled) with codes ``far_codes`` (BG, F) join
+      their code for each query they are far for, in the sum of logits and in the count:
+      ``logit_c = (<q, code_k_c> + sum_j <q, far_k_j>) / (count_c + n) + log(count_c + n)``.
+    * Those far span keys have no columns of their own, except sinks (``far_is_sink`` (F,)), which
+      keep their exact per-pair logit. A code's probability p_c spreads evenly over its keys, so a
+      joined key's value gets ``p_c / (count_c + n)`` and the aggregated keys' mean value ``means_c``
+      gets ``p_c * count_c / (count_c + n)``.
+
+    The code columns are first scored from the aggregated keys alone, as in the codeword kernel
+    (``<q, code_k_c / count_c> + log_counts_c``); the at most F codes that far span keys join are then
+    rescored in (BG, M, F) space, through the first far span key of each code, and written back.
+    Pairs flagged in ``frozen`` (M, F) pass no gradient to their key and value, as in
+    :class:`_StepAttention`; statistics, codes and sinks are constants. Returns (BG, M, Dv).
+    """
+    S, C, F = span_rk.shape[1], code_k.shape[1], far_k.shape[1]
+    dtype = q_near.dtype
+    near = q_near @ span_rk.mT  # (BG, M, S)
+    for columns, bias in near_masks:
+        near[..., columns] += bias
+    far = q_far @ far_k.mT  # (BG, M, F), exact far span logits
+    if frozen.any():
+        far = torch.where(frozen, q_far @ far_k.detach().mT, far)
+    code = torch.baddbmm(log_counts[:, None, :], q_far, (code_k / counts.clamp(min=1.0)[..., None]).mT)  # (BG, M, C)
+
+    is_far = far_bias == 0  # (M, F)
+    eligible = ~far_is_sink  # (F,): span keys that can join a code (sinks never do)
+    joins = (is_far & eligible).to(dtype)  # (M, F)
+    same = (far_codes[:, :, None] == far_codes[:, None, :]) & eligible[:, None] & eligible[None, :]  # (BG, F, F)
+    first = eligible & ~same.tril(-1).any(-1)  # (BG, F): the first joining key of each code
+    to_code = far_codes[:, None, :].expand_as(far)  # (BG, M, F)
+    count = counts.gather(1, far_codes)[:, None, :]  # (BG, 1, F): the aggregated count of each key's code
+    n = count + joins @ same.to(dtype)  # (BG, M, F): with the joined keys of that code
+    code_k_far = code_k.gather(1, far_codes[..., None].expand(-1, -1, code_k.shape[2]))  # (BG, F, D)
+    total = torch.baddbmm(q_far @ code_k_far.mT, far * joins, same.to(dtype))  # (BG, M, F): the code's logit sum
+    rescored = (total / n.clamp(min=1.0) + n.clamp(min=1.0).log()).masked_fill(n == 0, float("-inf"))
+    # write through the first key of each code; the others go to a scratch column C, dropped after
+    slot = torch.where(first[:, None, :], to_code, C)
+    code = torch.cat((code, code.new_full(code.shape[:2] + (1,), float("-inf"))), dim=-1)
+    code = code.scatter(2, slot, rescored)[..., :C]
+
+    far_sinks = far + torch.zeros_like(far_bias).masked_fill_(~(is_far & far_is_sink), float("-inf"))
+    probs = torch.softmax(torch.cat((near, far_sinks, code, q_far @ sink_k.mT), dim=-1), dim=-1)
+    p_near, p_far, p_code, p_sink = probs.split((S, F, C, sink_k.shape[1]), dim=-1)
+    share = p_code.gather(2, to_code) / n.clamp(min=1.0) * joins  # (BG, M, F): each joined key's probability
+    means_far = means.gather(1, far_codes[..., None].expand(-1, -1, means.shape[2]))  # (BG, F, Dv)
+    out = p_near @ span_v + p_code @ means - share @ means_far + p_sink @ sink_v
+    w_far = p_far + share
+    if frozen.any():
+        return out + w_far.masked_fill(frozen, 0.0) @ far_v + w_far.masked_fill(~frozen, 0.0) @ far_v.detach()
+    return out + w_far @ far_v
+
+
+def _folded_keys(state: VQState, k: Tensor, codes: Tensor, T: int, P: int, sinks: int) -> tuple[Tensor, Tensor]:
+    """The pre-RoPE keys (B, G, n, D) and codes (B, G, n) that a call over T positions folds into the
+    statistics: positions ``start - P .. start + T - P - 1`` (none before 0 or among the sinks).
+    k (B, T, G, D) and codes (B, T, G) are the call's own."""
+    start, n_recent = state.seen, state.recent_k.shape[2]
+    keys = torch.cat((state.recent_k.to(k.dtype), k.detach().transpose(1, 2)), dim=2)  # from start - n_recent
+    all_codes = torch.cat((state.recent_codes, codes.long().transpose(1, 2)), dim=2)
+    lo, hi = max(start - P, sinks, 0), start + T - P
+    first = start - n_recent
+    lo, hi = max(lo - first, 0), max(hi - first, 0)
+    return keys[:, :, lo:hi], all_codes[:, :, lo:hi]
+
+
 def _step_queries(q_step: Tensor, cos: Tensor, sin: Tensor, workspace: dict) -> tuple[Tensor, Tensor]:
     """One step's queries as the step reads them, without autograd: ``(q_near, q_far)``, each (BG, M, D).
 
@@ -350,6 +435,7 @@ def vq_attention_chunk(
     scale: float | None = None,
     state: VQState | None = None,
     return_state: bool = False,
+    key_means: bool = False,
 ) -> Tensor | tuple[Tensor, VQState]:
     """Blockwise linear-time Transformer-VQ attention with ReRoPE; same maths as ``vq_attention_naive``.
 
@@ -369,15 +455,17 @@ def vq_attention_chunk(
         scale: logit scale, default ``D ** -0.5``.
         state: the state returned by the previous call of this sequence, or None to start one.
         return_state: also return the state after this chunk.
+        key_means: score each far key's code at the mean of the far keys sharing it instead of at
+            its codeword (see ``naive.py``); the state then also keeps per-code key sums.
 
     Returns:
         (B, T, H, Dv) output in the dtype of ``q``, and the new :class:`VQState` if ``return_state``.
     """
     check_vq_inputs(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, block_size, sinks)
     if state is None:
-        state = _empty_state(q, k, v, codebook, cos, window, sinks)
+        state = _empty_state(q, k, v, codebook, cos, window, sinks, key_means)
     else:
-        _check_state(state, k, v, codebook, window, sinks)
+        _check_state(state, k, v, codebook, window, sinks, key_means)
     B, T, H, D = q.shape
     G, Dv, C = k.shape[2], v.shape[3], codebook.shape[1]
     R = H // G  # query heads per key/value head
@@ -399,6 +487,8 @@ def vq_attention_chunk(
     # What the code columns read, kept up to date code by code as keys are aggregated.
     log_counts = counts.log()  # (BG, C), -inf for empty codes
     means = sums / counts.clamp(min=1.0)[..., None]  # (BG, C, Dv)
+    # key means: the code columns' keys are the per-code key sums, rotated by -F and scaled
+    code_k = apply_rope(state.key_sums.to(dt), far_cos, far_sin).reshape(B * G, C, D) if key_means else None
     sink_k, sink_v = state.sink_k.to(dt), state.sink_v.to(dt)  # (B, G, m, D), (B, G, m, Dv)
 
     # The last W - 1 keys (rotated, quantized), values and codes, zero-padded before position 0.
@@ -406,7 +496,7 @@ def vq_attention_chunk(
     recent_k = state.recent_k.to(dt)
     recent_rk = apply_rope(recent_k, state.recent_cos.to(dt) * scale, state.recent_sin.to(dt) * scale)
     recent_k_hat = _straight_through(recent_k, state.recent_codes, codebook, start - n_recent, sinks)
-    recent_kq = apply_rope(recent_k_hat, far_cos, far_sin)
+    recent_kq = apply_rope(recent_k if key_means else recent_k_hat, far_cos, far_sin)
     buf_rk, buf_kq = _pad_front(recent_rk, P, 2), _pad_front(recent_kq, P, 2)  # (B, G, P, D)
     buf_v, buf_z = _pad_front(state.recent_v.to(dt), P, 2), _pad_front(state.recent_codes, P, 2)
 
@@ -448,7 +538,7 @@ def vq_attention_chunk(
         k_g, v_g, z_g = k_g.to(dt).transpose(1, 2), v_g.to(dt).transpose(1, 2), z_g.long().transpose(1, 2)
         all_rk = torch.cat((buf_rk, apply_rope(k_g, cos_g * scale, sin_g * scale)), dim=2)  # (B, G, P + n*Q, D)
         k_hat = _straight_through(k_g, z_g, codebook, t0, sinks)
-        all_kq = torch.cat((buf_kq, apply_rope(k_hat, far_cos, far_sin)), dim=2)
+        all_kq = torch.cat((buf_kq, apply_rope(k_g if key_means else k_hat, far_cos, far_sin)), dim=2)
         all_v = torch.cat((buf_v, v_g), dim=2)  # (B, G, P + n*Q, Dv)
         all_z = torch.cat((buf_z, z_g), dim=2)  # (B, G, P + n*Q)
         n_new = min(n * Q, max(0, sinks - t0))  # sinks are read only once aggregated, so add them now
@@ -462,8 +552,8 @@ def vq_attention_chunk(
         if native:  # the same steps, compiled (native.c)
             _native.run_segment(q=q_native, cos=cos_native, sin=sin_native, rk=rk_bg, kq=kq_bg, v=v_bg, z=z_bg,
                                 codebook=codebook_bg, sink_k=sink_k_bg, sink_v=sink_v_bg,
-                                stats=(counts, sums, log_counts, means), out=out, R=R, W=W, Q=Q, n=n,
-                                seg_t0=t0, start=start, sinks=sinks)  # fmt: skip
+                                stats=(counts, sums, log_counts, means), code_k=code_k, out=out, R=R, W=W,
+                                Q=Q, n=n, seg_t0=t0, start=start, sinks=sinks)  # fmt: skip
         else:
             for j in range(n):
                 t_j, lo = t0 + j * Q, j * Q  # first position of the step, its span's start in the buffers
@@ -484,7 +574,25 @@ def vq_attention_chunk(
                     v_bg[:, lo : lo + S],  # (BG, S, Dv)
                     v_bg[:, lo : lo + F],  # (BG, F, Dv)
                 )
-                if keep_graph:  # the means are saved for backward as they are now
+                if key_means:
+                    if keep_graph:
+                        qn_j, qf_j = q_near[:, j], q_far[:, j]
+                    else:
+                        qn_j, qf_j = (x.clone() for x in _step_queries(q_steps[:, j], cos_g[lo : lo + Q],
+                                                                        sin_g[lo : lo + Q], workspace))  # fmt: skip
+                    far_is_sink = t_j - P + torch.arange(F, device=dev) < sinks
+                    stats = (code_k, counts, log_counts, means)
+                    if keep_graph:  # they are updated in place below: the graph keeps them as they are now
+                        stats = tuple(x.clone() for x in stats)
+                    o = _step_key_means(qn_j, qf_j, columns[0], columns[1], stats[0], columns[3], columns[4],
+                                        columns[5], *stats[1:], sink_v_bg[:, :n_sink], z_bg[:, lo : lo + F],
+                                        far_is_sink, near_masks, far_bias, frozen)  # fmt: skip
+                    o = o.view(B, G, R, Q, Dv).permute(0, 3, 1, 2, 4)  # (B, Q, G, R, Dv)
+                    if keep_graph:
+                        pieces.append(o.reshape(B, Q, H, Dv))
+                    else:
+                        out[:, t_j - start : t_j - start + Q].view(B, Q, G, R, Dv).copy_(o)
+                elif keep_graph:  # the means are saved for backward as they are now
                     stats = (log_counts, means.clone(), sink_v_bg[:, :n_sink])
                     o = _StepAttention.apply(q_near[:, j], q_far[:, j], *columns, *stats, near_masks, far_bias, frozen,
                                              workspace)  # fmt: skip
@@ -503,6 +611,8 @@ def vq_attention_chunk(
                 z_out_v = z_out[..., None].expand(-1, -1, Dv)
                 counts.scatter_add_(1, z_out, ones[:, : z_out.shape[1]])
                 sums.scatter_add_(1, z_out_v, v_out)
+                if key_means:
+                    code_k.scatter_add_(1, z_out[..., None].expand(-1, -1, D), kq_bg[:, first : lo + Q].detach())
                 # only the codes of those keys changed (a code listed twice gets the same value twice)
                 touched = counts.gather(1, z_out)
                 log_counts.scatter_(1, z_out, touched.log())
@@ -535,4 +645,8 @@ def vq_attention_chunk(
         counts=counts.view(B, G, C),
         sums=sums.view(B, G, C, Dv),
     )
+    if key_means:  # the pre-RoPE keys that left the span in this call join their codes' sums
+        keys, key_codes = _folded_keys(state, k, codes, T, P, sinks)
+        new_state.key_sums = state.key_sums.scatter_add(2, key_codes[..., None].expand(-1, -1, -1, D),
+                                                        keys.to(state.key_sums.dtype))  # fmt: skip
     return out, new_state

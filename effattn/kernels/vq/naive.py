@@ -20,6 +20,19 @@ and values. Aggregated pairs therefore use ``k_hat_s.detach()`` and ``v_s.detach
 still gets its gradient through the logit. Here the rule is applied by masking, so outputs and
 gradients of both implementations agree.
 
+Key means (``key_means=True``). A fixed codeword scores every key of its code alike, however far
+the keys of this sequence lie from it. With key means, the code of a far key s is scored, for
+query t, at the mean of the far keys of t (``s' <= t - W``, sinks excepted) that share its code:
+
+    logit(t, s) = scale * <rope(q_t, F), mu_t(z_s)>,   mu_t(c) = mean of k_s' over far s' with z_s' = c.
+
+The codebook then only partitions the keys; each part is represented by its own keys. A code
+that holds one key of the sequence scores it exactly (as ReRoPE alone would), and the sum of
+``exp(q . k)`` over a code is right to first order around its mean (the first-order term of
+``sum_i exp(q . k_i)`` around ``mu`` vanishes, around a fixed codeword it does not). The cache then
+keeps a key sum per code beside the count and the value sum. Inside the means, keys of pairs the
+stop-gradient rule aggregates are detached, like their values.
+
 Relation to the paper (Lingle 2023, ``VQAttention`` in the reference JAX code): there the state
 carried between blocks (the previous block's quantized keys and values, and the aggregated cache)
 is wrapped in ``stop_gradient`` unless ``grad_thru_cache`` is set, so keys and values get gradients
@@ -33,6 +46,7 @@ keys are not quantized: they keep exact RoPE, which is what a converted RoPE mod
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from effattn.kernels.rope import apply_rope
@@ -130,6 +144,7 @@ def vq_attention_naive(
     block_size: int,
     sinks: int = 0,
     scale: float | None = None,
+    key_means: bool = False,
 ) -> Tensor:
     """Quadratic reference for Transformer-VQ attention with ReRoPE (see the module docstring).
 
@@ -145,6 +160,8 @@ def vq_attention_naive(
         block_size: L >= 1, query block length of the stop-gradient rule.
         sinks: the first ``sinks`` keys are never quantized.
         scale: logit scale, default ``D ** -0.5``.
+        key_means: score each far key's code at the mean of the far keys sharing it (see above)
+            instead of at its codeword.
 
     Returns:
         (B, T, H, Dv) attention output in the dtype of ``q``.
@@ -179,6 +196,19 @@ def vq_attention_naive(
     s = torch.arange(T, device=q.device)[None, :]
     delta = t - s  # (T, T)
     aggregated = s <= (t // block_size) * block_size - window  # (T, T), implies delta >= W
+    if key_means:
+        # <q_far_t, mu_t(c)> = (sum over far s' of t with code c of <q_far_t, k_s'>) / (their number)
+        exact = torch.einsum("bthd,bshd->bhts", q_far, k)  # (B, H, T, T), unquantized
+        exact = torch.where(aggregated, torch.einsum("bthd,bshd->bhts", q_far, k.detach()), exact)
+        in_code = (delta >= window) & (s >= sinks)  # (T, T): the far pairs that go through a code
+        onehot = F.one_hot(codes.long(), codebook.shape[1]).to(dt).repeat_interleave(group, dim=2)  # (B, T, H, C)
+        onehot = onehot.transpose(1, 2)  # (B, H, T, C), indexed by key position
+        code_sum = exact.masked_fill(~in_code, 0.0) @ onehot  # (B, H, T, C)
+        code_count = in_code.to(dt) @ onehot  # (B, H, T, C)
+        code_logit = code_sum / code_count.clamp(min=1.0)
+        key_code = codes.long().repeat_interleave(group, dim=2).transpose(1, 2)[:, :, None, :].expand(-1, -1, T, -1)
+        far = torch.where(is_sink[0, :, 0, 0], exact, code_logit.gather(-1, key_code))  # (B, H, T, T)
+        far_aggregated = far  # the keys of aggregated pairs are already detached inside the means
     logits = torch.where(delta < window, near, torch.where(aggregated, far_aggregated, far))
     logits = logits.masked_fill(delta < 0, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # (B, H, T, T)

@@ -11,6 +11,11 @@
  * exponentiates and sums, and four products for the output, scaled by 1 / sum at the end. Rows are
  * ordered (head, query) as in chunk.py: row = r * Q + i is query i of the group's r-th query head.
  *
+ * With key means (chunk.py's key_means) the code columns are scored at the per-code key sums
+ * (code_k, rotated by -F and scaled, part of the statistics) divided by the counts; each query's far
+ * span keys join their codes' logit sums and counts instead of having columns of their own, and
+ * after the softmax each of them gets its code's probability divided by the code's count.
+ *
  * Build: cc -O3 -march=native -ffast-math -fPIC -shared (see native.py). With -ffast-math the
  * maths must stay finite: masked logits are MASKED, not -inf, and so is an empty code's log count.
  */
@@ -44,12 +49,13 @@ static void gemm_ab(sgemm_fn sgemm, int rows, int cols, int k, const float *a, i
 
 /* One segment's inputs for one key/value group bg = b * G + g (see vq_segment for the shapes). */
 typedef struct {
-    int b, g, T, H, R, D, Dv, C, W, Q;
+    int b, g, T, H, R, D, Dv, C, W, Q, key_means;
     long start, sinks; /* sinks may exceed any position (ReRoPE only: every key is a sink) */
     const float *q, *cos_t, *sin_t;         /* whole call */
     const float *rk, *kq, *v, *cb, *sk, *sv; /* this group's rows */
     const int64_t *z;
-    float *counts, *sums, *log_counts, *means, *out;
+    float *counts, *sums, *log_counts, *means, *code_k, *out;
+    float *d_logit; /* 2 C scratch floats at the end of the work buffer, zero between rows */
 } group_t;
 
 /* Attention of the step starting at absolute position t_j (span entries [lo, lo + P + Q)). */
@@ -64,6 +70,8 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
     float *qf = qn + (long)rows * D;     /* rows x D: queries unrotated */
     float *o = qf + (long)rows * D;      /* rows x Dv */
     float *inv_sum = o + (long)rows * Dv; /* rows */
+    float *d_logit = a->d_logit;         /* C: key means, a row's far span logits summed per code */
+    float *d_count = d_logit + C;         /* C: and their number (all zero between rows) */
 
     /* the step's queries: unrotated and rotated to their positions */
     for (int row = 0; row < rows; row++) {
@@ -80,7 +88,7 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
     /* logits: span (near), far span, codes, sinks */
     gemm_abt(sgemm, rows, S, D, qn, D, a->rk + lo * D, D, logits, N);
     gemm_abt(sgemm, rows, F, D, qf, D, a->kq + lo * D, D, logits + S, N);
-    gemm_abt(sgemm, rows, C, D, qf, D, a->cb, D, logits + S + F, N);
+    gemm_abt(sgemm, rows, C, D, qf, D, a->key_means ? a->code_k : a->cb, D, logits + S + F, N);
     gemm_abt(sgemm, rows, m, D, qf, D, a->sk, D, logits + S + F + C, N);
 
     /* masks and code biases, then exp(logit - row max) and the row sums */
@@ -97,7 +105,23 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
             if (delta < W || t_j - P + c < 0) x[S + c] = MASKED;
         }
         float *xc = x + S + F;
-        for (int c = 0; c < C; c++) xc[c] += a->log_counts[c];
+        if (a->key_means) {
+            /* far span keys that are no sinks join their code: logit (sum + far) / (count + n) + log(count + n) */
+            for (int c = 0; c < F; c++) {
+                if (x[S + c] <= 0.5f * MASKED || t_j - P + c < a->sinks) continue;
+                const long z = a->z[lo + c];
+                d_logit[z] += x[S + c];
+                d_count[z] += 1.0f;
+                x[S + c] = MASKED;
+            }
+            for (int c = 0; c < C; c++) {
+                const float n = a->counts[c] + d_count[c];
+                if (n == 0.0f) xc[c] = MASKED;
+                else xc[c] = (xc[c] + d_logit[c]) / n + (d_count[c] > 0.0f ? logf(n) : a->log_counts[c]);
+            }
+        } else {
+            for (int c = 0; c < C; c++) xc[c] += a->log_counts[c];
+        }
         float mx = MASKED;
         for (int c = 0; c < N; c++) mx = x[c] > mx ? x[c] : mx;
         /* exp's argument is kept >= -87 (no underflow: out-of-range inputs send the vector expf to
@@ -110,6 +134,25 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
             sum += x[c];
         }
         inv_sum[row] = 1.0f / sum;
+        if (a->key_means) {
+            /* each joined key reads its code's probability over the code's count; the code column keeps
+               the aggregated keys' share, count / (count + n), for the means of their values */
+            for (int c = 0; c < F; c++) {
+                const long delta = P + i - c;
+                if (delta < W || t_j - P + c < 0 || t_j - P + c < a->sinks) continue;
+                const long z = a->z[lo + c];
+                x[S + c] = xc[z] / (a->counts[z] + d_count[z]);
+            }
+            for (int c = 0; c < F; c++) {
+                const long delta = P + i - c;
+                if (delta < W || t_j - P + c < 0 || t_j - P + c < a->sinks) continue;
+                const long z = a->z[lo + c];
+                if (d_count[z] > 0.0f) {
+                    xc[z] *= a->counts[z] / (a->counts[z] + d_count[z]);
+                    d_logit[z] = d_count[z] = 0.0f;
+                }
+            }
+        }
     }
 
     /* output: probabilities times span values, far values, code means, sink values */
@@ -137,6 +180,8 @@ static void fold(const group_t *a, long t_j, long lo) {
         const long c = a->z[s];
         a->counts[c] += 1.0f;
         for (int d = 0; d < Dv; d++) a->sums[c * Dv + d] += a->v[s * Dv + d];
+        if (a->key_means)
+            for (int d = 0; d < a->D; d++) a->code_k[c * a->D + d] += a->kq[s * a->D + d];
     }
     for (long s = lo + skip; s < lo + a->Q; s++) { /* a code seen twice is refreshed twice, same values */
         const long c = a->z[s];
@@ -149,7 +194,7 @@ static void fold(const group_t *a, long t_j, long lo) {
 /* Scratch floats one call needs (attend's layout). */
 long vq_segment_work_floats(int R, int Q, int P, int C, int m_max, int D, int Dv) {
     const long rows = (long)R * Q, S = (long)P + Q, F = Q - 1;
-    return rows * (S + F + C + m_max) + 2 * rows * D + rows * Dv + rows;
+    return rows * (S + F + C + m_max) + 2 * rows * D + rows * Dv + rows + 2L * C;
 }
 
 /*
@@ -164,6 +209,8 @@ long vq_segment_work_floats(int R, int Q, int P, int C, int m_max, int D, int Dv
  *   sink_k   (BG, m_max, D), sink_v (BG, m_max, Dv): the sinks, sink_k rotated by -F and scaled
  *   counts (BG, C), sums (BG, C, Dv), log_counts (BG, C), means (BG, C, Dv): statistics of the
  *            aggregated keys, updated in place (log_counts is MASKED for an empty code)
+ *   code_k   (BG, C, D) with key_means: their key sums per code, rotated by -F and scaled (kq then
+ *            holds the exact keys); updated in place. Unused (may be NULL) otherwise
  *   out      (B, T, H, Dv) written for the positions of the steps run
  *   work     vq_segment_work_floats(...) floats
  * Scalars: seg_t0 the absolute position of the segment's first query, start that of q's first row,
@@ -171,10 +218,11 @@ long vq_segment_work_floats(int R, int Q, int P, int C, int m_max, int D, int Dv
  * [j_lo, j_hi) the steps to run.
  */
 void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C, int W, int Q, int n,
-                long seg_t0, long start, long sinks, int m_max, int j_lo, int j_hi,
+                long seg_t0, long start, long sinks, int m_max, int j_lo, int j_hi, int key_means,
                 const float *q, const float *cos_t, const float *sin_t, const float *rk, const float *kq,
                 const float *v, const int64_t *z, const float *codebook, const float *sink_k, const float *sink_v,
-                float *counts, float *sums, float *log_counts, float *means, float *out, float *work) {
+                float *counts, float *sums, float *log_counts, float *means, float *code_k, float *out,
+                float *work) {
     const long span_len = (long)(W - 1) + (long)n * Q;
     for (int bg = 0; bg < B * G; bg++) {
         const group_t a = {
@@ -185,7 +233,10 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
             .sv = sink_v + (long)bg * m_max * Dv, .z = z + bg * span_len,
             .counts = counts + (long)bg * C, .sums = sums + (long)bg * C * Dv,
             .log_counts = log_counts + (long)bg * C, .means = means + (long)bg * C * Dv, .out = out,
+            .key_means = key_means, .code_k = key_means ? code_k + (long)bg * C * D : 0,
+            .d_logit = work + vq_segment_work_floats(R, Q, W - 1, C, m_max, D, Dv) - 2L * C,
         };
+        memset(a.d_logit, 0, sizeof(float) * 2 * C);
         for (int j = 0; j < j_hi; j++) {
             const long t_j = seg_t0 + (long)j * Q, lo = (long)j * Q;
             if (j >= j_lo) attend(sgemm, &a, t_j, lo, work);

@@ -120,16 +120,19 @@ def _ptr(x: Tensor) -> ctypes.c_void_p:
 def run_segment(
     *, q: Tensor, cos: Tensor, sin: Tensor, rk: Tensor, kq: Tensor, v: Tensor, z: Tensor, codebook: Tensor,
     sink_k: Tensor, sink_v: Tensor, stats: tuple[Tensor, Tensor, Tensor, Tensor], out: Tensor,
-    R: int, W: int, Q: int, n: int, seg_t0: int, start: int, sinks: int,
+    R: int, W: int, Q: int, n: int, seg_t0: int, start: int, sinks: int, code_k: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Run the ``n`` steps of ``Q`` queries of one segment; arguments as in ``native.c``'s ``vq_segment``.
 
     ``stats`` = (counts, sums, log_counts, means) are updated in place and ``out`` receives the rows:
-    these must be contiguous. Every tensor is float32 (``z`` int64) on the CPU. ``-inf`` log counts
+    these must be contiguous, and so must ``code_k`` (key means: the per-code key sums rotated by -F
+    and scaled, updated in place like the statistics; ``kq`` then holds exact keys). Every tensor is float32 (``z`` int64) on the CPU. ``-inf`` log counts
     (empty codes) become ``MASKED``, which the C code treats alike.
     """
     B, T, H, D = q.shape
     G, Dv, C, m_max = H // R, v.shape[-1], codebook.shape[1], sink_k.shape[1]
+    key_means = code_k is not None
+    stats = (*stats, code_k) if key_means else tuple(stats)
     if not all(x.is_contiguous() for x in (*stats, out)):
         raise ValueError("run_segment updates stats and out in place: they must be contiguous")
     inputs = [x.contiguous() for x in (q, cos, sin, rk, kq, v, z, codebook, sink_k, sink_v)]
@@ -143,8 +146,9 @@ def run_segment(
         _lib.vq_segment(
             ctypes.cast(_blas.sgemm_, ctypes.c_void_p), *(ctypes.c_int(x) for x in (B, T, G, R, D, Dv, C, W, Q, n)),
             ctypes.c_long(seg_t0), ctypes.c_long(start), ctypes.c_long(sinks), ctypes.c_int(m_max),
-            ctypes.c_int(lo), ctypes.c_int(hi), *(_ptr(x) for x in inputs),
-            *(_ptr(x) for x in own_stats), _ptr(out), _ptr(work),
+            ctypes.c_int(lo), ctypes.c_int(hi), ctypes.c_int(key_means), *(_ptr(x) for x in inputs),
+            *(_ptr(x) for x in own_stats[:4]), _ptr(own_stats[4]) if key_means else ctypes.c_void_p(0),
+            _ptr(out), _ptr(work),
         )  # fmt: skip
 
     if threads == 1:
