@@ -66,3 +66,12 @@ def write_section(name: str, body: str) -> None:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:,.0f}"
+
+
+def add_zero_shot_args(parser) -> None:
+    """The evaluation, output and writing options the zero-shot VQ benchmarks share."""
+    parser.add_argument("--tokens", type=int, default=8192, help="evaluation tokens per corpus")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("-o", "--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")

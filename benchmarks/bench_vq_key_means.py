@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._util import machine, write_section  # noqa: E402
+from benchmarks._util import add_zero_shot_args, machine, write_section  # noqa: E402
 
 CORPORA = ("shakespeare", "britannica")
 
@@ -33,11 +33,7 @@ CORPORA = ("shakespeare", "britannica")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=8192, help="evaluation tokens per corpus")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("-o", "--out", type=Path, default=Path("bench-out"))
-    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    ap.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    add_zero_shot_args(ap)
     args = ap.parse_args()
 
     import torch
