@@ -126,8 +126,9 @@ def run_segment(
 
     ``stats`` = (counts, sums, log_counts, means) are updated in place and ``out`` receives the rows:
     these must be contiguous, and so must ``code_k`` (key means: the per-code key sums rotated by -F
-    and scaled, updated in place like the statistics; ``kq`` then holds exact keys). Every tensor is float32 (``z`` int64) on the CPU. ``-inf`` log counts
-    (empty codes) become ``MASKED``, which the C code treats alike.
+    and scaled, updated in place like the statistics; ``kq`` then holds exact keys). Every tensor is
+    float32 (``z`` int64) on the CPU. ``-inf`` log counts (empty codes) become ``MASKED``, which the C
+    code treats alike.
     """
     B, T, H, D = q.shape
     G, Dv, C, m_max = H // R, v.shape[-1], codebook.shape[1], sink_k.shape[1]
