@@ -495,8 +495,10 @@ def vq_attention_chunk(
     n_recent = state.recent_k.shape[2]
     recent_k = state.recent_k.to(dt)
     recent_rk = apply_rope(recent_k, state.recent_cos.to(dt) * scale, state.recent_sin.to(dt) * scale)
-    recent_k_hat = _straight_through(recent_k, state.recent_codes, codebook, start - n_recent, sinks)
-    recent_kq = apply_rope(recent_k if key_means else recent_k_hat, far_cos, far_sin)
+    # far span keys: quantized (straight-through) for codewords, exact for key means
+    recent_kq = apply_rope(recent_k if key_means else
+                           _straight_through(recent_k, state.recent_codes, codebook, start - n_recent, sinks),
+                           far_cos, far_sin)  # fmt: skip
     buf_rk, buf_kq = _pad_front(recent_rk, P, 2), _pad_front(recent_kq, P, 2)  # (B, G, P, D)
     buf_v, buf_z = _pad_front(state.recent_v.to(dt), P, 2), _pad_front(state.recent_codes, P, 2)
 
@@ -537,8 +539,8 @@ def vq_attention_chunk(
         # The W-1 recent keys then the segment's own; step j's span is entries [j*Q, j*Q + S).
         k_g, v_g, z_g = k_g.to(dt).transpose(1, 2), v_g.to(dt).transpose(1, 2), z_g.long().transpose(1, 2)
         all_rk = torch.cat((buf_rk, apply_rope(k_g, cos_g * scale, sin_g * scale)), dim=2)  # (B, G, P + n*Q, D)
-        k_hat = _straight_through(k_g, z_g, codebook, t0, sinks)
-        all_kq = torch.cat((buf_kq, apply_rope(k_g if key_means else k_hat, far_cos, far_sin)), dim=2)
+        k_far = k_g if key_means else _straight_through(k_g, z_g, codebook, t0, sinks)
+        all_kq = torch.cat((buf_kq, apply_rope(k_far, far_cos, far_sin)), dim=2)
         all_v = torch.cat((buf_v, v_g), dim=2)  # (B, G, P + n*Q, Dv)
         all_z = torch.cat((buf_z, z_g), dim=2)  # (B, G, P + n*Q)
         n_new = min(n * Q, max(0, sinks - t0))  # sinks are read only once aggregated, so add them now
