@@ -295,6 +295,8 @@ def test_a_changed_recipe_needs_resume_or_force(heal, monkeypatch, capsys):
                           "--resume", "--force")
     code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "eval.every=6")  # eval does not count
     assert code == 0, err
+    code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "eval.every=6")  # the same again
+    assert code == 0 and "already holds this recipe's finished fine-tune; nothing to do" in " ".join(err.split())
     code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out)
     assert_one_line_error(code, err, "already holds a finished fine-tune", "--force")
     code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--force", "train.max_steps=3")
@@ -317,7 +319,7 @@ def test_resume_flag_continues_with_a_changed_recipe(heal, monkeypatch):
 @pytest.mark.slow
 def test_sigkill_at_a_random_moment_then_resume_matches_the_uninterrupted_run(heal):
     """kill -9 a real run at a random moment after its first checkpoint; the rerun resumes and ends
-    where an uninterrupted run ends."""
+    where an uninterrupted run ends, to the bit (test_resume_kill.py kills at each named moment)."""
     recipe = ["train.max_steps=60", "checkpoint.every=2", "checkpoint.keep=1", "eval.every=0", "optimizer.lr=1e-3"]
     out = heal.root / "killed"
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -332,10 +334,10 @@ def test_sigkill_at_a_random_moment_then_resume_matches_the_uninterrupted_run(he
     proc.wait()
     assert not (out / "effattn.json").exists()
     resumed = finetune(heal(*recipe, output="killed"))
-    assert resumed.resumed_from is not None and 0 < resumed.resumed_from < 60
+    assert resumed.resumed_from is not None and 0 < resumed.resumed_from <= 60
     reference = finetune(heal(*recipe, "checkpoint.every=0", output="reference"))  # checkpoints change no weights
-    assert_same_weights(reference.model.state_dict(), resumed.model.state_dict(), atol=1e-6)
-    assert resumed.final_loss == pytest.approx(reference.final_loss, rel=1e-6)
+    assert_same_weights(reference.model.state_dict(), resumed.model.state_dict())
+    assert resumed.final_loss == reference.final_loss
     steps = [r["step"] for r in metrics(out) if r["kind"] == "train"]
     assert steps == list(range(1, 61))  # every step logged exactly once across the kill
 

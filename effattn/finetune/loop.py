@@ -42,7 +42,8 @@ from ..io.checkpoint import Checkpoint
 from ..io.load import as_ref, load_model
 from ..convert.vq import export_code_for
 from ..io.save import save_model
-from ..io.writer import write_json
+from ..io.writer import finish_interrupted_swap, write_json, write_text
+from ..killpoints import kill_point
 from .config import Optimizer, Recipe, Schedule, Student, Train
 from .data import BlockStream, check_disjoint, read_sources, training_blocks
 from .heldout import evaluate_student, held_out_sets, score_teacher
@@ -219,6 +220,9 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
         if spec and Path(spec).expanduser().absolute() == run.out:
             raise EffattnError(f"the output folder {run.out} is also {role}", "write the healed model to another -o")
     recipe_dict = recipe.to_dict()
+    if main and (repaired := finish_interrupted_swap(run.out)):
+        say(repaired)
+    accelerator.wait_for_everyone()
     start = decide_start(run, recipe_dict, resume=resume, force=force)
     accelerator.wait_for_everyone()
     if main:
@@ -226,10 +230,13 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
             shutil.rmtree(run.out)
         run.out.mkdir(parents=True, exist_ok=True)
         run.clean_partial()
-        run.recipe.write_text(recipe.to_yaml())
+        if not start.done:
+            write_text(run.recipe, recipe.to_yaml())
     for note in start.notes:
         say(note)
     accelerator.wait_for_everyone()
+    if start.done:
+        return finished_result(run, main)
 
     # -- models -----------------------------------------------------------------------------------
     set_seed(recipe.train.seed)
@@ -274,6 +281,7 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     def evaluate_now() -> dict[str, dict[str, float]]:  # main process only
         result = evaluate_student(accelerator.unwrap_model(model), held_out, recipe.eval.batch_size,
                                   accelerator.autocast)
+        kill_point("eval", step)
         say(_eval_line(step, result))
         return result
 
@@ -329,10 +337,12 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
         dt = time.perf_counter() - t0
         seconds += dt
         session_tokens += step_tokens
+        kill_point("train.step", step)
         if main:
             record = {"kind": "train", "step": step, **dict(zip(keys, values)), "lr": lr, "grad_norm": grad_norm,
                       "tokens": tokens, "tokens_per_s": step_tokens / dt}
             metrics.append(record)
+            kill_point("train.logged", step)
             if task is not None:
                 progress.update(task, completed=step, loss=record["loss"],
                                 tok_s=session_tokens / (time.perf_counter() - session_t0))
@@ -385,6 +395,16 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
                          export_code=export_code_for(final))
     accelerator.wait_for_everyone()
     return FinetuneResult(out, final, steps, tokens, seconds, final_loss, start_eval, final_eval, resumed_from, record)
+
+
+def finished_result(run: RunFolder, main: bool) -> FinetuneResult:
+    """The result of the fine-tune already finished in OUT, read back from its folder."""
+    model, _, _ = load_model(run.out, dtype="float32")
+    ft = json.loads((run.out / "effattn.json").read_text())["finetune"]
+    record = json.loads((run.out / "effattn.json").read_text()) if main else None
+    return FinetuneResult(run.out if main else None, model, ft["steps"], ft["tokens"], ft["seconds"],
+                          ft["final_loss"] if main else float("nan"), ft["start_eval"] if main else None,
+                          ft["final_eval"] if main else None, ft["steps"], record)
 
 
 def _eval_line(step: int, result: dict[str, dict[str, float]]) -> str:

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EffattnError
-from ..io.writer import write_json
+from ..io.writer import write_json, write_text
+from ..killpoints import kill_point, watching_checkpoint_files
 from .config import recipe_diff
 
 STATE_FILE = "trainer_state.json"
@@ -55,11 +56,18 @@ class RunFolder:
         record = self.out / "effattn.json"
         return record.is_file() and "finetune" in json.loads(record.read_text())
 
+    def finished_recipe(self) -> dict[str, Any] | None:
+        """The recipe of the finished fine-tune in OUT, or None."""
+        return json.loads((self.out / "effattn.json").read_text())["finetune"].get("recipe") if self.finished() else None
+
     def clean_partial(self) -> None:
-        """Remove what a killed run may have left half-written (main process only)."""
-        for parent in (self.out, self.checkpoints):
+        """Remove what a killed run may have left half-written (main process only): temporary
+        checkpoints and files in OUT, checkpoints being deleted, and beside OUT the temporary folder of a
+        final model whose writing was cut short (finish_interrupted_swap has already used a complete one)."""
+        for parent, pattern in ((self.out, ".*tmp*"), (self.checkpoints, ".*tmp*"), (self.checkpoints, ".trash-*"),
+                                (self.out.parent, f".{self.out.name}.tmp-*")):
             if parent.is_dir():
-                for p in [*parent.glob(".*tmp*"), *parent.glob(".trash-*")]:
+                for p in parent.glob(pattern):
                     if p.is_dir():
                         shutil.rmtree(p, ignore_errors=True)
                     else:
@@ -71,6 +79,7 @@ class Start:
     checkpoint: Path | None  # resume from here; None = from the beginning
     wipe: bool  # remove OUT before starting (--force, or a run killed before its first checkpoint)
     notes: list[str]
+    done: bool = False  # OUT already holds this very recipe's finished fine-tune: nothing to do
 
 
 def decide_start(run: RunFolder, recipe: dict[str, Any], *, resume: bool, force: bool) -> Start:
@@ -89,6 +98,9 @@ def decide_start(run: RunFolder, recipe: dict[str, Any], *, resume: bool, force:
         if resume:
             raise EffattnError(f"--resume: {out} holds no complete checkpoint", "drop --resume to start from the beginning")
         if run.finished():
+            if run.finished_recipe() == json.loads(json.dumps(recipe, default=str)):  # e.g. a kill after the final model was in place
+                return Start(None, False, [f"{out} already holds this recipe's finished fine-tune; nothing to do"],
+                             done=True)
             raise EffattnError(f"{out} already holds a finished fine-tune", "pass --force to run again, or choose another -o")
         if run.recipe.exists():  # an earlier run of ours, killed before its first checkpoint
             return Start(None, True, [f"no checkpoint in {out} yet; starting from the beginning"])
@@ -120,31 +132,37 @@ def save_checkpoint(accelerator, run: RunFolder, state: dict[str, Any], keep: in
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        kill_point("checkpoint.open", step)
     accelerator.wait_for_everyone()
     quiet = logging.getLogger("accelerate.utils.other")  # "Removed shared tensor": tied weights, reloaded fine
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        accelerator.save_state(str(tmp))
+        with watching_checkpoint_files(step):
+            accelerator.save_state(str(tmp))
     finally:
         quiet.setLevel(level)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        kill_point("checkpoint.state", step)
         write_json(tmp / STATE_FILE, state)  # last: its presence marks the checkpoint complete
+        kill_point("checkpoint.complete", step)
         if final.exists():
-            _remove(final)
+            _remove(final, step)
         tmp.rename(final)
+        kill_point("checkpoint.renamed", step)
         for old in run.complete_checkpoints()[:-keep]:
-            _remove(old)
+            _remove(old, step)
     accelerator.wait_for_everyone()
     return final
 
 
-def _remove(folder: Path) -> None:
+def _remove(folder: Path, step: int | None = None) -> None:
     """Rename first, then delete: a kill mid-delete never leaves a half checkpoint named step-N."""
     trash = folder.with_name(f".trash-{folder.name}")
     shutil.rmtree(trash, ignore_errors=True)
     folder.rename(trash)
+    kill_point("checkpoint.pruning", step)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -167,7 +185,7 @@ class MetricsLog:
 
     def keep_until(self, step: int) -> list[dict[str, Any]]:
         kept = [r for r in self.records() if r.get("step", 0) <= step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         return kept
 
     def append(self, record: dict[str, Any]) -> None:

@@ -22,13 +22,20 @@ from pathlib import Path
 import torch
 
 from ..errors import EffattnError
+from ..killpoints import kill_point
 from .checkpoint import SAFETENSORS_DTYPE
 
 
 @contextmanager
 def atomic_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0) -> Iterator[Path]:
-    """Yield a fresh temporary folder that becomes `out` when the block completes without error."""
+    """Yield a fresh temporary folder that becomes `out` when the block completes without error.
+
+    An existing `out` (with force) is replaced by two renames, out -> .NAME.old-X and
+    .NAME.tmp-X -> out, and the old folder is deleted last; `finish_interrupted_swap` completes a
+    replacement that a kill cut short, so no moment leaves `out` missing for good.
+    """
     out = Path(out).expanduser().absolute()
+    finish_interrupted_swap(out)
     if out.exists() and not force:
         raise EffattnError(f"output folder {out} already exists", "pass --force to replace it, or choose another -o")
     if out.exists() and not out.is_dir():
@@ -54,13 +61,48 @@ def atomic_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    kill_point(f"output.written:{out.name}")
     old = None
     if out.exists():
-        old = out.with_name(f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+        old = _old_name(tmp)
         out.rename(old)
+        kill_point(f"output.swap:{out.name}")
     tmp.rename(out)
     if old is not None:
+        kill_point(f"output.swapped:{out.name}")
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _old_name(tmp: Path) -> Path:
+    """Where atomic_output puts the folder that temporary folder `tmp` replaces (same random tag)."""
+    name, _, tag = tmp.name.rpartition(".tmp-")
+    return tmp.with_name(f"{name}.old-{tag}")
+
+
+def finish_interrupted_swap(out: Path) -> str | None:
+    """Complete a replacement of `out` that a kill cut short; returns what was done, or None.
+
+    Only a temporary folder whose old counterpart exists was complete when the swap began, so:
+    `out` missing, .NAME.old-X and .NAME.tmp-X present -> the new folder is renamed into place;
+    `out` missing and only .NAME.old-X -> the old folder goes back; `out` present -> the old one is
+    deleted (the swap had finished).
+    """
+    out = Path(out).expanduser().absolute()
+    done = None
+    for old in sorted(out.parent.glob(f".{out.name}.old-*")):
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            continue
+        tag = old.name.rpartition(".old-")[2]
+        new = out.with_name(f".{out.name}.tmp-{tag}")
+        if new.is_dir():
+            new.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+            done = f"finished writing {out}, which a kill interrupted while it replaced the old folder"
+        else:
+            old.rename(out)
+            done = f"restored {out}, which a kill interrupted while it was being replaced"
+    return done
 
 
 @dataclass(frozen=True)
@@ -173,4 +215,12 @@ def copy_side_files(files: list[Path], dest: Path) -> list[str]:
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace a file's contents atomically: a kill leaves the old file or the new one, never a part."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

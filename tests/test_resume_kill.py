@@ -1,0 +1,165 @@
+"""kill -9 at every named moment of a fine-tune (effattn.killpoints), then the same command again: the
+run must end with exactly the weights and the metrics log of an uninterrupted run, to the bit.
+
+The recipe makes every piece of state matter: LoRA with dropout (the RNG), two micro-batches per step
+(accelerate's accumulation counter), a warm-up and cosine schedule, evaluations and checkpoints at
+steps that do not coincide, and a checkpoint kept at a time (pruning)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from effattn.finetune import finetune, load_recipe
+from effattn.io.writer import atomic_output, finish_interrupted_swap
+from effattn.killpoints import ENV, POINTS, matches
+from effattn.testing import make_model
+
+from .test_finetune import HELD_OUT, TRAIN_TEXT
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 8
+RECIPE = [f"train.max_steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=1", "eval.every=3", "optimizer.lr=1e-3",
+          "train.grad_accum=2", "train.params=lora", "train.lora.dropout=0.1", "loss.ce=0.5"]
+
+# Every point, at a step where it is reached (OUT stands for the output folder's name), and the
+# checkpoint the rerun must resume from: the newest one complete at the kill (None: from the start).
+KILLS = [
+    ("train.step@3", 2),  # mid-run: an optimizer step done, not logged
+    ("train.logged@3", 2),
+    ("eval@3", 2),
+    ("checkpoint.open@4", 2),
+    ("checkpoint.file:model.safetensors@4", 2),
+    ("checkpoint.file:optimizer.bin@4", 2),
+    ("checkpoint.file:custom_checkpoint_0.pkl@4", 2),
+    ("checkpoint.state@4", 2),
+    ("checkpoint.complete@4", 2),
+    ("checkpoint.renamed@4", 4),
+    ("checkpoint.pruning@4", 4),
+    ("eval@8", 6),  # the final evaluation
+    ("checkpoint.state@8", 6),  # the final checkpoint
+    ("output.written:student", None),  # the student's conversion, before training
+    ("output.written:OUT", 8),  # the final model, every file written, not yet in place
+    ("output.swap:OUT", 8),  # OUT renamed away, the final model not yet in its place
+    ("output.swapped:OUT", 8),
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny model, a recipe, and the uninterrupted run of it in a process of its own."""
+    root = tmp_path_factory.mktemp("kills")
+    src = make_model(root / "tiny", "llama", heads=6, kv_heads=3)
+    (root / "train.txt").write_text(TRAIN_TEXT)
+    (root / "held.txt").write_text(HELD_OUT)
+    recipe = {
+        "student": {"model": str(src), "convert": {"to": "mqa"}},
+        "data": {"sources": [str(root / "train.txt")], "seq_len": 32},
+        "train": {"batch_size": 2},
+        "schedule": {"warmup_steps": 2},
+        "eval": {"corpora": [str(root / "held.txt")], "seq_len": 64, "tokens": 256},
+    }
+    (root / "heal.yaml").write_text(yaml.safe_dump(recipe))
+    reference = root / "reference"
+    assert run_cli(root, reference).returncode == 0
+    return root, reference
+
+
+def run_cli(root: Path, out: Path, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop(ENV, None)
+    if kill_at:
+        env[ENV] = kill_at.replace("OUT", out.name)
+    return subprocess.run([sys.executable, "-m", "effattn.cli", "finetune", str(root / "heal.yaml"), "-o", str(out),
+                           *RECIPE], env=env, capture_output=True, text=True)
+
+
+def weights(out: Path) -> dict:
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def training_records(out: Path) -> list[dict]:
+    """metrics.jsonl without the timing fields (tokens/s differs from run to run)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+
+def assert_same_run(out: Path, reference: Path) -> None:
+    a, b = weights(out), weights(reference)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].equal(b[name]), f"{name} differs by {(a[name] - b[name]).abs().max().item():.3g}"
+    assert training_records(out) == training_records(reference)  # every step and evaluation once, same numbers
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")] == []  # nothing left beside
+
+
+def test_every_point_is_in_the_list():
+    named = {k.split("@")[0].split(":")[0] for k, _ in KILLS}
+    assert named == set(POINTS)
+
+
+def test_the_same_run_twice_is_identical_to_the_bit(setup):
+    """Floating point is deterministic here: the uninterrupted run in this process equals the one in
+    its own process, so any difference after a kill is lost or mixed state, not rounding."""
+    root, reference = setup
+    again = finetune(load_recipe(root / "heal.yaml", RECIPE, output=root / "again"))
+    assert again.resumed_from is None
+    assert_same_run(root / "again", reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at, resumes_from", KILLS, ids=[k for k, _ in KILLS])
+def test_kill_at_a_named_moment_then_rerun_ends_exactly_like_the_uninterrupted_run(setup, kill_at, resumes_from):
+    root, reference = setup
+    out = root / kill_at.replace(":", "-").replace("@", "-")
+    killed = run_cli(root, out, kill_at)
+    assert killed.returncode == -signal.SIGKILL, f"never reached {kill_at}: {killed.stderr[-500:]}"
+    notes = []
+    resumed = finetune(load_recipe(root / "heal.yaml", RECIPE, output=out), log=notes.append)
+    assert resumed.resumed_from == resumes_from  # nothing complete is lost, nothing partial is used
+    assert_same_run(out, reference)
+    assert resumed.steps == STEPS
+    if kill_at.startswith("output.sw"):  # the final model had been written whole: nothing left to do
+        assert any("nothing to do" in n for n in notes)
+
+
+def test_a_replacement_cut_short_is_finished_or_undone(tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "v").write_text("old")
+    # killed between the two renames: the new folder was complete, so it goes into place
+    (tmp_path / ".model.old-abc").mkdir()
+    (out / "v").rename(tmp_path / ".model.old-abc" / "v")
+    out.rmdir()
+    (tmp_path / ".model.tmp-abc").mkdir()
+    (tmp_path / ".model.tmp-abc" / "v").write_text("new")
+    assert "finished" in finish_interrupted_swap(out)
+    assert (out / "v").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    # the old folder renamed away and no complete new one: the old one comes back
+    out.rename(tmp_path / ".model.old-xyz")
+    assert "restored" in finish_interrupted_swap(out)
+    assert (out / "v").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    # the new folder in place, the old one not yet deleted
+    (tmp_path / ".model.old-q").mkdir()
+    assert finish_interrupted_swap(out) is None and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    # atomic_output repairs before it writes
+    (out).rename(tmp_path / ".model.old-r")
+    with atomic_output(out, force=True) as tmp:
+        (tmp / "v").write_text("newer")
+    assert (out / "v").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_kill_spec_names_one_point_and_optionally_one_step():
+    assert matches("checkpoint.state@4", "checkpoint.state", 4)
+    assert not matches("checkpoint.state@4", "checkpoint.state", 5)
+    assert not matches("checkpoint.state@4", "checkpoint.state")  # a point reached outside the steps
+    assert matches("eval", "eval", 7) and not matches("eval", "train.step", 7)
+    assert matches("output.swap:out", "output.swap:out") and not matches("output.swap:out", "output.swap:student")
