@@ -84,24 +84,41 @@ def inspect(
     out.print(_kv_table(list(info["conversions"].items()), title="conversions"))
 
 
-@app.command()
+def _conversion_flags(func, conversions: list[str]):
+    """Give `func` (which takes **options) one flag per option of these conversions, built from their
+    options models: the flags, their types, defaults and help all come from there."""
+    import inspect as _inspect
+
+    from .convert import CONVERSIONS
+    from .convert.options import cli_type, flag
+
+    users: dict[str, list] = {}
+    for name in conversions:
+        for key, field in CONVERSIONS[name].Options.model_fields.items():
+            users.setdefault(key, []).append((name, field))
+    flags = []
+    for key, uses in users.items():
+        field = uses[0][1]
+        kind = cli_type(field.annotation)
+        decls = [f"{flag(key)}/--no-{flag(key)[2:]}"] if kind is bool else [flag(key)]
+        defaults = sorted({repr(f.default) for _, f in uses if f.default is not None})
+        where = f"{', '.join(n for n, _ in uses)}" if len(conversions) > 1 else ""
+        tail = "; ".join(x for x in (where, f"default {', '.join(defaults)}" if defaults else "") if x)
+        help_ = f"{field.description}" + (f" [{tail}]" if tail else "")
+        flags.append(_inspect.Parameter(key, _inspect.Parameter.KEYWORD_ONLY, annotation=Optional[kind],
+                                        default=typer.Option(None, *decls, help=help_, show_default=False)))
+    sig = _inspect.signature(func, eval_str=True)
+    fixed = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    func.__signature__ = sig.replace(parameters=fixed + flags)
+    return func
+
+
 def convert(
     model: str = ModelArg,
-    to: str = typer.Option(..., "--to", help="conversion: gqa, mqa (= gqa --kv-heads 1), mha, rerope, vq (= vq-init)"),
-    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads after conversion (gqa)"),
-    method: Optional[str] = typer.Option(None, "--method", help="conversion method (see `effattn inspect`)"),
+    to: str = typer.Option(..., "--to", help="conversion: gqa, mqa (= gqa --kv-heads 1), mha, rerope, vq (= vq-init); "
+                                             "`effattn convert --to NAME --help` lists NAME's options"),
     output: Optional[Path] = OutputOpt,
     dtype: str = DtypeOpt,
-    calib: Optional[str] = typer.Option(None, "--calib", help="calibration corpus name or text file (calibrated methods)"),
-    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="calibration tokens (calibrated methods)"),
-    window: Optional[int] = typer.Option(None, "--window", help="rerope/vq: exact-RoPE window W (default 256)"),
-    far_position: Optional[int] = typer.Option(None, "--far-position", help="rerope/vq: relative position of every key beyond the window (default 4 x W)"),
-    codebook_size: Optional[int] = typer.Option(None, "--codebook-size", help="vq: codewords per layer and KV head (default 512)"),
-    sinks: Optional[int] = typer.Option(None, "--sinks", help="vq: first positions never quantized (default 0)"),
-    metric: Optional[str] = typer.Option(None, "--metric", help="vq: k-means fit, attention (attention-weighted logit error, default), query (logit error) or key"),
-    kmeans: Optional[str] = typer.Option(None, "--kmeans", help="vq: k-means implementation, torch or sklearn"),
-    exact_heads: Optional[int] = typer.Option(None, "--exact-heads", help="vq: KV heads (the K that ReRoPE + VQ changes most on the calibration text) that keep their original attention (default 0)"),
-    key_means: Optional[bool] = typer.Option(None, "--key-means/--no-key-means", help="vq: score each code at the mean of the sequence's far keys it holds (default) or at its codeword"),
     force: bool = ForceOpt,
     dry_run: bool = DryRunOpt,
     measure: Optional[bool] = MeasureOpt,
@@ -110,31 +127,17 @@ def convert(
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
     allow_pickle: bool = PickleOpt,
+    **options,
 ):
     """Convert MODEL's attention and write a native transformers checkpoint to -o OUT."""
-    options = {"kv_heads": kv_heads, "method": method, "calib": calib, "calib_tokens": calib_tokens,
-               "window": window, "far_position": far_position, "codebook_size": codebook_size, "sinks": sinks, "metric": metric, "kmeans": kmeans, "exact_heads": exact_heads,
-               "key_means": key_means}
     _run_conversion(model, output, to, options, dtype=dtype, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
                     measure=measure, eval_tokens=eval_tokens, as_json=as_json, trust_remote_code=trust_remote_code,
                     allow_pickle=allow_pickle)
 
 
-@app.command("vq-init")
 def vq_init(
     model: str = ModelArg,
-    codebook_size: Optional[int] = typer.Option(None, "--codebook-size", help="codewords per layer and KV head (default 512)"),
-    window: Optional[int] = typer.Option(None, "--window", help="W: keys this close keep exact RoPE; older keys are quantized (default 256)"),
-    far_position: Optional[int] = typer.Option(None, "--far-position", help="relative position ReRoPE gives every key beyond the window (default 4 x W)"),
-    sinks: Optional[int] = typer.Option(None, "--sinks", help="first positions of a sequence that are never quantized (default 0)"),
     output: Optional[Path] = OutputOpt,
-    calib: Optional[str] = typer.Option(None, "--calib", help="calibration corpus name or text file (default: calib)"),
-    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="calibration tokens (default 16384)"),
-    metric: Optional[str] = typer.Option(None, "--metric", help="k-means fit: attention (keys weighted by the attention they get when far, attention-weighted logit error; default), query (logit error under the model's queries) or key (plain distance)"),
-    kmeans: Optional[str] = typer.Option(None, "--kmeans", help="k-means implementation: torch (default) or sklearn (MiniBatchKMeans)"),
-    code_bias: bool = typer.Option(False, "--code-bias/--no-code-bias", help="per-code logit correction for the keys each code stands for (measured: worse, off by default)"),
-    exact_heads: Optional[int] = typer.Option(None, "--exact-heads", help="K: the K KV heads whose attention output ReRoPE + VQ changes most on the calibration text keep their original attention (a cache growing on those heads only; default 0)"),
-    key_means: Optional[bool] = typer.Option(None, "--key-means/--no-key-means", help="score each code at the mean of the sequence's far keys it holds (default; a key sum per code in the cache) or at its fixed codeword (Transformer-VQ's)"),
     dtype: str = DtypeOpt,
     force: bool = ForceOpt,
     dry_run: bool = DryRunOpt,
@@ -144,14 +147,44 @@ def vq_init(
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
     allow_pickle: bool = PickleOpt,
+    **options,
 ):
     """Transformer-VQ from a pretrained model: ReRoPE window + k-means codebooks (= convert --to vq)."""
-    options = {"codebook_size": codebook_size, "window": window, "far_position": far_position, "sinks": sinks, "calib": calib,
-               "calib_tokens": calib_tokens, "metric": metric, "kmeans": kmeans, "code_bias": code_bias,
-               "exact_heads": exact_heads, "key_means": key_means}
     _run_conversion(model, output, "vq", options, dtype=dtype, force=force, dry_run=dry_run,
                     max_shard_size=max_shard_size, measure=measure, eval_tokens=eval_tokens, as_json=as_json,
                     trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+
+
+def _register_conversion_commands() -> None:
+    from .convert import CONVERSIONS
+
+    app.command("convert")(_conversion_flags(convert, list(CONVERSIONS)))
+    app.command("vq-init")(_conversion_flags(vq_init, ["vq"]))
+
+
+_register_conversion_commands()
+
+
+def conversion_help(to: str) -> None:
+    """`effattn convert --to NAME --help`: NAME's own options, with their defaults."""
+    from .convert import ALIASES, get_conversion
+    from .convert.options import describe
+
+    name, preset = ALIASES.get(to, (to, {}))
+    conversion = get_conversion(name)
+    title = f"effattn convert --to {to}" + (f" (= --to {name} " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in preset.items()) + ")"
+                                           if preset else "")
+    out.print(f"[bold]{title}[/]: {conversion.description}", highlight=False)
+    table = Table(title_justify="left")
+    for col in ("option", "type", "default", "help"):
+        table.add_column(col)
+    for row in describe(conversion.Options):
+        if row["name"] in preset:
+            continue
+        table.add_row(row["flag"], row["type"], "—" if row["default"] is None else str(row["default"]), row["help"])
+    out.print(table)
+    out.print("In a recipe: student.convert: {to: " + to + ", <option>: <value>} with the names above in snake_case.",
+              highlight=False)
 
 
 def _run_conversion(model, output, to, options, *, dtype, force, dry_run, max_shard_size, measure, eval_tokens,
@@ -425,6 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = [a for a in argv if a != "--debug"]
     _quiet_libraries()
     try:
+        if argv[:1] == ["convert"] and {"--help", "-h"} & set(argv) and "--to" in argv[:-1]:
+            return conversion_help(argv[argv.index("--to") + 1])
         app(args=argv, prog_name="effattn", standalone_mode=False)
     except EffattnError as exc:
         if DEBUG:

@@ -105,9 +105,24 @@ def test_output_option_overrides_the_recipe(tmp_path):
 
 def test_conversion_options_pass_through_unchanged():
     recipe = validate_recipe(MINIMAL | {"student": {"model": "llama", "convert": {
-        "to": "gqa", "kv_heads": 1, "method": "some-future-method", "calib": "mix", "calib_tokens": 4096}}})
-    assert recipe.student.convert.options() == {"kv_heads": 1, "method": "some-future-method", "calib": "mix",
-                                                "calib_tokens": 4096}
+        "to": "gqa", "kv_heads": 1, "method": "pca", "calib": "mix", "calib_tokens": 4096}}})
+    assert recipe.student.convert.options() == {"kv_heads": 1, "method": "pca", "calib": "mix", "calib_tokens": 4096}
+
+
+@pytest.mark.parametrize("convert, needle", [
+    ({"to": "mqa", "kv_hedas": 1}, "student.convert.kv_hedas: unknown option of mqa (did you mean 'kv_heads'?)"),
+    ({"to": "mqa", "window": 64}, "student.convert.window does not apply to mqa. drop it (student.convert.window is for rerope, vq)"),
+    ({"to": "mqa", "kv_heads": 2}, "student.convert.to mqa fixes student.convert.kv_heads to 1, but 2 was given"),
+    ({"to": "gqa", "method": "meen"}, "student.convert.method = 'meen': unknown GQA method 'meen'"),
+    ({"to": "vq", "codebook_size": 0}, "student.convert.codebook_size must be an integer >= 1, got 0"),
+    ({"to": "vq", "metric": "cosine"}, "unknown student.convert.metric 'cosine'"),
+    ({"to": "gqq"}, "unknown conversion 'gqq'"),
+])
+def test_conversion_options_are_checked_by_the_conversions_own_model(capsys, tmp_path, convert, needle):
+    """A recipe's student.convert fails at `recipes validate`, with the key's path, not at run time."""
+    path = write(tmp_path, MINIMAL | {"student": {"model": "llama", "convert": convert}})
+    code, _, err = run_cli(capsys, "recipes", "validate", str(path))
+    assert_one_line_error(code, err, needle)
 
 
 def test_builtin_recipes_exist_for_gqa_on_cpu_and_gpu():

@@ -1,8 +1,10 @@
 """The conversion driver shared by every conversion: resolve, plan, write atomically, measure, record.
 
 A conversion is an object with
-  * `plan(ckpt, family, options) -> Plan`: validate the options against the checkpoint and declare
-    the output (new config, every output tensor's shape) without writing anything;
+  * `Options`: its options model (options.py), the one place where their names, types, defaults
+    and help live;
+  * `plan(ckpt, family, opts, target_dtype) -> Plan`: check the options against the checkpoint and
+    declare the output (new config, every output tensor's shape) without writing anything;
   * `run(ckpt, family, plan, writer, progress)`: write every declared tensor through `writer`.
 The driver does everything else, identically for all conversions.
 """
@@ -25,6 +27,7 @@ from ..io.checkpoint import Checkpoint
 from ..io.load import as_ref, parse_dtype
 from ..io.resolve import ModelRef
 from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, copy_side_files, parse_size, write_json
+from .options import ConversionOptions, resolve
 
 
 @dataclass
@@ -40,6 +43,7 @@ class Plan:
     est_seconds: float = 0.0
     est_peak_bytes: int = 0
     state: dict[str, Any] = field(default_factory=dict)  # conversion-specific plan details
+    measured: dict[str, Any] = field(default_factory=dict)  # what the run measured (e.g. per-layer losses), recorded
 
     @property
     def output_bytes(self) -> int:
@@ -49,9 +53,9 @@ class Plan:
 class Conversion(Protocol):
     name: str
     description: str
-    options: tuple[str, ...]  # the option names `plan` accepts (others are refused by the driver)
+    Options: type[ConversionOptions]
 
-    def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan: ...
+    def plan(self, ckpt: Checkpoint, family: Family, opts: ConversionOptions, target: torch.dtype | None) -> Plan: ...
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None: ...
 
@@ -126,24 +130,7 @@ def convert(
     `measure=None` evaluates original vs converted briefly (for the model card) when the model has
     at most 3B parameters; True/False force it on/off.
     """
-    from . import ALIASES, get_conversion  # the registry
-
-    options = dict(options or {})
-    if to in ALIASES:
-        to, preset = ALIASES[to]
-        for key, value in preset.items():
-            given = options.get(key)
-            if given is not None and given != value:
-                raise EffattnError(f"--to {to} fixes {key.replace('_', '-')} to {value}, but {given} was given",
-                                   f"drop --{key.replace('_', '-')} or use --to {to}")
-            options[key] = value
-    conversion = get_conversion(to)
-    for key, value in options.items():
-        if value is not None and key not in conversion.options:
-            flag = "--" + key.replace("_", "-")
-            users = [c for c in _all_conversions() if key in _all_conversions()[c].options]
-            raise EffattnError(f"{flag} does not apply to --to {to}",
-                               f"drop it ({flag} is for --to {', '.join(users)})" if users else f"drop {flag}")
+    conversion, opts = resolve(to, dict(options or {}))
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)
     if ckpt.config.get("model_type") == "effattn_vq":
@@ -151,7 +138,7 @@ def convert(
                            "convert the model it came from (see its effattn.json), or chain GQA first, then vq")
     family = family_for(ckpt.config)
     target = parse_dtype(dtype)
-    plan = conversion.plan(ckpt, family, options | {"dtype": target})
+    plan = conversion.plan(ckpt, family, opts, target)
     plan.settings.setdefault("dtype", str(target or ckpt.dtype).replace("torch.", ""))
     if out is None and not dry_run:
         raise EffattnError("no output folder given", "pass -o OUT")
@@ -181,17 +168,13 @@ def convert(
             "seconds": round(seconds, 1),
             "measurements": measurements,
         }
+        if plan.measured:
+            record["conversion_run"] = plan.measured
         write_json(tmp / "effattn.json", record)
         from ..io.card import model_card
 
         (tmp / "README.md").write_text(model_card(out.name, record, plan))
     return ConvertResult(out.absolute(), plan, seconds, measurements, record)
-
-
-def _all_conversions():
-    from . import CONVERSIONS
-
-    return CONVERSIONS
 
 
 def _quick_measure(folder: Path, name: str, ref: ModelRef, eval_tokens: int, trust_remote_code: bool) -> dict[str, Any]:

@@ -6,7 +6,9 @@ Calibration text runs through the model one decoder layer at a time. For layer i
   2. merge the heads (headmerge.py) from those statistics,
   3. for `calibrated`, refit o_proj by ridge least squares so the converted attention's output
      matches the original attention's output on the same inputs,
-  4. write the layer and run the converted layer to produce the inputs of layer i+1.
+  4. with `refine_steps` > 0, train the layer's new q/k/v/o for that many steps to reproduce the
+     original attention's output on the same inputs (refine.py),
+  5. write the layer and run the converted layer to produce the inputs of layer i+1.
 Only one layer's weights and the calibration hidden states are in memory at any time, so peak
 memory is bounded by a layer plus the activations, not by the model.
 """
@@ -26,6 +28,7 @@ from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
 from .base import Plan, out_dtype, passthrough
 from .gqa import LayerAttention, LayerStats
+from .refine import RefineSettings, refine_layer
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ def refit_o_proj(new: LayerAttention, old: LayerAttention, h: torch.Tensor, cos,
 def run_calibrated(ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
     method, shape, new_kv, target = (plan.state[k] for k in ("method", "shape", "new_kv", "target"))
     settings: CalibSettings = plan.state["calib"]
+    refine: RefineSettings = plan.state.get("refine") or RefineSettings()
+    losses: list[dict[str, float]] = []
     eps = float(ckpt.config.get("rms_norm_eps", 1e-6))
     factory = LayerFactory(ckpt.config, family)
     ids = calibration_tokens(ckpt.folder, settings)  # (N, T)
@@ -125,15 +130,24 @@ def run_calibrated(ckpt: Checkpoint, family: Family, plan: Plan, writer: Safeten
         new = method.convert_layer(old, shape, new_kv, stats=moments.stats())
         if method.refit_o:
             new.o = refit_o_proj(new, old, h, cos, sin, shape, eps, settings)
+        del h
         for role, name in names.items():
             tensors[name] = getattr(new, role)
+        converted = factory.layer(layer, tensors, new_kv)
+        if refine.steps:
+            losses.append(refine_layer(converted, original, x, cos, sin, refine))
+            weights = converted.state_dict()
+            for name in names.values():
+                tensors[name] = weights[name[len(prefix):]].detach().clone()
         for name, tensor in tensors.items():
             writer.write(name, tensor.to(out_dtype(ckpt.meta(name)[1], target)))
             written.add(name)
         ckpt.release()
-        converted = factory.layer(layer, tensors, new_kv)
-        del h
         x = torch.cat([converted(x[sl], position_embeddings=(cos, sin)) for sl in _batches(x, settings.batch_size)])
         if progress:
             progress.advance(task)
     passthrough(ckpt, writer, [n for n in ckpt.names() if n not in written], target)
+    if losses:
+        plan.measured["refine"] = {"loss": "relative squared error of the attention output, per layer",
+                                   "before": [round(r["before"], 6) for r in losses],
+                                   "after": [round(r["after"], 6) for r in losses]}

@@ -13,15 +13,18 @@ take the same plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
+from pydantic import Field, field_validator
 
 from ..errors import EffattnError, one_of
 from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
+from ..data.corpora import DEFAULT_CALIB
 from .base import Plan, kv_bytes_per_token, layer_bytes, out_dtype, passthrough, same_specs
+from .options import ConversionOptions
 from .headmerge import KeyMerge, align_keys, align_values, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
 
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -283,12 +286,30 @@ METHODS: dict[str, GQAMethod] = {m.name: m for m in [
 DEFAULT_METHOD = "calibrated"
 
 
+class GQAOptions(ConversionOptions):
+    kv_heads: int | Literal["heads"] | None = Field(None, description="KV heads after conversion (required; mqa sets 1, "
+                                                                     "mha the number of query heads)")
+    method: str = Field(DEFAULT_METHOD, description=f"how heads are merged: {', '.join(METHODS)}")
+    calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file (calibrated methods)")
+    calib_tokens: int = Field(16384, ge=1, description="calibration tokens (calibrated methods)")
+    refine_steps: int = Field(0, ge=0, description="local refinement: optimizer steps per layer fitting the original "
+                                                   "attention output on the calibration activations (calibrated methods)")
+    refine_lr: float = Field(1e-4, gt=0, description="learning rate of local refinement (Adam)")
+
+    @field_validator("method")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in METHODS:
+            raise ValueError(f"unknown GQA method {v!r} ({one_of(v, METHODS)})")
+        return v
+
+
 def valid_kv_heads(heads: int) -> list[int]:
     return [n for n in range(1, heads + 1) if heads % n == 0]
 
 
 class GQAConversion:
-    options = ("kv_heads", "method", "calib", "calib_tokens")
+    Options = GQAOptions
     name = "gqa"
     description = "change the number of KV heads: GQA, MQA (kv_heads=1) or MHA (kv_heads=heads)"
 
@@ -297,9 +318,9 @@ class GQAConversion:
         options = [n for n in valid_kv_heads(shape.heads) if n != shape.kv_heads]
         return f"--kv-heads {{{', '.join(map(str, options))}}} (now {shape.kv_heads}); methods: {', '.join(METHODS)}"
 
-    def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
+    def plan(self, ckpt: Checkpoint, family: Family, opts: GQAOptions, target=None) -> Plan:
         shape = AttentionShape.of(ckpt.config)
-        new_kv = options.get("kv_heads")
+        new_kv = opts.kv_heads
         if new_kv == "heads":  # --to mha
             new_kv = shape.heads
         if new_kv is None:
@@ -307,15 +328,11 @@ class GQAConversion:
         if new_kv < 1 or shape.heads % new_kv:
             raise EffattnError(f"num_heads ({shape.heads}) must be divisible by kv_heads ({new_kv})",
                                f"choose one of {valid_kv_heads(shape.heads)}")
-        method_name = options.get("method") or DEFAULT_METHOD
-        if method_name not in METHODS:
-            raise EffattnError(f"unknown GQA method {method_name!r}", one_of(method_name, METHODS))
-        method = METHODS[method_name]
+        method = METHODS[opts.method]
         if new_kv > shape.kv_heads and new_kv % shape.kv_heads == 0 and method.name != "mean":
             # Expanding: every new KV head is a copy of the one old head its queries read. Exact, so
             # every method reduces to replication and there is nothing to calibrate.
             method = _Expansion()
-        target = options.get("dtype")
         reshaped = {}
         for layer in range(shape.layers):
             names = LayerAttention.names(family, layer, ckpt)
@@ -348,11 +365,15 @@ class GQAConversion:
         elif method.needs_calibration:
             from .calibrate import CalibSettings
 
-            calib = CalibSettings(**{k: v for k, v in (("corpus", options.get("calib")),
-                                                        ("tokens", options.get("calib_tokens"))) if v is not None}).validate()
+            calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens).validate()
             state["calib"] = calib
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
                          "ridge": calib.ridge if method.refit_o else None}
+            from .refine import RefineSettings
+
+            refine = RefineSettings(steps=opts.refine_steps, lr=opts.refine_lr)
+            state["refine"] = refine
+            settings |= {"refine_steps": refine.steps, "refine_lr": refine.lr if refine.steps else None}
             # ~5 passes over the calibration tokens per layer (stats, refit x2, forward), at the
             # measured ~500 tokens/s/model of a 135M model on 2 cores, scaled by model size.
             per_token_layer = 2 * ckpt.num_params / shape.layers
@@ -362,9 +383,12 @@ class GQAConversion:
             est_peak = layer_bytes(ckpt, family) * 3 + activations + embed_bytes
             summary.append(("calibration", f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}, "
                                            "layer by layer"))
-        elif (options.get("calib") or options.get("calib_tokens")) and not isinstance(method, _Expansion):
+        elif opts.given() & {"calib", "calib_tokens"} and not isinstance(method, _Expansion):
             raise EffattnError(f"--calib/--calib-tokens apply to calibrated methods, not {method.name!r}",
                                "drop them or use --method calibrated")
+        elif opts.refine_steps and not isinstance(method, _Expansion):
+            raise EffattnError(f"--refine-steps needs calibration activations, which method {method.name!r} does not run",
+                               "drop it or use --method calibrated")
         return Plan(
             conversion=self.name,
             settings=settings,

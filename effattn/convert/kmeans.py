@@ -14,12 +14,15 @@ fitted codebook minimises Σ_i w_i (x_i − c)ᵀ M (x_i − c).
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import time
 from dataclasses import dataclass
 
 import torch
 
-KMEANS = ("torch", "sklearn")
+KMeansMethod = Literal["torch", "sklearn"]
+KMEANS = get_args(KMeansMethod)
 
 
 @dataclass

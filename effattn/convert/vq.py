@@ -29,25 +29,28 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
+from pydantic import Field
 
 from ..attention.layerwise import LayerFactory
 from ..data.corpora import DEFAULT_CALIB
-from ..errors import EffattnError, one_of
+from ..errors import EffattnError
 from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
 from ..kernels.rope import apply_rope
 from .base import Plan, layer_bytes, out_dtype, passthrough, same_specs
-from .kmeans import KMEANS, kmeans
+from .kmeans import KMeansMethod, kmeans
+from .options import ConversionOptions
 
 # Default far position (`--far-position`) as a multiple of the window. ReRoPE classically sees far keys
 # at the window's own distance; on SmolLM2 a larger constant costs much less (BENCHMARKS.md, vq-quality:
 # ReRoPE alone at W=64 went from 1.21x/1.16x with the far keys at 64 to 1.06x/1.05x at 256).
 FAR_MULTIPLE = 4
-METRICS = ("attention", "query", "key")
+Metric = Literal["attention", "query", "key"]
+METRICS = get_args(Metric)
 METRIC_WORDS = {"query": "k-means under the query metric (logit error)",
                 "attention": "attention-weighted k-means (keys weighted by their far attention, logit error)",
                 "key": "k-means under plain key distance"}
@@ -68,13 +71,29 @@ def vq_buffer_specs(family: Family, shape: AttentionShape, size: int) -> list[Te
     return specs
 
 
-def _positive_int(options: dict, key: str, default: int, low: int = 1) -> int:
-    value = options.get(key)
-    value = default if value is None else value
-    flag = "--" + key.replace("_", "-")
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise EffattnError(f"{flag} must be an integer >= {low}, got {value!r}", f"pass e.g. {flag} {default}")
-    return value
+class ReRoPEOptions(ConversionOptions):
+    window: int = Field(256, ge=1, description="W: keys this close keep exact RoPE; older keys are quantized (vq)")
+    far_position: int | None = Field(None, ge=1, description="relative position ReRoPE gives every key beyond the "
+                                     f"window (default {FAR_MULTIPLE} x window)")
+    block_size: int = Field(64, ge=1, description="query/key tile of the attention kernel")
+
+
+class VQOptions(ReRoPEOptions):
+    codebook_size: int = Field(512, ge=1, description="codewords per layer and KV head")
+    sinks: int = Field(0, ge=0, description="first positions of a sequence that are never quantized")
+    calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file")
+    calib_tokens: int = Field(16384, ge=1, description="calibration tokens")
+    calib_seq_len: int = Field(1024, ge=1, description="calibration sequence length (longer than the window)")
+    metric: Metric = Field(
+        "attention", description="k-means fit: attention (keys weighted by the attention they get when far), "
+                                 "query (logit error under the model's queries) or key (plain distance)")
+    kmeans: KMeansMethod = Field("torch", description="k-means implementation (sklearn: MiniBatchKMeans)")
+    code_bias: bool = Field(False, description="per-code logit correction for the keys each code stands for "
+                                               "(measured: worse)")
+    exact_heads: int = Field(0, ge=0, description="K: the K KV heads whose attention output ReRoPE + VQ changes most "
+                                                  "on the calibration text keep their original attention")
+    key_means: bool | None = Field(None, description="score each code at the mean of the sequence's far keys it holds "
+                                                     "(default, unless code_bias) rather than at its codeword")
 
 
 @dataclass(frozen=True)
@@ -96,24 +115,23 @@ class _Common:
 class _ReRoPEBase:
     quantize = False
 
-    def _common(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> _Common:
+    def _common(self, ckpt: Checkpoint, family: Family, opts: ReRoPEOptions, target) -> _Common:
         from ..attention.vq import vq_config_from
 
         if family.rope_layout != "rotate_half":
             raise EffattnError(f"{family.name} does not use rotate-half RoPE", "ReRoPE needs a RoPE model")
         shape = AttentionShape.of(ckpt.config)
-        window = _positive_int(options, "window", 256)
-        far = _positive_int(options, "far_position", FAR_MULTIPLE * window)
+        window = opts.window
+        far = opts.far_position or FAR_MULTIPLE * window
         if far < window:
             raise EffattnError(f"--far-position {far} is inside the window ({window}): far keys would be seen closer "
                                "than near ones", f"use --far-position {window} or more (default {FAR_MULTIPLE} x window)")
-        sinks = _positive_int(options, "sinks", 0, low=0)
-        block = _positive_int(options, "block_size", 64)
-        size = _positive_int(options, "codebook_size", 512) if self.quantize else 1
-        target = options.get("dtype")
-        use_bias = bool(options.get("code_bias")) and self.quantize  # off by default: measured to hurt
+        sinks = getattr(opts, "sinks", 0)
+        block = opts.block_size
+        size = opts.codebook_size if self.quantize else 1
+        use_bias = self.quantize and opts.code_bias  # off by default: measured to hurt
         # on by default: measured better on every held-out corpus (BENCHMARKS.md, vq-key-means)
-        key_means = self.quantize and bool(options.get("key_means", not use_bias))
+        key_means = self.quantize and (not use_bias if opts.key_means is None else opts.key_means)
         if key_means and use_bias:
             raise EffattnError("--code-bias corrects a fixed codeword, which --key-means replaces",
                                "pass --no-key-means with --code-bias, or drop --code-bias")
@@ -136,13 +154,13 @@ class ReRoPEConversion(_ReRoPEBase):
     name = "rerope"
     description = "ReRoPE: exact RoPE within --window tokens, one constant relative position beyond (weight-only)"
 
-    options = ("window", "far_position", "block_size")
+    Options = ReRoPEOptions
 
     def targets(self, config: dict[str, Any]) -> str:
         return "--window W: exact RoPE within W tokens, one relative position beyond (weight-only)"
 
-    def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
-        c = self._common(ckpt, family, options)
+    def plan(self, ckpt: Checkpoint, family: Family, opts: ReRoPEOptions, target=None) -> Plan:
+        c = self._common(ckpt, family, opts, target)
         shape, kv = c.shape, c.kv_before
         return Plan(
             conversion=self.name, settings={"window": c.window, "far_position": c.far}, config=c.config, specs=c.specs,
@@ -167,28 +185,19 @@ class VQConversion(_ReRoPEBase):
     name = "vq"
     description = "Transformer-VQ: ReRoPE window + keys beyond it quantized to k-means codebooks (linear time)"
     quantize = True
-    options = ("codebook_size", "window", "far_position", "sinks", "block_size", "calib", "calib_tokens", "calib_seq_len", "metric",
-               "kmeans", "code_bias", "exact_heads", "key_means")
+    Options = VQOptions
 
     def targets(self, config: dict[str, Any]) -> str:
         return ("effattn vq-init MODEL --codebook-size C --window W [--sinks S] [--exact-heads K] [--calib ...]: ReRoPE window + "
                 "k-means codebooks, linear-time attention, constant-size cache")
 
-    def plan(self, ckpt: Checkpoint, family: Family, options: dict[str, Any]) -> Plan:
+    def plan(self, ckpt: Checkpoint, family: Family, opts: VQOptions, target=None) -> Plan:
         from .calibrate import CalibSettings
 
-        c = self._common(ckpt, family, options)
+        c = self._common(ckpt, family, opts, target)
         shape, window, sinks, size, kv = c.shape, c.window, c.sinks, c.size, c.kv_before
-        metric = options.get("metric") or "attention"
-        if metric not in METRICS:
-            raise EffattnError(f"unknown --metric {metric!r}", one_of(metric, METRICS))
-        method = options.get("kmeans") or "torch"
-        if method not in KMEANS:
-            raise EffattnError(f"unknown --kmeans {method!r}", one_of(method, KMEANS))
-        calib = CalibSettings(corpus=options.get("calib") or DEFAULT_CALIB,
-                              tokens=_positive_int(options, "calib_tokens", 16384),
-                              seq_len=_positive_int(options, "calib_seq_len", 1024)).validate()
-        exact_heads = _positive_int(options, "exact_heads", 0, low=0)
+        metric, method, exact_heads = opts.metric, opts.kmeans, opts.exact_heads
+        calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens, seq_len=opts.calib_seq_len).validate()
         if exact_heads > shape.layers * shape.kv_heads:
             raise EffattnError(f"--exact-heads {exact_heads} is more than the model's {shape.layers * shape.kv_heads} "
                                f"KV heads ({shape.layers} layers x {shape.kv_heads})",

@@ -29,8 +29,8 @@ class _Section(BaseModel):
 
 
 class ConvertStep(BaseModel):
-    """Run a conversion first; every key but `to` is passed to the conversion as an option
-    (`kv_heads`, `method`, `calib`, `calib_tokens`, ...), which validates it."""
+    """Run a conversion first; every key but `to` is one of the conversion's options (`kv_heads`,
+    `method`, `calib`, `calib_tokens`, ...), checked against its options model in `validate_recipe`."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
     to: str
@@ -225,11 +225,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         problems = [_explain(e) for e in exc.errors()]
         raise EffattnError(f"{source} is invalid: " + "; ".join(problems),
                            "fix these keys (`effattn recipes cp heal-gqa FILE` shows every section)") from None
+    step = recipe.student.convert
+    if step is not None:  # the conversion's own options model checks its options, as on the command line
+        from ..convert.options import recipe_key, resolve
+
+        try:
+            resolve(step.to, step.options(), name=recipe_key("student.convert."), what="student.convert.to")
+        except EffattnError as exc:
+            raise EffattnError(f"{source} is invalid: {exc.what}", exc.fix) from None
+    return recipe
 
 
 def load_recipe(recipe: str | Path, overrides: list[str] | None = None, *, output: str | Path | None = None) -> Recipe:
