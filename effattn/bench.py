@@ -12,7 +12,8 @@ Every (kind, length) point runs in a fresh Python subprocess, so that its memory
   output tensor (reported separately as ``output_bytes``) and everything the kernel allocates.
   On CUDA it is ``torch.cuda.max_memory_allocated`` over the pass, minus the memory before it.
 
-Kinds, all taking pre-RoPE q/k and the RoPE tables as inputs, so that every kind pays its own rotations:
+Kinds are a registry (``BENCH_KINDS``, ``register_kind``; ``effattn bench --attention list`` shows it),
+all taking pre-RoPE q/k and the RoPE tables as inputs, so that every kind pays its own rotations:
 
 * ``sdpa``: RoPE on q and k, then ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``;
 * ``vq``: nearest-codeword codes for the keys (1024 positions at a time) then ``vq_attention_chunk``;
@@ -29,14 +30,75 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from effattn.errors import EffattnError, one_of
 
-KINDS = ("sdpa", "vq", "vq_means", "vq_naive")
 NAIVE_MAX_LENGTH = 8192  # vq_naive materialises several (heads, T, T) tensors
+
+
+@dataclass(frozen=True)
+class BenchKind:
+    """One attention implementation to benchmark. `build(x)` takes the inputs of one point (``x``: q
+    [1, T, H, D], k/v [1, T, G, D] pre-RoPE, cos/sin [T, D], the spec's settings, ...) and returns a
+    closure running one forward on them."""
+
+    name: str
+    description: str
+    build: Callable[[dict], Callable[[], torch.Tensor]]
+    max_length: int | None = None  # longer lengths are refused (e.g. quadratic-memory references)
+
+
+BENCH_KINDS: dict[str, BenchKind] = {}
+
+
+def register_kind(kind: BenchKind) -> None:
+    BENCH_KINDS[kind.name] = kind
+
+
+def _sdpa(x: dict):
+    q, k, v, cos, sin = x["q"], x["k"], x["v"], x["cos"], x["sin"]
+
+    def run():
+        from effattn.kernels.rope import apply_rope
+
+        q_rot = apply_rope(q, cos[:, None], sin[:, None]).transpose(1, 2)  # (1, H, T, D)
+        k_rot = apply_rope(k, cos[:, None], sin[:, None]).transpose(1, 2)  # (1, G, T, D)
+        out = torch.nn.functional.scaled_dot_product_attention(q_rot, k_rot, v.transpose(1, 2), is_causal=True,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2)
+
+    return run
+
+
+def _vq(naive: bool = False, key_means: bool = False):
+    def build(x: dict):
+        from effattn.kernels.vq import nearest_codes, vq_attention_chunk, vq_attention_naive
+
+        kernel = vq_attention_naive if naive else vq_attention_chunk
+        spec = x["spec"]
+        codebook = x["randn"](spec["kv_heads"], spec["codebook_size"], spec["head_dim"])
+
+        def run():
+            codes = nearest_codes(x["k"], codebook)
+            return kernel(x["q"], x["k"], x["v"], codebook, codes, x["cos"], x["sin"], x["far_cos"], x["far_sin"],
+                          window=spec["window"], block_size=spec["block_size"], sinks=spec["sinks"], key_means=key_means)
+
+        return run
+
+    return build
+
+
+for _kind in (
+    BenchKind("sdpa", "RoPE on q and k, then scaled_dot_product_attention (causal, GQA)", _sdpa),
+    BenchKind("vq", "Transformer-VQ: nearest-codeword codes, then the chunked kernel (vq_attention_chunk)", _vq()),
+    BenchKind("vq_means", "vq with key means (codes scored at the mean of their keys)", _vq(key_means=True)),
+    BenchKind("vq_naive", "vq through the quadratic reference vq_attention_naive", _vq(naive=True), NAIVE_MAX_LENGTH),
+):
+    register_kind(_kind)
 MEASURED = ("time_s", "time_min_s", "cpu_time_s", "peak_mem_bytes", "output_bytes", "threads")
 
 
@@ -67,7 +129,7 @@ def bench_attention(
     """Time one attention layer forward and measure its peak memory, per kind and length.
 
     Args:
-        kinds: any of ``KINDS``.
+        kinds: names in ``BENCH_KINDS``.
         lengths: sequence lengths T (batch 1, causal).
         heads, kv_heads, head_dim: query heads, key/value heads (``heads % kv_heads == 0``), head size.
         window, codebook_size, block_size, sinks: Transformer-VQ settings (W, C, L, sinks).
@@ -125,9 +187,9 @@ def check_settings(
     threads=None, device="cpu", omp_wait_policy=None,
 ) -> None:  # fmt: skip
     """Raise :class:`BenchSettingsError` (a ValueError) on the first bad setting of ``bench_attention``."""
-    unknown = [kind for kind in kinds if kind not in KINDS]
+    unknown = [kind for kind in kinds if kind not in BENCH_KINDS]
     if unknown:
-        raise BenchSettingsError(f"Unknown attention kind(s) {unknown}", one_of(unknown[0], KINDS))
+        raise BenchSettingsError(f"Unknown attention kind(s) {unknown}", one_of(unknown[0], BENCH_KINDS))
     if not kinds or not lengths:
         raise BenchSettingsError("No attention kind or no length to measure", "pass at least one of each")
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -150,11 +212,12 @@ def check_settings(
         raise BenchSettingsError(f"Unknown device {device!r}", "pass cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise BenchSettingsError(f"device {device!r} asked for, but torch sees no CUDA GPU", "pass --device cpu")
-    if "vq_naive" in kinds and max(lengths) > NAIVE_MAX_LENGTH:
-        raise BenchSettingsError(
-            f"vq_naive is quadratic in memory and limited to lengths <= {NAIVE_MAX_LENGTH}, got {max(lengths)}",
-            "benchmark it on shorter sequences, or leave it out",
-        )
+    for name in kinds:
+        limit = BENCH_KINDS[name].max_length
+        if limit is not None and max(lengths) > limit:
+            raise BenchSettingsError(f"{name} is limited to lengths <= {limit}, got {max(lengths)} "
+                                     f"({BENCH_KINDS[name].description})",
+                                     "benchmark it on shorter sequences, or leave it out")
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -270,10 +333,9 @@ def _max_rss_bytes() -> int:
 
 def _layer(kind: str, spec: dict, T: int, device: str):
     """Inputs and a closure running one attention forward on them."""
-    from effattn.kernels.rope import apply_rope, rope_tables
-    from effattn.kernels.vq import nearest_codes, vq_attention_chunk, vq_attention_naive
+    from effattn.kernels.rope import rope_tables
 
-    H, G, D, W, C = spec["heads"], spec["kv_heads"], spec["head_dim"], spec["window"], spec["codebook_size"]
+    H, G, D, W = spec["heads"], spec["kv_heads"], spec["head_dim"], spec["window"]
     dtype = getattr(torch, spec["dtype"])
     gen = torch.Generator(device=device).manual_seed(spec["seed"])
 
@@ -281,31 +343,11 @@ def _layer(kind: str, spec: dict, T: int, device: str):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
     q, k, v = randn(1, T, H, D), randn(1, T, G, D), randn(1, T, G, D)
-    codebook = randn(G, C, D)
     cos, sin = (x.to(device, dtype) for x in rope_tables(T, D))
     far_cos, far_sin = (x[0].to(device, dtype) for x in rope_tables(torch.tensor([W]), D))
-
-    if kind == "sdpa":
-
-        def run():
-            q_rot = apply_rope(q, cos[:, None], sin[:, None]).transpose(1, 2)  # (1, H, T, D)
-            k_rot = apply_rope(k, cos[:, None], sin[:, None]).transpose(1, 2)  # (1, G, T, D)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q_rot, k_rot, v.transpose(1, 2), is_causal=True, enable_gqa=True
-            )
-            return out.transpose(1, 2)
-
-    else:
-        kernel = vq_attention_naive if kind == "vq_naive" else vq_attention_chunk
-
-        def run():
-            codes = nearest_codes(k, codebook)
-            return kernel(
-                q, k, v, codebook, codes, cos, sin, far_cos, far_sin,
-                window=W, block_size=spec["block_size"], sinks=spec["sinks"], key_means=kind == "vq_means",
-            )  # fmt: skip
-
-    return run
+    inputs = {"q": q, "k": k, "v": v, "cos": cos, "sin": sin, "far_cos": far_cos, "far_sin": far_sin, "spec": spec,
+              "randn": randn, "device": device, "dtype": dtype}
+    return BENCH_KINDS[kind].build(inputs)
 
 
 def _measure(spec: dict) -> dict:
@@ -387,7 +429,8 @@ def table_rows(results: list[dict]) -> list[tuple[str, ...]]:
     """Rows of ``TABLE_COLUMNS`` as text, by length then kind, with speed-ups over SDPA at each length."""
     sdpa = {r["length"]: r for r in results if r["kind"] == "sdpa"}
     rows = []
-    for r in sorted(results, key=lambda r: (r["length"], KINDS.index(r["kind"]))):
+    order = list(BENCH_KINDS)
+    for r in sorted(results, key=lambda r: (r["length"], order.index(r["kind"]) if r["kind"] in order else len(order))):
         ref = sdpa.get(r["length"])
         rows.append((
             r["kind"], str(r["length"]), f"{r['time_s']:.3f}",

@@ -109,8 +109,13 @@ def _conversion_flags(func, conversions: list[str]):
                                         default=typer.Option(None, *decls, help=help_, show_default=False)))
     sig = _inspect.signature(func, eval_str=True)
     fixed = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    func.__signature__ = sig.replace(parameters=fixed + flags)
-    return func
+
+    def command(**kwargs):
+        return func(**kwargs)
+
+    command.__name__, command.__doc__ = func.__name__, func.__doc__
+    command.__signature__ = sig.replace(parameters=fixed + flags)
+    return command
 
 
 def convert(
@@ -156,13 +161,23 @@ def vq_init(
 
 
 def _register_conversion_commands() -> None:
+    """(Re)build `convert` and `vq-init` from the conversions registered now (a plugin or a test may
+    have added one since import), keeping their place in `effattn --help`."""
+    from typer.models import CommandInfo
+
     from .convert import CONVERSIONS
 
-    app.command("convert")(_conversion_flags(convert, list(CONVERSIONS)))
-    app.command("vq-init")(_conversion_flags(vq_init, ["vq"]))
+    for name, func, convs in (("convert", convert, list(CONVERSIONS)), ("vq-init", vq_init, ["vq"])):
+        info = CommandInfo(name=name, callback=_conversion_flags(func, convs))
+        places = [i for i, c in enumerate(app.registered_commands) if c.name == name]
+        if places:
+            app.registered_commands[places[0]] = info
+        else:
+            app.registered_commands.insert(1 if name == "convert" else 2, info)
 
 
-_register_conversion_commands()
+app.command("convert")(convert)  # placeholders, in their place in `effattn --help`; main() builds their flags
+app.command("vq-init")(vq_init)
 
 
 def conversion_help(to: str) -> None:
@@ -256,7 +271,8 @@ def eval_(
 
 @app.command()
 def bench(
-    attention: str = typer.Option("sdpa,vq", "--attention", help="comma list of sdpa, vq, vq_means (key means), vq_naive"),
+    attention: str = typer.Option("sdpa,vq", "--attention", help="comma list of registered kinds; `--attention list` "
+                                                                 "shows them (sdpa, vq, vq_means, vq_naive, ...)"),
     lengths: str = typer.Option("1024,4096,16384,32768", "--lengths", help="comma list of sequence lengths"),
     heads: int = typer.Option(9, "--heads", help="query heads (SmolLM2's by default)"),
     kv_heads: int = typer.Option(3, "--kv-heads", help="key/value heads, dividing --heads"),
@@ -279,9 +295,15 @@ def bench(
 
     Every point runs in a fresh process. Results: BENCHMARKS.md, written by benchmarks/bench_vq_attention.py.
     """
-    from .bench import (TABLE_COLUMNS, check_plot_path, describe, parse_kinds, parse_lengths, plot_bench,
+    from .bench import (BENCH_KINDS, TABLE_COLUMNS, check_plot_path, describe, parse_kinds, parse_lengths, plot_bench,
                         run_report, table_rows)
 
+    if attention.strip() == "list":
+        if as_json:
+            return _print_json({k.name: {"description": k.description, "max_length": k.max_length}
+                                for k in BENCH_KINDS.values()})
+        return out.print(_kv_table([(k.name, k.description + (f" (lengths <= {k.max_length:,})" if k.max_length else ""))
+                                    for k in BENCH_KINDS.values()], title="effattn bench · attention kinds"))
     kinds, sizes = parse_kinds(attention), parse_lengths(lengths)
     settings = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, codebook_size=codebook_size,
                     block_size=block_size, sinks=sinks, dtype=dtype, repeats=repeats, threads=threads, device=device,
@@ -460,6 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if argv[:1] == ["convert"] and {"--help", "-h"} & set(argv) and "--to" in argv[:-1]:
             return conversion_help(argv[argv.index("--to") + 1])
+        _register_conversion_commands()
         app(args=argv, prog_name="effattn", standalone_mode=False)
     except EffattnError as exc:
         if DEBUG:

@@ -60,8 +60,10 @@ _BY_MODEL_TYPE = {mt: f for f in FAMILIES.values() for mt in f.model_types}
 
 def family_for(config: dict[str, Any]) -> Family:
     """The family of a config.json dict; a one-line error for anything else."""
+    from .models import model_spec
+
     model_type = config.get("model_type")
-    if model_type == "effattn_vq":  # effattn's VQ/ReRoPE model keeps its base family's layout
+    if model_spec(model_type):  # effattn's own models keep their base family's layout
         model_type = config.get("base_model_type")
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from effattn.bench import KINDS
+from effattn.bench import BENCH_KINDS as KINDS
 
 from .test_cli_errors import assert_one_line_error, run_cli
 
@@ -57,7 +57,7 @@ def test_bench_prints_a_table(capsys):
     (["--lengths", ","], ["not a comma-separated list", "pass e.g."]),
     (["--lengths", "0"], ["length 0 must be at least 1"]),
     (["--heads", "9", "--kv-heads", "2"], ["heads=9 is not a multiple of kv_heads=2", "[1, 3, 9]"]),
-    (["--attention", "vq_naive", "--lengths", "16384"], ["vq_naive is quadratic", "<= 8192"]),
+    (["--attention", "vq_naive", "--lengths", "16384"], ["vq_naive is limited to lengths <= 8192", "<= 8192"]),
     (["--dtype", "float33"], ["Unknown dtype 'float33'", "bfloat16"]),
     (["--repeats", "0"], ["repeats must be at least 1"]),
     (["--sinks", "-1"], ["sinks must be 0 or more"]),
@@ -76,3 +76,16 @@ def test_bench_plot_folder_must_exist(capsys, tmp_path):
     code, _, err = run_cli(capsys, "bench", "--plot", tmp_path / "bench.xyz")
     assert_one_line_error(code, err, "image format", ".png")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_attention_list_shows_every_registered_kind(capsys):
+    from effattn.bench import BenchKind, register_kind, BENCH_KINDS
+
+    code, stdout, _ = run_cli(capsys, "bench", "--attention", "list", "--json")
+    assert code == 0 and set(json.loads(stdout)) == set(BENCH_KINDS) >= {"sdpa", "vq", "vq_means", "vq_naive"}
+    register_kind(BenchKind("sdpa_copy", "a kind registered from outside", BENCH_KINDS["sdpa"].build))
+    try:
+        code, stdout, _ = run_cli(capsys, "bench", "--attention", "list")
+        assert code == 0 and "sdpa_copy" in stdout and "registered from outside" in stdout
+    finally:
+        BENCH_KINDS.pop("sdpa_copy")

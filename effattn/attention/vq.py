@@ -393,17 +393,6 @@ class EffattnVQForCausalLM(EffattnVQPreTrainedModel, GenerationMixin):
         return [layer.self_attn for layer in self.model.layers]
 
 
-def register() -> None:
-    """Make `AutoConfig`/`AutoModelForCausalLM` know `effattn_vq` (called by `import effattn`)."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        AutoConfig.register(VQ_MODEL_TYPE, EffattnVQConfig)
-        AutoModelForCausalLM.register(EffattnVQConfig, EffattnVQForCausalLM)
-    except ValueError:  # already registered (e.g. a reload)
-        pass
-
-
 def vq_config_from(base: dict, **settings) -> dict:
     """The config.json dict of a VQ model built on the base model's config dict."""
     unknown = set(settings) - set(VQ_DEFAULTS)

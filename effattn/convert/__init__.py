@@ -1,4 +1,11 @@
-"""The conversion registry. Adding a conversion is one module and one line here."""
+"""The conversion registry. Adding a conversion is one module and one line here.
+
+A conversion declares everything the rest of effattn needs (base.py's `Conversion`): its name,
+aliases (other names with preset options, e.g. mqa = gqa with kv_heads 1), `Options` (options.py),
+`plan`, `run`, `targets` (the line `effattn inspect` shows), and `model`, the ModelSpec of its own
+model class where no native architecture fits (models.py). `register_conversion` adds one at run time
+(a plugin, or a test).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +14,20 @@ from .base import ConvertResult, Plan, convert, read_record
 from .gqa import GQAConversion
 from .vq import ReRoPEConversion, VQConversion
 
-CONVERSIONS = {c.name: c for c in [GQAConversion(), ReRoPEConversion(), VQConversion()]}
-ALIASES = {"mqa": ("gqa", {"kv_heads": 1}), "mha": ("gqa", {"kv_heads": "heads"})}
+CONVERSIONS: dict = {}
+ALIASES: dict[str, tuple[str, dict]] = {}  # alias -> (conversion, preset options)
+
+
+def register_conversion(conversion) -> None:
+    """Add `conversion` (and its aliases) to the registry, and its model class if it declares one."""
+    CONVERSIONS[conversion.name] = conversion
+    for alias, preset in getattr(conversion, "aliases", {}).items():
+        ALIASES[alias] = (conversion.name, preset)
+    if getattr(conversion, "model", None) is not None:
+        from ..models import MODEL_SPECS, register_model
+
+        if conversion.model.model_type not in MODEL_SPECS:
+            register_model(conversion.model)
 
 
 def get_conversion(name: str):
@@ -17,4 +36,8 @@ def get_conversion(name: str):
     return CONVERSIONS[name]
 
 
-__all__ = ["CONVERSIONS", "ALIASES", "ConvertResult", "Plan", "convert", "get_conversion", "read_record"]
+for _conversion in (GQAConversion(), ReRoPEConversion(), VQConversion()):
+    register_conversion(_conversion)
+
+__all__ = ["CONVERSIONS", "ALIASES", "ConvertResult", "Plan", "convert", "get_conversion", "read_record",
+           "register_conversion"]

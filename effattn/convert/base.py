@@ -27,6 +27,7 @@ from ..io.checkpoint import Checkpoint
 from ..io.load import as_ref, parse_dtype
 from ..io.resolve import ModelRef
 from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, copy_side_files, parse_size, write_json
+from ..models import model_spec
 from .options import ConversionOptions, resolve
 
 
@@ -133,9 +134,10 @@ def convert(
     conversion, opts = resolve(to, dict(options or {}))
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)
-    if ckpt.config.get("model_type") == "effattn_vq":
-        raise EffattnError(f"{ref.spec} is already a ReRoPE/VQ model (effattn_vq)",
-                           "convert the model it came from (see its effattn.json), or chain GQA first, then vq")
+    made_by_us = model_spec(ckpt.config.get("model_type"))
+    if made_by_us:
+        raise EffattnError(f"{ref.spec} is already an effattn model ({made_by_us.description})",
+                           "convert the model it came from (see its effattn.json), or chain the conversions in another order")
     family = family_for(ckpt.config)
     target = parse_dtype(dtype)
     plan = conversion.plan(ckpt, family, opts, target)
@@ -152,8 +154,9 @@ def convert(
         writer.close()
         write_json(tmp / "config.json", plan.config)
         copy_side_files(ckpt.side_files(), tmp)
-        if hasattr(conversion, "write_extra"):  # e.g. bundled modeling code for trust_remote_code
-            conversion.write_extra(tmp)
+        spec = model_spec(plan.config.get("model_type"))
+        if spec is not None:  # effattn's own model class: its code goes beside the weights (trust_remote_code)
+            spec.write_code(tmp)
         seconds = time.perf_counter() - t0
         measurements = None
         if measure or (measure is None and ckpt.num_params <= 3e9):

@@ -310,6 +310,8 @@ def valid_kv_heads(heads: int) -> list[int]:
 
 class GQAConversion:
     Options = GQAOptions
+    aliases = {"mqa": {"kv_heads": 1}, "mha": {"kv_heads": "heads"}}
+    model = None  # native: the same architecture with fewer KV heads
     name = "gqa"
     description = "change the number of KV heads: GQA, MQA (kv_heads=1) or MHA (kv_heads=heads)"
 

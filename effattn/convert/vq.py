@@ -26,9 +26,7 @@ The output loads with `AutoModelForCausalLM.from_pretrained(OUT)` after `import 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
@@ -43,6 +41,7 @@ from ..io.writer import SafetensorsWriter, TensorSpec
 from ..kernels.rope import apply_rope
 from .base import Plan, layer_bytes, out_dtype, passthrough, same_specs
 from .kmeans import KMeansMethod, kmeans
+from ..models import ModelSpec
 from .options import ConversionOptions
 
 # Default far position (`--far-position`) as a multiple of the window. ReRoPE classically sees far keys
@@ -112,6 +111,12 @@ class _Common:
     target: Any  # the output dtype, or None to keep the checkpoint's
 
 
+def _vq_classes():
+    from ..attention.vq import EffattnVQConfig, EffattnVQForCausalLM
+
+    return EffattnVQConfig, EffattnVQForCausalLM
+
+
 class _ReRoPEBase:
     quantize = False
 
@@ -146,8 +151,11 @@ class _ReRoPEBase:
         specs = same_specs(ckpt, target) + vq_buffer_specs(family, shape, size)
         return _Common(shape, window, far, sinks, block, size, config, kv_before, specs, target)
 
-    def write_extra(self, folder: Path) -> None:
-        (folder / "modeling_effattn_vq.py").write_text(bundle_modeling_code())
+    model = ModelSpec(
+        model_type="effattn_vq", description="Transformer-VQ / ReRoPE attention (effattn_vq)",
+        config_class=lambda: _vq_classes()[0], model_class=lambda: _vq_classes()[1],
+        modeling_file="modeling_effattn_vq.py",
+        modules=("kernels/rope.py", "kernels/vq/naive.py", "kernels/vq/chunk.py", "kernels/vq/codes.py", "attention/vq.py"))
 
 
 class ReRoPEConversion(_ReRoPEBase):
@@ -421,43 +429,3 @@ def _write_buffers(writer: SafetensorsWriter, family: Family, layer: int, buffer
     base = f"{family.prefix(layer)}self_attn."
     for name, tensor in buffers.items():
         writer.write(base + name, tensor.float().contiguous())
-
-
-
-
-def export_code_for(model: torch.nn.Module):
-    """`save_model`'s export hook for effattn's own model classes (None for native models)."""
-    if getattr(model.config, "model_type", None) != "effattn_vq":
-        return None
-    return lambda _model, folder: (folder / "modeling_effattn_vq.py").write_text(bundle_modeling_code())
-
-
-# -- remote code: one self-contained modeling file -------------------------------------------------------
-
-_BUNDLE = ("kernels/rope.py", "kernels/vq/naive.py", "kernels/vq/chunk.py", "kernels/vq/codes.py", "attention/vq.py")
-
-
-def bundle_modeling_code() -> str:
-    """effattn's VQ model and its kernels as one module, for `trust_remote_code=True` without effattn."""
-    root = Path(__file__).resolve().parent.parent
-    header = ['"""Transformer-VQ model code written by effattn (https://pypi.org/project/effattn), bundled from its',
-              "modules " + ", ".join(f"effattn/{p}" for p in _BUNDLE) + ".",
-              'Loaded by transformers with trust_remote_code=True; `import effattn` registers the same classes."""',
-              ""]
-    imports, bodies = [], []
-    for rel in _BUNDLE:
-        text = (root / rel).read_text()
-        text = re.sub(r'\A\s*(?:"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\')\s*\n', "", text)  # module docstring
-        body = []
-        for line in text.splitlines():
-            if line.startswith("from effattn") or line.startswith("import effattn") or line.startswith("from .."):
-                continue
-            if line.startswith("from __future__"):
-                continue
-            if line.startswith("import ") or line.startswith("from "):
-                if line not in imports:
-                    imports.append(line)
-                continue
-            body.append(line)
-        bodies.append(f"# ---- effattn/{rel} " + "-" * max(0, 80 - len(rel)) + "\n" + "\n".join(body).strip() + "\n")
-    return "\n".join(header + sorted(set(imports), key=imports.index) + ["", ""] + ["\n\n".join(bodies)])

@@ -40,8 +40,8 @@ from ..convert import convert, read_record
 from ..errors import EffattnError
 from ..io.checkpoint import Checkpoint
 from ..io.load import as_ref, load_model
-from ..convert.vq import export_code_for
 from ..io.save import save_model
+from ..models import export_code_for
 from ..io.writer import finish_interrupted_swap, write_json, write_text
 from ..killpoints import kill_point
 from .config import Optimizer, Recipe, Schedule, Student, Train
@@ -389,7 +389,7 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
             "final_eval": final_eval,
             "teacher_eval": teacher_eval,
         })
-        out = save_model(final, tokenizer, run.out, record, card=finetune_card(run.out.name, record), dtype=save_dtype,
+        out = save_model(final, tokenizer, run.out, record, card=finetune_card(run.out.name, record, final.config.model_type), dtype=save_dtype,
                          force=True, side_files=Checkpoint(student_path).side_files(),
                          extra_files={"recipe.yaml": run.recipe, "metrics.jsonl": run.metrics, "curves.png": run.curves},
                          export_code=export_code_for(final))

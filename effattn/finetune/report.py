@@ -43,7 +43,7 @@ def plot_curves(records: list[dict[str, Any]], path: Path, teacher: dict[str, fl
     return path
 
 
-def finetune_card(name: str, record: dict[str, Any]) -> str:
+def finetune_card(name: str, record: dict[str, Any], model_type: str | None = None) -> str:
     """README.md of a fine-tuned (healed) model."""
     ft = record["finetune"]
     src = record.get("source") or {}
@@ -95,7 +95,7 @@ def finetune_card(name: str, record: dict[str, Any]) -> str:
                   "The resolved recipe is `recipe.yaml` in this folder; `metrics.jsonl` and `curves.png` hold the run.", ""]
     from ..io.card import load_section
 
-    lines += load_section(name, (record.get("conversion") or {}).get("to") in ("vq", "rerope"))
+    lines += load_section(name, model_type)
     return "\n".join(lines)
 
 

@@ -68,15 +68,17 @@ def model_card(name: str, record: dict[str, Any], plan) -> str:
         lines += ["## Measured", "", "Not measured at conversion time; run `effattn eval OUT --baseline SOURCE`.", ""]
     if record.get("command"):
         lines += ["## Reproduce", "", "```", record["command"], "```", ""]
-    lines += load_section(name, conv["to"] in ("vq", "rerope"))
+    lines += load_section(name, plan.config.get("model_type"))
     return "\n".join(lines)
 
 
-def load_section(name: str, effattn_model: bool) -> list[str]:
+def load_section(name: str, model_type: str | None) -> list[str]:
     """The card's "Load" lines: plain transformers, plus the registration for effattn's own classes."""
+    from ..models import model_spec
+
     lines = ["## Load", "", "```python"]
-    if effattn_model:
-        lines.append("import effattn  # registers effattn_vq; or pass trust_remote_code=True (code bundled here)")
+    if model_spec(model_type):
+        lines.append(f"import effattn  # registers {model_type}; or pass trust_remote_code=True (code bundled here)")
     return lines + [
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f'model = AutoModelForCausalLM.from_pretrained("{name}")',
