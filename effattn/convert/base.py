@@ -44,7 +44,9 @@ class Plan:
     est_seconds: float = 0.0
     est_peak_bytes: int = 0
     state: dict[str, Any] = field(default_factory=dict)  # conversion-specific plan details
-    measured: dict[str, Any] = field(default_factory=dict)  # what the run measured (e.g. per-layer losses), recorded
+    # What the run decided or measured: "config" (data-dependent config.json keys) and "settings"
+    # (recorded with the options) complete the plan; anything else goes to effattn.json's conversion_run.
+    measured: dict[str, Any] = field(default_factory=dict)
 
     @property
     def output_bytes(self) -> int:
@@ -152,7 +154,8 @@ def convert(
         writer = SafetensorsWriter(tmp, plan.specs, parse_size(max_shard_size))
         conversion.run(ckpt, family, plan, writer, progress)
         writer.close()
-        write_json(tmp / "config.json", plan.config)
+        # choices the run made from data (e.g. which heads stay exact) complete the planned config
+        write_json(tmp / "config.json", plan.config | plan.measured.get("config", {}))
         copy_side_files(ckpt.side_files(), tmp)
         spec = model_spec(plan.config.get("model_type"))
         if spec is not None:  # effattn's own model class: its code goes beside the weights (trust_remote_code)
@@ -167,12 +170,13 @@ def convert(
             "command": command,
             "source": {"model": ref.spec, "kind": ref.kind, "path": str(ref.path), "model_type": ckpt.config.get("model_type"),
                        "num_key_value_heads": ckpt.config.get("num_key_value_heads"), "num_params": ckpt.num_params},
-            "conversion": {"to": plan.conversion, **plan.settings},
+            "conversion": {"to": plan.conversion, **plan.settings, **plan.measured.get("settings", {})},
             "seconds": round(seconds, 1),
             "measurements": measurements,
         }
-        if plan.measured:
-            record["conversion_run"] = plan.measured
+        run_record = {k: v for k, v in plan.measured.items() if k not in ("config", "settings")}
+        if run_record:  # what the run measured on the way (e.g. per-layer refinement losses)
+            record["conversion_run"] = run_record
         write_json(tmp / "effattn.json", record)
         from ..io.card import model_card
 

@@ -22,9 +22,13 @@ from ..errors import EffattnError, one_of
 from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
+from ..attention.functional import project_qkv
 from ..data.corpora import DEFAULT_CALIB
-from .base import Plan, kv_bytes_per_token, layer_bytes, out_dtype, passthrough, same_specs
+from .base import Plan, kv_bytes_per_token, layer_bytes, passthrough, same_specs
+from .calibrate import CalibSettings, batches, refit_o_proj
+from .layers import LayerInput, LayerOutput, run_layers
 from .options import ConversionOptions
+from .refine import RefineSettings
 from .headmerge import KeyMerge, align_keys, align_values, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
 
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -160,6 +164,27 @@ class LayerStats:
         if attn.v_bias is not None:
             value_cov = value_cov + torch.outer(attn.v_bias.double(), attn.v_bias.double())
         return cls(key_cov, q_energy, value_cov)
+
+
+class _Moments:
+    """Running second moments of q/k/v (the LayerStats) over calibration batches."""
+
+    def __init__(self):
+        self.n = 0
+        self.key_cov = self.q_energy = self.value_cov = 0
+
+    def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # per-batch products in single precision, running sums in double
+        half = q.shape[-1] // 2
+        self.q_energy = self.q_energy + (q.float() ** 2).sum(dim=(0, 1)).view(-1, 2, half).sum(1).double()  # (H, F)
+        zk = torch.complex(k[..., :half].float(), k[..., half:].float())  # (B, T, G, F)
+        self.key_cov = self.key_cov + torch.einsum("btgf,bthf->fgh", zk, zk.conj()).to(torch.complex128)
+        vf = v.flatten(2).flatten(0, 1).float()  # (B*T, G*d)
+        self.value_cov = self.value_cov + (vf.T @ vf).double()
+        self.n += q.shape[0] * q.shape[1]
+
+    def stats(self) -> LayerStats:
+        return LayerStats(self.key_cov / self.n, self.q_energy / self.n, self.value_cov / self.n)
 
 
 def output_metric(o: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -365,14 +390,10 @@ class GQAConversion:
         if method.needs_calibration and new_kv == shape.kv_heads:
             pass  # the identity is an exact copy: no calibration to run
         elif method.needs_calibration:
-            from .calibrate import CalibSettings
-
             calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens).validate()
             state["calib"] = calib
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
                          "ridge": calib.ridge if method.refit_o else None}
-            from .refine import RefineSettings
-
             refine = RefineSettings(steps=opts.refine_steps, lr=opts.refine_lr)
             state["refine"] = refine
             settings |= {"refine_steps": refine.steps, "refine_lr": refine.lr if refine.steps else None}
@@ -404,26 +425,37 @@ class GQAConversion:
         )
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
-        method, shape, new_kv, target = (plan.state[k] for k in ("method", "shape", "new_kv", "target"))
+        shape, new_kv, target, calib = (plan.state.get(k) for k in ("shape", "new_kv", "target", "calib"))
         if new_kv == shape.kv_heads:  # the identity: every method reduces to an exact copy
             passthrough(ckpt, writer, ckpt.names(), target)
             return
-        if method.needs_calibration:
-            from .calibrate import run_calibrated
+        plan.measured |= run_layers(
+            ckpt, family, writer, lambda layer: self.convert_layer(plan, family, layer), layers=shape.layers,
+            target=target, calib=calib, refine=plan.state.get("refine"), progress=progress,
+            description="calibrating layers" if calib else "converting layers")
 
-            run_calibrated(ckpt, family, plan, writer, progress)
-            return
-        done = set()
-        task = progress.add_task("converting layers", total=shape.layers) if progress else None
-        for layer in range(shape.layers):
-            names = LayerAttention.names(family, layer, ckpt)
-            gain_name = f"{family.prefix(layer)}{family.input_norm}.weight"
-            gain = ckpt.get(gain_name) if gain_name in ckpt else None
-            new = method.convert_layer(LayerAttention.read(ckpt, family, layer), shape, new_kv, input_gain=gain)
-            for role, name in names.items():
-                writer.write(name, getattr(new, role).to(out_dtype(ckpt.meta(name)[1], target)))
-                done.add(name)
-            ckpt.release()
-            if progress:
-                progress.advance(task)
-        passthrough(ckpt, writer, [n for n in ckpt.names() if n not in done], target)
+    @staticmethod
+    def convert_layer(plan: Plan, family: Family, layer: LayerInput) -> LayerOutput:
+        """One layer: merge the K/V heads (from the weights, or from calibration statistics), refit o_proj."""
+        method, shape, new_kv = (plan.state[k] for k in ("method", "shape", "new_kv"))
+        tensors = dict(layer.tensors)
+        names = LayerAttention.names(family, layer.index, tensors)
+        if layer.x is None:  # weight-only: the input RMSNorm's gain stands for the activations' scale
+            gain = tensors.get(f"{layer.prefix}{family.input_norm}.weight")
+            old = LayerAttention(**{role: tensors[name] for role, name in names.items()})
+            new = method.convert_layer(old, shape, new_kv, input_gain=gain)
+            return LayerOutput(tensors | {name: getattr(new, role) for role, name in names.items()})
+        calib: CalibSettings = plan.state["calib"]
+        eps = float(plan.config.get("rms_norm_eps", 1e-6))
+        old = LayerAttention(**{role: tensors[name].float() for role, name in names.items()})
+        norm = layer.original.input_layernorm
+        h = torch.cat([norm(layer.x[sl]) for sl in batches(layer.x, calib.batch_size)])  # (N, T, D) attention inputs
+        moments = _Moments()
+        for sl in batches(h, calib.batch_size):
+            moments.add(*project_qkv(h[sl], old, shape.head_dim, eps))
+        new = method.convert_layer(old, shape, new_kv, stats=moments.stats())
+        if method.refit_o:
+            new.o = refit_o_proj(new, old, h, layer.cos, layer.sin, shape, eps, calib)
+        for role, name in names.items():
+            tensors[name] = getattr(new, role)
+        return LayerOutput(tensors, module=layer.factory.layer(layer.index, tensors, new_kv))

@@ -32,16 +32,17 @@ from typing import Any, Literal, get_args
 import torch
 from pydantic import Field
 
-from ..attention.layerwise import LayerFactory
 from ..data.corpora import DEFAULT_CALIB
 from ..errors import EffattnError
 from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
 from ..kernels.rope import apply_rope
-from .base import Plan, layer_bytes, out_dtype, passthrough, same_specs
+from .base import Plan, layer_bytes, passthrough, same_specs
 from .kmeans import KMeansMethod, kmeans
 from ..models import ModelSpec
+from .calibrate import batches
+from .layers import LayerInput, LayerOutput, run_layers
 from .options import ConversionOptions
 
 # Default far position (`--far-position`) as a multiple of the window. ReRoPE classically sees far keys
@@ -251,100 +252,105 @@ class VQConversion(_ReRoPEBase):
                    "kmeans": method, "exact_heads": exact_heads},
         )
 
-    @torch.no_grad()
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
-        from ..attention.vq import EffattnVQConfig, VQAttention, far_position
-        from .calibrate import _batches, calibration_tokens
+        from ..attention.vq import EffattnVQConfig, far_position
 
         st = plan.state
-        shape, calib, target = st["shape"], st["calib"], st["target"]
+        shape = st["shape"]
         cfg = EffattnVQConfig(**plan.config)
-        factory = LayerFactory(ckpt.config, family)
-        ids = calibration_tokens(ckpt.folder, calib)  # (N, T)
-        T = ids.shape[1]
         far_at = far_position(cfg)
-        cos, sin = factory.rope(max(T, far_at + 1))
-        far = (cos[0, far_at], sin[0, far_at])
-        cos, sin = cos[:, :T], sin[:, :T]
-        x = ckpt.get(family.embed).float()[ids]
-        written = set()
-        task = progress.add_task(f"fitting codebooks ({ids.numel():,} tokens)", total=shape.layers) if progress else None
-        keep = torch.arange(T) >= cfg.vq_sinks  # sink positions are never quantized: not fitted either
         errors = torch.zeros(shape.layers, 2, shape.kv_heads, dtype=torch.float64)  # per head: Σ|Δout|², Σ|out|²
-        for layer in range(shape.layers):
-            prefix = family.prefix(layer)
-            tensors = {n: ckpt.get(n) for n in ckpt.names() if n.startswith(prefix)}
-            module = factory.layer(layer, tensors, shape.kv_heads)
-            attn = VQAttention(module.self_attn, cfg, layer).eval()  # eval: no EMA step while propagating
-            keys, metric = [], torch.zeros(shape.kv_heads, shape.head_dim, shape.head_dim, dtype=torch.float64)
-            group, seen, sampled, weights = shape.heads // shape.kv_heads, 0, [], []
-            gen = torch.Generator().manual_seed(layer)
-            for sl in _batches(x, calib.batch_size):
-                h = module.input_layernorm(x[sl])
-                q, k, _ = attn.project(h)
-                keys.append(k[:, keep].reshape(-1, shape.kv_heads, shape.head_dim))
-                if st["metric"] == "attention":
-                    mass, m = attention_statistics(q, k, cos[0], sin[0], far, attn.scaling, cfg.vq_window, cfg.vq_sinks)
-                    weights.append(mass[:, keep].reshape(-1, shape.kv_heads))
-                    metric += m
-                if st["metric"] != "query" and not cfg.vq_code_bias:
-                    continue  # neither the metric nor the code bias needs the queries
-                # far logits are <rope(q, F) * scale, k>: the metric weighs key errors by these queries
-                qw = (apply_rope(q, far[0], far[1]) * attn.scaling).reshape(-1, shape.kv_heads, group, shape.head_dim)
-                qw = qw.float()
-                if st["metric"] == "query":
-                    metric += torch.einsum("ngai,ngaj->gij", qw, qw).double()
-                    seen += qw.shape[0] * group
-                per_batch = -(-BIAS_QUERIES // -(-x.shape[0] // calib.batch_size))
-                pick = torch.randperm(qw.shape[0] * group, generator=gen)[:per_batch]
-                sampled.append(qw.transpose(1, 2).reshape(-1, shape.kv_heads, shape.head_dim)[pick].transpose(0, 1))
-            keys = torch.cat(keys).transpose(0, 1).contiguous()  # (G, N, D)
-            sample_weights = None
-            if st["metric"] == "attention":
-                sample_weights = torch.cat(weights).T.contiguous()  # (G, N): a key's weight, its far attention mass
-                metric = metric / sample_weights.sum(1).double().clamp_min(1e-30)[:, None, None]  # weighted mean of q̃ q̃ᵀ
-            elif st["metric"] == "query":
-                metric = metric / max(seen, 1)
-            result = kmeans(keys, st["size"], metric=metric.float() if st["metric"] != "key" else None,
-                            weights=sample_weights, method=st["kmeans"], seed=layer)
-            counts = result.counts * (EMA_NOMINAL_TOKENS / keys.shape[1])
-            attn.codebook.copy_(result.centroids)
-            attn.ema_counts.copy_(counts)
-            attn.ema_sums.copy_(result.centroids * counts[..., None])
-            attn.code_metric.copy_(result.whitener)
-            for name, tensor in tensors.items():
-                writer.write(name, tensor.to(out_dtype(ckpt.meta(name)[1], target)))
-                written.add(name)
-            bias = code_bias(keys, torch.cat(sampled, 1), result.centroids, result.whitener) if cfg.vq_code_bias \
-                else torch.zeros(shape.kv_heads, st["size"])
-            attn.code_bias.copy_(bias)
-            _write_buffers(writer, family, layer, dict(attn.named_buffers()))
-            ckpt.release()
-            module.self_attn = attn
-            # propagate; for --exact-heads, also score each head's VQ output (what o_proj receives) on the way
-            quantized = []
-            hook = attn.o_proj.register_forward_pre_hook(lambda _, args: quantized.append(args[0])) \
-                if st["exact_heads"] else None
-            outputs = []
-            for sl in _batches(x, calib.batch_size):
-                outputs.append(module(x[sl], position_embeddings=(cos, sin), vq_far=far))
-                if hook is not None:
-                    errors[layer] += quantization_error(attn, module.input_layernorm(x[sl]), quantized.pop(), cos, sin)
-            if hook is not None:
-                hook.remove()
-            x = torch.cat(outputs)
-            if progress:
-                progress.update(task, advance=1, description=f"fitting codebooks: layer {layer}, "
-                                                              f"error {result.error:.3g}")
-        passthrough(ckpt, writer, [n for n in ckpt.names() if n not in written], target)
+        far: list = []  # the RoPE row of the far position, computed once
+
+        def fit(layer: LayerInput) -> LayerOutput:
+            if not far:
+                cos, sin = layer.factory.rope(far_at + 1)
+                far.append((cos[0, far_at], sin[0, far_at]))
+            return self.fit_layer(plan, cfg, layer, far[0], errors)
+
+        plan.measured |= run_layers(ckpt, family, writer, fit, layers=shape.layers, target=st["target"],
+                                    calib=st["calib"], progress=progress, description="fitting codebooks")
         if st["exact_heads"]:
             relative = errors[:, 0] / errors[:, 1].clamp_min(1e-30)  # (layers, G)
             top = relative.flatten().argsort(descending=True)[: st["exact_heads"]]
             pairs = sorted([int(i) // shape.kv_heads, int(i) % shape.kv_heads] for i in top)
-            plan.config["vq_exact_heads"] = pairs
-            plan.settings["exact_heads_chosen"] = pairs
-            plan.settings["head_errors"] = {f"{l}.{g}": round(float(relative[l, g]), 5)
-                                            for l in range(shape.layers) for g in range(shape.kv_heads)}
+            plan.measured["config"] = {"vq_exact_heads": pairs}  # chosen by the run: the driver writes it
+            plan.measured["settings"] = {"exact_heads_chosen": pairs, "head_errors": {
+                f"{l}.{g}": round(float(relative[l, g]), 5) for l in range(shape.layers) for g in range(shape.kv_heads)}}
+
+    @staticmethod
+    def fit_layer(plan: Plan, cfg, layer: LayerInput, far, errors: torch.Tensor) -> LayerOutput:
+        """One layer: k-means codebooks of its keys on the calibration activations; the layer with VQ
+        attention, to propagate them (and, for --exact-heads, to score each KV head on the way)."""
+        from ..attention.vq import VQAttention
+
+        st = plan.state
+        shape, calib, x, cos, sin = st["shape"], st["calib"], layer.x, layer.cos, layer.sin
+        T = x.shape[1]
+        keep = torch.arange(T) >= cfg.vq_sinks  # sink positions are never quantized: not fitted either
+        module = layer.factory.layer(layer.index, layer.tensors, shape.kv_heads)
+        attn = VQAttention(module.self_attn, cfg, layer.index).eval()  # eval: no EMA step while propagating
+        keys, metric = [], torch.zeros(shape.kv_heads, shape.head_dim, shape.head_dim, dtype=torch.float64)
+        group, seen, sampled, weights = shape.heads // shape.kv_heads, 0, [], []
+        gen = torch.Generator().manual_seed(layer.index)
+        for sl in batches(x, calib.batch_size):
+            h = module.input_layernorm(x[sl])
+            q, k, _ = attn.project(h)
+            keys.append(k[:, keep].reshape(-1, shape.kv_heads, shape.head_dim))
+            if st["metric"] == "attention":
+                mass, m = attention_statistics(q, k, cos[0], sin[0], far, attn.scaling, cfg.vq_window, cfg.vq_sinks)
+                weights.append(mass[:, keep].reshape(-1, shape.kv_heads))
+                metric += m
+            if st["metric"] != "query" and not cfg.vq_code_bias:
+                continue  # neither the metric nor the code bias needs the queries
+            # far logits are <rope(q, F) * scale, k>: the metric weighs key errors by these queries
+            qw = (apply_rope(q, far[0], far[1]) * attn.scaling).reshape(-1, shape.kv_heads, group, shape.head_dim)
+            qw = qw.float()
+            if st["metric"] == "query":
+                metric += torch.einsum("ngai,ngaj->gij", qw, qw).double()
+                seen += qw.shape[0] * group
+            per_batch = -(-BIAS_QUERIES // -(-x.shape[0] // calib.batch_size))
+            pick = torch.randperm(qw.shape[0] * group, generator=gen)[:per_batch]
+            sampled.append(qw.transpose(1, 2).reshape(-1, shape.kv_heads, shape.head_dim)[pick].transpose(0, 1))
+        keys = torch.cat(keys).transpose(0, 1).contiguous()  # (G, N, D)
+        sample_weights = None
+        if st["metric"] == "attention":
+            sample_weights = torch.cat(weights).T.contiguous()  # (G, N): a key's weight, its far attention mass
+            metric = metric / sample_weights.sum(1).double().clamp_min(1e-30)[:, None, None]  # weighted mean of q̃ q̃ᵀ
+        elif st["metric"] == "query":
+            metric = metric / max(seen, 1)
+        result = kmeans(keys, st["size"], metric=metric.float() if st["metric"] != "key" else None,
+                        weights=sample_weights, method=st["kmeans"], seed=layer.index)
+        counts = result.counts * (EMA_NOMINAL_TOKENS / keys.shape[1])
+        attn.codebook.copy_(result.centroids)
+        attn.ema_counts.copy_(counts)
+        attn.ema_sums.copy_(result.centroids * counts[..., None])
+        attn.code_metric.copy_(result.whitener)
+        bias = code_bias(keys, torch.cat(sampled, 1), result.centroids, result.whitener) if cfg.vq_code_bias \
+            else torch.zeros(shape.kv_heads, st["size"])
+        attn.code_bias.copy_(bias)
+        module.self_attn = attn
+        base = f"{layer.prefix}self_attn."
+        tensors = dict(layer.tensors) | {base + name: buf.float() for name, buf in attn.named_buffers()}
+        after = None
+        if st["exact_heads"]:  # score each head's VQ output (what o_proj receives) while the activations pass
+            taken: dict[str, torch.Tensor] = {}
+
+            def take_input(_, args, kwargs):
+                taken["x"] = args[0] if args else kwargs["hidden_states"]
+
+            def take_output(_, args):
+                taken["quantized"] = args[0]
+
+            def score(*_):
+                h = module.input_layernorm(taken["x"])
+                errors[layer.index] += quantization_error(attn, h, taken.pop("quantized"), cos, sin)
+
+            hooks = [module.register_forward_pre_hook(take_input, with_kwargs=True),
+                     attn.o_proj.register_forward_pre_hook(take_output), module.register_forward_hook(score)]
+            after = lambda: [hook.remove() for hook in hooks]  # noqa: E731
+        return LayerOutput(tensors, module=module, forward_kwargs={"vq_far": far}, refinable=False,
+                           note=f"error {result.error:.3g}", after=after)
 
 
 def quantization_error(attn, h: torch.Tensor, quantized: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""One layer-wise runner for every conversion: one decoder layer's weights in memory at a time.
+
+`run_layers` walks the decoder layers in order. For layer i it reads the layer's tensors from the
+checkpoint and hands them to the conversion's per-layer function, which returns the tensors to write
+(new shapes, new buffers) and, on a calibrated run, the converted layer as a module. The runner then
+  1. optionally refines that module (refine.py: a few optimizer steps fitting the original layer's
+     attention output on the same inputs),
+  2. writes the layer's tensors and releases the checkpoint's pages,
+  3. propagates the calibration activations through the converted layer: they are layer i+1's inputs.
+Tensors the walk did not write (embeddings, final norm, head) are copied at the end.
+
+On a calibrated run (calib given) the layer function also receives the layer's calibration inputs
+x [N, T, D] (from the converted layers below: each layer is fitted to what the converted model
+really feeds it), RoPE tables cos/sin [1, T, d] and the original layer as a module. Without
+calibration the walk streams weights only (x, original, cos and sin are None).
+
+Peak memory: one layer's weights (a few copies) plus the calibration activations, whatever the
+model's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..attention.layerwise import LayerFactory
+from ..families import Family
+from ..io.checkpoint import Checkpoint
+from ..io.writer import SafetensorsWriter
+from .base import passthrough
+from .calibrate import CalibSettings, batches, calibration_tokens
+from .refine import RefineSettings, refine_layer
+
+
+@dataclass
+class LayerInput:
+    index: int
+    prefix: str  # the layer's tensor-name prefix, e.g. "model.layers.3."
+    tensors: dict[str, torch.Tensor]  # the layer's checkpoint tensors by full name, as stored
+    factory: LayerFactory  # builds decoder layers as modules, and RoPE tables
+    calib: CalibSettings | None
+    x: torch.Tensor | None = None  # (N, T, D) calibration inputs of this layer
+    cos: torch.Tensor | None = None  # (1, T, d)
+    sin: torch.Tensor | None = None
+    original: torch.nn.Module | None = None  # the original layer, float32 (calibrated runs)
+
+
+@dataclass
+class LayerOutput:
+    tensors: dict[str, torch.Tensor]  # everything to write for this layer, by full name (the writer casts)
+    module: torch.nn.Module | None = None  # the converted layer (calibrated runs: propagation, refinement)
+    forward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra arguments of module's forward
+    refinable: bool = True  # whether local refinement may train this module's attention
+    note: str = ""  # shown in the progress line
+    after: Callable[[], None] | None = None  # called once the activations went through `module`
+
+
+@torch.no_grad()
+def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, convert_layer: Callable[[LayerInput], LayerOutput],
+               *, layers: int, target: torch.dtype | None, calib: CalibSettings | None = None,
+               refine: RefineSettings | None = None, original_kv_heads: int | None = None, progress=None,
+               description: str = "converting layers") -> dict[str, Any]:
+    """Walk every decoder layer through `convert_layer` (see the module docstring); returns what was
+    measured on the way (`refine`: per-layer losses), for the record."""
+    factory = LayerFactory(ckpt.config, family)
+    x = cos = sin = None
+    if calib is not None:
+        ids = calibration_tokens(ckpt.folder, calib)  # (N, T)
+        cos, sin = factory.rope(ids.shape[1])
+        x = ckpt.get(family.embed).float()[ids]  # (N, T, D): the converted model's hidden states
+        description += f" ({ids.numel():,} calibration tokens)"
+    kv_heads = original_kv_heads or ckpt.config.get("num_key_value_heads") or ckpt.config["num_attention_heads"]
+    refine = refine if (refine is not None and refine.steps and calib is not None) else None
+    losses: list[dict[str, float]] = []
+    written: set[str] = set()
+    task = progress.add_task(description, total=layers) if progress else None
+    for layer in range(layers):
+        prefix = family.prefix(layer)
+        tensors = {n: ckpt.get(n) for n in ckpt.names() if n.startswith(prefix)}
+        original = factory.layer(layer, tensors, kv_heads) if calib is not None else None
+        out = convert_layer(LayerInput(layer, prefix, tensors, factory, calib, x, cos, sin, original))
+        if refine is not None and out.refinable and out.module is not None:
+            losses.append(refine_layer(out.module, original, x, cos, sin, refine))
+            state = out.module.state_dict()
+            for name in out.tensors:
+                if name[len(prefix):] in state:
+                    out.tensors[name] = state[name[len(prefix):]].detach().clone()
+        for name, tensor in out.tensors.items():
+            writer.write(name, tensor)
+            written.add(name)
+        ckpt.release()
+        if x is not None:
+            x = torch.cat([out.module(x[sl], position_embeddings=(cos, sin), **out.forward_kwargs)
+                           for sl in batches(x, calib.batch_size)])
+        if out.after is not None:
+            out.after()
+        if progress:
+            progress.update(task, advance=1, description=description + (f": layer {layer}, {out.note}" if out.note else ""))
+    passthrough(ckpt, writer, [n for n in ckpt.names() if n not in written], target)
+    if not losses:
+        return {}
+    return {"refine": {"loss": "relative squared error of the attention output, per layer",
+                       "before": [round(r["before"], 6) for r in losses],
+                       "after": [round(r["after"], 6) for r in losses]}}
