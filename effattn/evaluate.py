@@ -8,6 +8,8 @@ config). Speed: prefill and decode tokens/s, median of a few timed runs.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import math
 import statistics
 import time
@@ -57,8 +59,17 @@ class EvalReport:
         return asdict(self)
 
 
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, use_cache=False).logits.float()
+def log_probs(model, ids: torch.Tensor, autocast=nullcontext) -> torch.Tensor:
+    """Next-token log-probabilities [B, T, V] (float32) of `model` on ids [B, T] (moved to its device)."""
+    ids = ids.to(next(model.parameters()).device)
+    with autocast():
+        logits = model(input_ids=ids, use_cache=False).logits
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+def target_nll(logp: torch.Tensor, ids: torch.Tensor) -> float:
+    """Σ −log p(next token) over every position that has a next token; logp [B, T, V], ids [B, T]."""
+    return -logp[:, :-1].gather(-1, ids[:, 1:, None].to(logp.device)).sum().item()
 
 
 @torch.no_grad()
@@ -68,13 +79,12 @@ def corpus_scores(model, blocks: torch.Tensor, baseline=None, batch_size: int = 
     n_pred = n_pos = 0
     for i in range(0, len(blocks), batch_size):
         ids = blocks[i : i + batch_size]
-        logp = F.log_softmax(_logits(model, ids), dim=-1)  # (B, T, V)
-        targets = ids[:, 1:]
-        nll += -logp[:, :-1].gather(-1, targets.unsqueeze(-1)).sum().item()
-        n_pred += targets.numel()
+        logp = log_probs(model, ids)  # (B, T, V)
+        nll += target_nll(logp, ids)
+        n_pred += ids[:, 1:].numel()
         if baseline is not None:
-            base_logp = F.log_softmax(_logits(baseline, ids), dim=-1)
-            base_nll += -base_logp[:, :-1].gather(-1, targets.unsqueeze(-1)).sum().item()
+            base_logp = log_probs(baseline, ids)
+            base_nll += target_nll(base_logp, ids)
             kl += (base_logp.exp() * (base_logp - logp)).sum().item()
             agree += (base_logp.argmax(-1) == logp.argmax(-1)).sum().item()
             n_pos += ids.numel()

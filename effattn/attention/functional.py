@@ -11,15 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+from ..kernels import rope
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, h, d]; cos, sin: [B or 1, T, d] -> RoPE'd x (HF rotate-half layout)."""
-    return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
+    """x: [B, T, h, d]; cos, sin: [B or 1, T, d] (one table for every head) -> RoPE'd x (HF rotate-half layout)."""
+    return rope.apply_rope(x, cos[:, :, None], sin[:, :, None])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -112,6 +112,14 @@ class _Common:
     target: Any  # the output dtype, or None to keep the checkpoint's
 
 
+def _kernel_line() -> str:
+    """Which VQ step loop runs here (said once, at planning; the kernel also warns when it falls back)."""
+    from ..kernels.vq import native
+
+    why = native.why_unavailable()
+    return "compiled step loop (native.c)" if not why else f"PyTorch step loop: the compiled one is unavailable ({why})"
+
+
 def _vq_classes():
     from ..attention.vq import EffattnVQConfig, EffattnVQForCausalLM
 
@@ -243,6 +251,7 @@ class VQConversion(_ReRoPEBase):
                                   f"(= {kv:,.0f} bytes/token x {state_bytes / kv:,.0f} tokens)"
                                   + (f", plus {exact_bytes:,.0f} bytes/token for the {exact_heads} exact heads' keys and values"
                                      if exact_heads else "")),
+                     ("VQ kernel", _kernel_line()),
                      *([("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose attention output "
                                         "ReRoPE + VQ most changes on the calibration text keep their original attention")]
                        if exact_heads else [])],

@@ -12,9 +12,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..data.corpora import load_text, token_blocks
+from ..evaluate import log_probs, target_nll
 from .config import Eval
 
 
@@ -29,16 +29,13 @@ class HeldOut:
 @torch.no_grad()
 def score(model, blocks: torch.Tensor, batch_size: int, autocast=nullcontext) -> tuple[float, torch.Tensor]:
     """(perplexity, top-1 predictions [N, T]) of `model` on blocks [N, T]."""
-    device = next(model.parameters()).device
     nll, count, top1 = 0.0, 0, []
     for i in range(0, len(blocks), batch_size):
-        ids = blocks[i : i + batch_size].to(device)
-        with autocast():
-            logits = model(input_ids=ids, use_cache=False).logits.float()  # (B, T, V)
-        logp = F.log_softmax(logits, dim=-1)
-        nll -= logp[:, :-1].gather(-1, ids[:, 1:, None]).sum().item()
+        ids = blocks[i : i + batch_size]
+        logp = log_probs(model, ids, autocast)  # (B, T, V)
+        nll += target_nll(logp, ids)
         count += ids[:, 1:].numel()
-        top1.append(logits.argmax(-1).cpu())
+        top1.append(logp.argmax(-1).cpu())
     return math.exp(nll / count), torch.cat(top1)
 
 

@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,6 +53,8 @@ def available() -> bool:
             _lib, _blas = _load()
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             _lib, _why_not = False, str(error)
+            warnings.warn(f"effattn: the compiled VQ step loop is unavailable ({_why_not}); VQ attention uses its "
+                          "PyTorch step loop, which computes the same thing more slowly", RuntimeWarning, stacklevel=2)
     return bool(_lib) and os.environ.get("EFFATTN_NATIVE", "1") != "0"
 
 
