@@ -177,3 +177,30 @@ def test_calibration_options_are_recorded_and_checked(tiny, tmp_path, calib_file
         convert(src, tmp_path / "x", to="mqa", options={"method": "mean", "calib": calib_file})
     with pytest.raises(EffattnError, match="at least one sequence"):
         convert(src, tmp_path / "x", to="mqa", options={"method": "calibrated", "calib_tokens": 10})
+
+
+@pytest.mark.parametrize("target", ["attention", "stream"])
+def test_local_refinement_lowers_every_layers_error_and_the_logit_error(tiny, tmp_path, calib_file, target):
+    """--refine-steps: each layer's fitted error falls (recorded per layer), and so does the end-to-end logit error."""
+    from effattn.testing import byte_tokenizer
+
+    src = tiny("llama", layers=3)
+    ids = byte_tokenizer()(word_salad(600, seed=1), return_tensors="pt").input_ids[:, :512]
+    ref = logits_of(src, ids)
+    plain = convert(src, tmp_path / "plain", to="mqa", options=_opts("calibrated", calib_file), measure=False).out
+    options = _opts("calibrated", calib_file, refine_steps=60, refine_lr=1e-3, refine_target=target)
+    refined = convert(src, tmp_path / "refined", to="mqa", options=options, measure=False).out
+    record = json.loads((refined / "effattn.json").read_text())
+    losses = record["conversion_run"]["refine"]
+    assert len(losses["before"]) == 3 and all(a < b for a, b in zip(losses["after"], losses["before"])), losses
+    assert (record["conversion"]["refine_steps"], record["conversion"]["refine_target"]) == (60, target)
+    error = {name: (logits_of(out, ids) - ref).pow(2).mean().item() for name, out in (("plain", plain), ("refined", refined))}
+    assert error["refined"] < error["plain"], error
+    assert "conversion_run" not in json.loads((plain / "effattn.json").read_text())  # off by default: nothing measured
+
+
+def test_refinement_needs_a_calibrated_method(tiny, tmp_path):
+    from effattn.errors import EffattnError
+
+    with pytest.raises(EffattnError, match="--refine-steps needs calibration activations"):
+        convert(tiny("llama"), tmp_path / "x", to="mqa", options={"method": "mean", "refine_steps": 10})

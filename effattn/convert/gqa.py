@@ -28,7 +28,7 @@ from .base import Plan, kv_bytes_per_token, layer_bytes, passthrough, same_specs
 from .calibrate import CalibSettings, batches, refit_o_proj
 from .layers import LayerInput, LayerOutput, run_layers
 from .options import ConversionOptions
-from .refine import RefineSettings
+from .refine import RefineSettings, Target
 from .headmerge import KeyMerge, align_keys, align_values, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
 
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -320,6 +320,9 @@ class GQAOptions(ConversionOptions):
     refine_steps: int = Field(0, ge=0, description="local refinement: optimizer steps per layer fitting the original "
                                                    "attention output on the calibration activations (calibrated methods)")
     refine_lr: float = Field(1e-4, gt=0, description="learning rate of local refinement (Adam)")
+    refine_target: Target = Field("attention", description="what refinement fits: attention (the original "
+                                  "attention's output on the same inputs) or stream (the original model's "
+                                  "activations after the layer)")
 
     @field_validator("method")
     @classmethod
@@ -394,9 +397,10 @@ class GQAConversion:
             state["calib"] = calib
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
                          "ridge": calib.ridge if method.refit_o else None}
-            refine = RefineSettings(steps=opts.refine_steps, lr=opts.refine_lr)
+            refine = RefineSettings(steps=opts.refine_steps, lr=opts.refine_lr, target=opts.refine_target)
             state["refine"] = refine
-            settings |= {"refine_steps": refine.steps, "refine_lr": refine.lr if refine.steps else None}
+            settings |= {"refine_steps": refine.steps, "refine_lr": refine.lr if refine.steps else None,
+                         "refine_target": refine.target if refine.steps else None}
             # ~5 passes over the calibration tokens per layer (stats, refit x2, forward), at the
             # measured ~500 tokens/s/model of a 135M model on 2 cores, scaled by model size.
             per_token_layer = 2 * ckpt.num_params / shape.layers

@@ -74,6 +74,7 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         description += f" ({ids.numel():,} calibration tokens)"
     kv_heads = original_kv_heads or ckpt.config.get("num_key_value_heads") or ckpt.config["num_attention_heads"]
     refine = refine if (refine is not None and refine.steps and calib is not None) else None
+    x0 = x if (refine is not None and refine.target == "stream") else None  # the original model's activations
     losses: list[dict[str, float]] = []
     written: set[str] = set()
     task = progress.add_task(description, total=layers) if progress else None
@@ -83,7 +84,7 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         original = factory.layer(layer, tensors, kv_heads) if calib is not None else None
         out = convert_layer(LayerInput(layer, prefix, tensors, factory, calib, x, cos, sin, original))
         if refine is not None and out.refinable and out.module is not None:
-            losses.append(refine_layer(out.module, original, x, cos, sin, refine))
+            losses.append(refine_layer(out.module, original, x, cos, sin, refine, x0=x0))
             state = out.module.state_dict()
             for name in out.tensors:
                 if name[len(prefix):] in state:
@@ -95,6 +96,8 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         if x is not None:
             x = torch.cat([out.module(x[sl], position_embeddings=(cos, sin), **out.forward_kwargs)
                            for sl in batches(x, calib.batch_size)])
+        if x0 is not None:
+            x0 = torch.cat([original(x0[sl], position_embeddings=(cos, sin)) for sl in batches(x0, calib.batch_size)])
         if out.after is not None:
             out.after()
         if progress:
@@ -102,6 +105,8 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
     passthrough(ckpt, writer, [n for n in ckpt.names() if n not in written], target)
     if not losses:
         return {}
-    return {"refine": {"loss": "relative squared error of the attention output, per layer",
+    what = ("the layer's output against the original model's at that depth" if refine.target == "stream"
+            else "the attention output against the original attention's on the same inputs")
+    return {"refine": {"loss": f"relative squared error of {what}, per layer",
                        "before": [round(r["before"], 6) for r in losses],
                        "after": [round(r["after"], 6) for r in losses]}}
