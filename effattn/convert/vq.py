@@ -38,7 +38,7 @@ from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
 from ..kernels.rope import apply_rope
-from .base import Plan, layer_bytes, passthrough, same_specs
+from .base import Plan, layer_bytes, same_specs
 from .kmeans import KMeansMethod, kmeans
 from ..models import ModelSpec
 from .calibrate import batches
@@ -189,13 +189,17 @@ class ReRoPEConversion(_ReRoPEBase):
         )
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
-        passthrough(ckpt, writer, ckpt.names(), plan.state["target"])
         shape = plan.state["shape"]
-        for layer in range(shape.layers):
-            G, d = shape.kv_heads, shape.head_dim  # no codebook: the buffers hold their neutral values
-            _write_buffers(writer, family, layer, {
-                "codebook": torch.zeros(G, 1, d), "ema_counts": torch.zeros(G, 1), "ema_sums": torch.zeros(G, 1, d),
-                "code_metric": torch.eye(d).repeat(G, 1, 1), "code_bias": torch.zeros(G, 1)})
+        G, d = shape.kv_heads, shape.head_dim
+
+        def neutral_buffers(layer: LayerInput) -> LayerOutput:  # weights unchanged; no codebook
+            base = f"{layer.prefix}self_attn."
+            buffers = {"codebook": torch.zeros(G, 1, d), "ema_counts": torch.zeros(G, 1), "ema_sums": torch.zeros(G, 1, d),
+                       "code_metric": torch.eye(d).repeat(G, 1, 1), "code_bias": torch.zeros(G, 1)}
+            return LayerOutput(dict(layer.tensors) | {base + name: t for name, t in buffers.items()})
+
+        run_layers(ckpt, family, writer, neutral_buffers, layers=shape.layers, target=plan.state["target"],
+                   progress=progress, description="writing layers")
 
 
 class VQConversion(_ReRoPEBase):
@@ -437,10 +441,3 @@ def code_bias(keys: torch.Tensor, queries: torch.Tensor, centroids: torch.Tensor
             total += (per_code.clamp_min(1e-300).log() + top - count.clamp_min(1).log()).sum(0)
         bias[g] = torch.where(count > 0, total / len(queries[g]), 0.0).float()
     return bias
-
-
-def _write_buffers(writer: SafetensorsWriter, family: Family, layer: int, buffers: dict[str, torch.Tensor]) -> None:
-    """A VQ attention's buffers (codebook, EMA statistics, code metric and bias), in float32."""
-    base = f"{family.prefix(layer)}self_attn."
-    for name, tensor in buffers.items():
-        writer.write(base + name, tensor.float().contiguous())
