@@ -115,6 +115,22 @@ def test_the_same_run_twice_is_identical_to_the_bit(setup):
     assert_same_run(root / "again", reference)
 
 
+def test_deterministic_algorithms_are_on_for_the_run_only_and_change_nothing_on_a_cpu(setup, monkeypatch):
+    import torch
+
+    import effattn.finetune.loop as loop
+
+    root, reference = setup
+    seen = []
+    real = loop.optimizer_step
+    monkeypatch.setattr(loop, "optimizer_step", lambda *a, **k: seen.append(torch.are_deterministic_algorithms_enabled())
+                        or real(*a, **k))
+    finetune(load_recipe(root / "heal.yaml", [*RECIPE, "train.deterministic=true"], output=root / "deterministic"))
+    assert seen and all(seen) and not torch.are_deterministic_algorithms_enabled()
+    a, b = weights(root / "deterministic"), weights(reference)
+    assert all(a[k].equal(b[k]) for k in a)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_at, resumes_from", KILLS, ids=[k for k, _ in KILLS])
 def test_kill_at_a_named_moment_then_rerun_ends_exactly_like_the_uninterrupted_run(setup, kill_at, resumes_from):

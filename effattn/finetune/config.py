@@ -83,6 +83,8 @@ class Train(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 0
     max_grad_norm: float | None = Field(1.0, gt=0)
+    deterministic: bool = Field(False, description="torch's deterministic algorithms only: a resumed run equals an "
+                                                   "uninterrupted one to the bit on GPUs too (CPU runs already do); slower")
 
     @model_validator(mode="after")
     def _steps_or_tokens(self):

@@ -25,10 +25,12 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import os
 import shutil
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,6 +197,25 @@ def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.T
     return sums, grad_norm
 
 
+@contextmanager
+def deterministic_algorithms(on: bool):
+    """torch.use_deterministic_algorithms for the run (and cuBLAS's fixed workspace it needs), restored after.
+
+    On the CPU the same run is bit-for-bit the same without it (tests/test_resume_kill.py); on GPUs some
+    kernels (atomic adds in backward passes, split-K matmuls) are not, so a resumed run would drift
+    from an uninterrupted one by rounding unless this is on."""
+    if not on:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progress=None,
              log: Callable[[str], None] | None = None, command: str | None = None) -> FinetuneResult:
     """Run `recipe` and write the fine-tuned model to `recipe.output`; resumes from its checkpoints.
@@ -205,6 +226,12 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     progress: a rich Progress; the task it gets carries the fields `loss` and `tok_s`.
     log:      receives one-line messages (resuming, evaluations, ...). Main process only.
     """
+    with deterministic_algorithms(recipe.train.deterministic):
+        return _finetune(recipe, resume=resume, force=force, progress=progress, log=log, command=command)
+
+
+def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Callable[[str], None] | None,
+              command: str | None) -> FinetuneResult:
     if recipe.output is None:
         raise EffattnError("the recipe has no output folder", "pass -o OUT, or set output: in the recipe")
     check_disjoint(recipe.data.sources, recipe.eval.corpora)
