@@ -38,7 +38,8 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
         "dtype": str(dtype).replace("torch.", ""),
         "weights_bytes": ckpt.nbytes,
         "kv_bytes_per_token": per_token,
-        "conversions": {name: c.targets(ckpt.config) for name, c in CONVERSIONS.items()},
+        "conversions": {name: c.targets(ckpt.config) if hasattr(c, "targets") else c.description
+                        for name, c in CONVERSIONS.items()},
     }
     if context:
         info["context"] = context

@@ -2,9 +2,9 @@
 
 A conversion declares everything the rest of effattn needs (base.py's `Conversion`): its name,
 aliases (other names with preset options, e.g. mqa = gqa with kv_heads 1), `Options` (options.py),
-`plan`, `run`, `targets` (the line `effattn inspect` shows), and `model`, the ModelSpec of its own
-model class where no native architecture fits (models.py). `register_conversion` adds one at run time
-(a plugin, or a test).
+`plan`, `run`, optionally `targets` (the line `effattn inspect` shows; else its description), and
+`model`, the ModelSpec of its own model class where no native architecture fits (models.py).
+`register_conversion` adds one at run time (a plugin, or a test).
 """
 
 from __future__ import annotations
