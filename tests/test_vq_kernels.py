@@ -373,7 +373,7 @@ def test_bench_attention_rejects_bad_settings():
 
     with pytest.raises(ValueError, match=r"Unknown attention kind\(s\) \['flash'\]"):
         bench_attention(["flash"], [64])
-    with pytest.raises(ValueError, match="vq_naive is quadratic in memory"):
+    with pytest.raises(ValueError, match="vq_naive is limited to lengths <= 8192"):
         bench_attention(["vq_naive"], [16384])
     with pytest.raises(ValueError, match="heads=9 is not a multiple of kv_heads=2"):
         bench_attention(["vq"], [64], kv_heads=2)

@@ -1,6 +1,8 @@
 """The compiled step loop (kernels/vq/native.c) against the PyTorch step loop of vq_attention_chunk,
 and the fallback when it cannot be built."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -85,7 +87,12 @@ def test_a_failed_build_falls_back_with_its_reason(monkeypatch, tmp_path, count_
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setenv("EFFATTN_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
-    assert not native.available()
+    with pytest.warns(RuntimeWarning, match="compiled VQ step loop is unavailable .*failed to build native.c"):
+        assert not native.available()  # said once, with the reason
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        assert not native.available()
+    assert again == []  # once, not at every call
     assert "failed to build native.c" in native.why_unavailable()
     assert not list(tmp_path.rglob("*.so")), "a failed build left a library behind"
     inputs = make_inputs(1, 30, 2, 1, 8, 8, 5, 4, dtype=torch.float32)
