@@ -102,7 +102,7 @@ def _conversion_flags(func, conversions: list[str]):
         kind = cli_type(field.annotation)
         decls = [f"{flag(key)}/--no-{flag(key)[2:]}"] if kind is bool else [flag(key)]
         defaults = sorted({repr(f.default) for _, f in uses if f.default is not None})
-        where = f"{', '.join(n for n, _ in uses)}" if len(conversions) > 1 else ""
+        where = ", ".join(n for n, _ in uses) if len(conversions) > 1 else ""
         tail = "; ".join(x for x in (where, f"default {', '.join(defaults)}" if defaults else "") if x)
         help_ = f"{field.description}" + (f" [{tail}]" if tail else "")
         flags.append(_inspect.Parameter(key, _inspect.Parameter.KEYWORD_ONLY, annotation=Optional[kind],
@@ -183,11 +183,11 @@ app.command("vq-init")(vq_init)
 def conversion_help(to: str) -> None:
     """`effattn convert --to NAME --help`: NAME's own options, with their defaults."""
     from .convert import ALIASES, get_conversion
-    from .convert.options import describe
+    from .convert.options import describe, flag
 
     name, preset = ALIASES.get(to, (to, {}))
     conversion = get_conversion(name)
-    title = f"effattn convert --to {to}" + (f" (= --to {name} " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in preset.items()) + ")"
+    title = f"effattn convert --to {to}" + (f" (= --to {name} " + " ".join(f"{flag(k)} {v}" for k, v in preset.items()) + ")"
                                            if preset else "")
     out.print(f"[bold]{title}[/]: {conversion.description}", highlight=False)
     table = Table(title_justify="left")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention.functional import attention_heads, output_projection, project_qkv
+from ..attention.functional import attention_heads, output_projection
 from ..data.corpora import DEFAULT_CALIB, load_text, token_blocks
 from ..errors import EffattnError
 from ..families import AttentionShape
