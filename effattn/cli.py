@@ -16,6 +16,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -221,8 +222,10 @@ def _run_conversion(model, output, to, options, *, dtype, force, dry_run, max_sh
                             "est_peak_bytes": plan.est_peak_bytes, "record": result.record})
     rows = list(plan.summary) + [("output size", f"{plan.output_bytes / 2**20:,.0f} MiB")]
     if dry_run:
-        rows += [("estimated time", f"~{plan.est_seconds:,.0f} s"),
-                 ("estimated peak memory", f"~{plan.est_peak_bytes / 2**20:,.0f} MiB"),
+        from .resources import process_age
+
+        rows += [("estimated time", f"~{plan.est_seconds:,.0f} s (+ ~{process_age():,.0f} s to start, as this dry run did)"),
+                 ("estimated peak memory", f"~{plan.est_peak_bytes / 2**20:,.0f} MiB (the process's resident set)"),
                  ("written", "nothing (dry run)")]
         out.print(_kv_table(rows, title="effattn convert --dry-run"))
         return
@@ -237,6 +240,8 @@ def _run_conversion(model, output, to, options, *, dtype, force, dry_run, max_sh
         for r in measurement_rows(result.measurements):
             table.add_row(*r)
         out.print(table)
+    elif result.record and result.record.get("measurement_skipped"):
+        out.print(f"[yellow]measurement skipped[/]: {escape(result.record['measurement_skipped'])}", highlight=False)
     out.print(f"[green]wrote[/] {result.out}")
 
 
@@ -250,6 +255,8 @@ def eval_(
     batch_size: int = typer.Option(2, "--batch-size"),
     speed: bool = typer.Option(True, "--speed/--no-speed", help="time prefill and decode"),
     dtype: str = typer.Option("float32", "--dtype"),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenize with this folder's or model's tokenizer "
+                                                                      "(for a MODEL folder that has none)"),
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
 ):
@@ -263,7 +270,8 @@ def eval_(
         raise EffattnError(f"--context must be at least 2 tokens, got {context}", "use e.g. --context 512")
     settings = EvalSettings(corpora=corpora, context=context, max_tokens=max_tokens, batch_size=batch_size, speed=speed)
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
-        report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code)
+        report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                          tokenizer=tokenizer)
     if as_json:
         return _print_json(report.to_dict())
     out.print(eval_table(report))

@@ -72,6 +72,23 @@ def target_nll(logp: torch.Tensor, ids: torch.Tensor) -> float:
     return -logp[:, :-1].gather(-1, ids[:, 1:, None].to(logp.device)).sum().item()
 
 
+LOGIT_CHUNK = 128  # positions whose [B, chunk, vocab] log-probabilities exist at once
+
+
+def logp_chunks(model, ids: torch.Tensor, chunk: int = LOGIT_CHUNK):
+    """Yield (start, log-probabilities [B, n, V]) over the positions of ids [B, T], `chunk` positions at a
+    time: the decoder runs once, the LM head per chunk, so a long block never holds its whole [B, T, V]
+    logits (at 8K tokens and a 49K vocabulary that is 1.6 GB a copy). Models without the usual
+    `.model` + `.lm_head` split (or with a logit soft-cap) get one chunk of full logits."""
+    decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if decoder is None or head is None or getattr(model.config, "final_logit_softcapping", None) or ids.shape[1] <= chunk:
+        yield 0, log_probs(model, ids)
+        return
+    hidden = decoder(input_ids=ids.to(head.weight.device), use_cache=False).last_hidden_state  # (B, T, D)
+    for start in range(0, ids.shape[1], chunk):
+        yield start, F.log_softmax(head(hidden[:, start : start + chunk]).float(), dim=-1)
+
+
 @torch.no_grad()
 def corpus_scores(model, blocks: torch.Tensor, baseline=None, batch_size: int = 2) -> dict[str, float]:
     """Perplexity of `model` on blocks [N, T]; with a baseline also agreement and KL (and its ppl)."""
@@ -79,15 +96,19 @@ def corpus_scores(model, blocks: torch.Tensor, baseline=None, batch_size: int = 
     n_pred = n_pos = 0
     for i in range(0, len(blocks), batch_size):
         ids = blocks[i : i + batch_size]
-        logp = log_probs(model, ids)  # (B, T, V)
-        nll += target_nll(logp, ids)
+        base_chunks = logp_chunks(baseline, ids) if baseline is not None else None
+        for start, logp in logp_chunks(model, ids):  # (B, n, V)
+            n = logp.shape[1]
+            nxt = ids[:, start + 1 : start + n + 1, None].to(logp.device)  # next tokens, where there is one
+            m = nxt.shape[1]
+            nll -= logp[:, :m].gather(-1, nxt).sum().item()
+            if base_chunks is not None:
+                _, base_logp = next(base_chunks)
+                base_nll -= base_logp[:, :m].gather(-1, nxt).sum().item()
+                kl += (base_logp.exp() * (base_logp - logp)).sum().item()
+                agree += (base_logp.argmax(-1) == logp.argmax(-1)).sum().item()
         n_pred += ids[:, 1:].numel()
-        if baseline is not None:
-            base_logp = log_probs(baseline, ids)
-            base_nll += target_nll(base_logp, ids)
-            kl += (base_logp.exp() * (base_logp - logp)).sum().item()
-            agree += (base_logp.argmax(-1) == logp.argmax(-1)).sum().item()
-            n_pos += ids.numel()
+        n_pos += ids.numel() if baseline is not None else 0
     out = {"perplexity": math.exp(nll / n_pred), "tokens": n_pred}
     if baseline is not None:
         out |= {"baseline_perplexity": math.exp(base_nll / n_pred), "agreement": agree / n_pos, "kl": kl / n_pos}
@@ -177,14 +198,15 @@ def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=Non
 
 
 def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
-             dtype: str = "float32", trust_remote_code: bool = False) -> EvalReport:
-    """Load MODEL (and BASELINE) and measure them; the library entry point of `effattn eval`."""
+             dtype: str = "float32", trust_remote_code: bool = False, tokenizer=None) -> EvalReport:
+    """Load MODEL (and BASELINE) and measure them; the library entry point of `effattn eval`. The text is
+    tokenized with MODEL's tokenizer, or `tokenizer`'s (a folder or MODEL argument) when given."""
     from .io.load import load_model
 
     settings = settings or EvalSettings()
-    lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
+    lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer or True)
     base = base_ref = None
     if baseline is not None:
-        base, _, base_ref = load_model(baseline, dtype=dtype, trust_remote_code=trust_remote_code)
+        base, _, base_ref = load_model(baseline, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False)
     return measure(lm, tok, name=ref.display, settings=settings, baseline=base,
                    baseline_name=base_ref.display if base_ref else "baseline")

@@ -24,10 +24,12 @@ from .. import __version__
 from ..errors import EffattnError
 from ..families import Family, family_for
 from ..io.checkpoint import Checkpoint
-from ..io.load import as_ref, parse_dtype
+from ..io.load import as_ref, parse_dtype, tokenizer_missing
 from ..io.resolve import ModelRef
 from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, copy_side_files, parse_size, write_json
 from ..models import model_spec
+from ..resources import (FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, TOKENIZE_BYTES_PER_CHAR, Dims, PeakRSS, baseline_rss, compute_seconds, disk_seconds,
+                         side_by_side)
 from .options import ConversionOptions, resolve
 
 
@@ -146,9 +148,12 @@ def convert(
     plan.settings.setdefault("dtype", str(target or ckpt.dtype).replace("torch.", ""))
     if out is None and not dry_run:
         raise EffattnError("no output folder given", "pass -o OUT")
+    measuring, skipped = _measurement(ckpt, ref, measure)
+    _add_estimates(plan, ckpt, measure=measuring, eval_tokens=eval_tokens, contexts=measure_contexts(conversion))
     if dry_run:
         return ConvertResult(None, plan)
     out = Path(out)
+    peak = PeakRSS().__enter__()
     t0 = time.perf_counter()
     with atomic_output(out, force=force, needed_bytes=plan.output_bytes) as tmp:
         writer = SafetensorsWriter(tmp, plan.specs, parse_size(max_shard_size))
@@ -162,18 +167,28 @@ def convert(
             spec.write_code(tmp)
         seconds = time.perf_counter() - t0
         measurements = None
-        if measure or (measure is None and ckpt.num_params <= 3e9):
-            measurements = _quick_measure(tmp, out.name, ref, eval_tokens, trust_remote_code)
+        if measuring:
+            try:
+                measurements = _quick_measure(tmp, out.name, ref, eval_tokens, trust_remote_code,
+                                              contexts=measure_contexts(conversion))
+            except EffattnError as exc:  # an optional measurement never decides the conversion's outcome
+                skipped = f"the measurement failed: {exc.message}"
+        peak.read()
         record = {
             "effattn_version": __version__,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": command,
+            "reproduce": reproduce_command(ref.spec, out, to, opts, plan.settings, dtype=dtype,
+                                           max_shard_size=max_shard_size),
             "source": {"model": ref.spec, "kind": ref.kind, "path": str(ref.path), "model_type": ckpt.config.get("model_type"),
                        "num_key_value_heads": ckpt.config.get("num_key_value_heads"), "num_params": ckpt.num_params},
             "conversion": {"to": plan.conversion, **plan.settings, **plan.measured.get("settings", {})},
             "seconds": round(seconds, 1),
             "measurements": measurements,
+            "resources": side_by_side(plan.est_seconds, plan.est_peak_bytes, time.perf_counter() - t0, peak),
         }
+        if skipped:
+            record["measurement_skipped"] = f"{skipped}; measure later: effattn eval {out} --baseline {ref.spec} --tokenizer FOLDER"
         run_record = {k: v for k, v in plan.measured.items() if k not in ("config", "settings")}
         if run_record:  # what the run measured on the way (e.g. per-layer refinement losses)
             record["conversion_run"] = run_record
@@ -184,14 +199,99 @@ def convert(
     return ConvertResult(out.absolute(), plan, seconds, measurements, record)
 
 
-def _quick_measure(folder: Path, name: str, ref: ModelRef, eval_tokens: int, trust_remote_code: bool) -> dict[str, Any]:
-    """A short original-vs-converted evaluation for the model card (`effattn eval` does the full one)."""
-    from ..evaluate import EvalSettings, evaluate
+def _measurement(ckpt: Checkpoint, ref: ModelRef, measure: bool | None) -> tuple[bool, str | None]:
+    """(whether the quick before/after measurement runs, why not when it was wanted but cannot).
 
-    settings = EvalSettings(max_tokens=eval_tokens, speed=False)
-    report = evaluate(str(folder), ref, settings, trust_remote_code=trust_remote_code)
-    report.model.name = name
-    return report.to_dict()
+    On by default up to 3B parameters. It needs the model's tokenizer: a folder without one (weights
+    from a training job) converts, and the record says the measurement was skipped and why; asking for
+    it explicitly (`--eval`) is refused before any work instead."""
+    wanted = measure if measure is not None else ckpt.num_params <= 3e9
+    if not wanted:
+        return False, None
+    why = tokenizer_missing(ref.path)
+    if why is None:
+        return True, None
+    if measure:
+        raise EffattnError(f"--eval needs the model's tokenizer: {why}",
+                           "drop --eval (measure later with `effattn eval OUT --baseline MODEL --tokenizer FOLDER`), "
+                           "or copy the tokenizer files into the model's folder")
+    return False, why
+
+
+def _add_estimates(plan: Plan, ckpt: Checkpoint, *, measure: bool, eval_tokens: int, contexts: tuple[int, ...]) -> None:
+    """Turn the conversion's own estimate (its work, its memory above the process's) into the run's:
+    writing the output, the quick measurement if it runs, and the memory the process already holds."""
+    seconds = plan.est_seconds + disk_seconds(plan.output_bytes)
+    work = plan.est_peak_bytes
+    if measure:
+        from ..data.corpora import DEFAULT_EVAL, load_text
+        from ..evaluate import LOGIT_CHUNK
+
+        dims = Dims.of(ckpt.config)
+        seconds += 2 * MODEL_LOAD_SECONDS
+        for context in contexts:
+            tokens = len(DEFAULT_EVAL) * max(eval_tokens, context)  # each corpus, whole blocks
+            flops = 2 * tokens * ckpt.num_params + dims.layers * dims.scores_flops(tokens, context)
+            seconds += 2 * compute_seconds(flops, FORWARD_EFFICIENCY)  # the converted model and the original
+            # both models in float32, a batch's hidden states, and two models' log-probabilities of one chunk
+            batch = max(1, 1024 // context)
+            activations = batch * context * dims.hidden * 4 * 8 + 4 * batch * min(context, LOGIT_CHUNK) * dims.vocab * 4
+            work = max(work, 2 * ckpt.num_params * 4 + activations)
+        work = max(work, 2 * ckpt.num_params * 4 + max(len(load_text(c)) for c in DEFAULT_EVAL) * TOKENIZE_BYTES_PER_CHAR)
+    plan.est_seconds = seconds
+    plan.est_peak_bytes = baseline_rss() + work
+
+
+def reproduce_command(source: str, out: Path, to: str, opts: ConversionOptions, settings: dict[str, Any], *,
+                      dtype, max_shard_size) -> str:
+    """The `effattn convert` command line that makes this output again: every option that mattered
+    spelled out (those the user gave, and those the plan recorded as used, at the value used), so a
+    later change of a default does not change what it makes."""
+    import shlex
+
+    from . import ALIASES
+    from .options import flag
+
+    preset = ALIASES.get(to, (to, {}))[1]  # an alias fixes these (mqa: kv_heads 1)
+    parts = ["effattn", "convert", shlex.quote(source), "--to", to]
+    given = opts.given()
+    for name, value in opts.model_dump().items():
+        if settings.get(name) is not None:
+            value = settings[name]
+        elif name not in given:
+            continue
+        if value is None or name in preset:
+            continue
+        if isinstance(value, bool):
+            parts.append(flag(name) if value else "--no-" + flag(name)[2:])
+        else:
+            parts += [flag(name), shlex.quote(str(value))]
+    parts += ["--dtype", str(dtype or "auto"), "--max-shard-size", str(max_shard_size), "-o", shlex.quote(str(out))]
+    return " ".join(parts)
+
+
+def measure_contexts(conversion) -> tuple[int, ...]:
+    """The block lengths the card measures at: where the conversion is meant to be used. A conversion
+    whose cache only pays off at long context (VQ, windows, linear attention) declares its own."""
+    return tuple(getattr(conversion, "measure_contexts", None) or (512,))
+
+
+def _quick_measure(folder: Path, name: str, ref: ModelRef, eval_tokens: int, trust_remote_code: bool,
+                   contexts: tuple[int, ...]) -> dict[str, Any]:
+    """A short original-vs-converted evaluation for the model card (`effattn eval` does the full one):
+    the report at the first context, and one per longer context in `longer`."""
+    from ..evaluate import EvalSettings, measure
+    from ..io.load import load_model
+
+    model, tokenizer, _ = load_model(str(folder), trust_remote_code=trust_remote_code)
+    original, _, _ = load_model(ref, trust_remote_code=trust_remote_code, tokenizer=False)
+    reports = []
+    for context in contexts:
+        settings = EvalSettings(context=context, max_tokens=max(eval_tokens, context), speed=False,
+                                batch_size=max(1, 1024 // context))
+        reports.append(measure(model, tokenizer, name=name, settings=settings, baseline=original,
+                               baseline_name=ref.display).to_dict())
+    return reports[0] | ({"longer": reports[1:]} if len(reports) > 1 else {})
 
 
 def read_record(folder: Path) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ from every evaluation corpus (data/corpora.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,12 +31,32 @@ class CalibSettings:
     # o_proj refit: λ relative to the mean diagonal of OᵀO, pulling towards the PCA solution. Chosen on
     # held-out text: 0.1 generalises better than 0.01 or 0.001 (less overfitting of the calibration set).
     ridge: float = 0.1
+    text_chars: int = 0  # the calibration text's length, once validated (memory estimate of tokenizing it)
 
-    def validate(self) -> CalibSettings:
+    def validate(self, folder=None) -> CalibSettings:
+        """Check the settings, the calibration text (it exists and is not empty) and, given the model's
+        folder, that it can tokenize the text, before any work. Returns the settings with text_chars."""
+        if folder is not None:
+            from ..io.load import tokenizer_missing
+
+            why = tokenizer_missing(folder)
+            if why:
+                raise EffattnError(f"calibration needs the model's tokenizer: {why}",
+                                   "copy the tokenizer files of the model it came from into it, or choose a "
+                                   "weight-only method (e.g. --method mean)")
         if self.tokens < self.seq_len:
             raise EffattnError(f"--calib-tokens ({self.tokens}) must be at least one sequence ({self.seq_len} tokens)",
                                f"use --calib-tokens {self.seq_len} or more")
-        return self
+        text = load_text(self.corpus)
+        if not text.strip():
+            raise EffattnError(f"calibration text {self.corpus} is empty", "point --calib to a text with content")
+        return replace(self, text_chars=len(text))
+
+    def tokenize_bytes(self) -> int:
+        """Peak memory of tokenizing the calibration text."""
+        from ..resources import TOKENIZE_BYTES_PER_CHAR
+
+        return self.text_chars * TOKENIZE_BYTES_PER_CHAR
 
 
 def calibration_tokens(folder, settings: CalibSettings) -> torch.Tensor:

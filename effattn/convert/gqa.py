@@ -22,13 +22,14 @@ from ..errors import EffattnError, one_of
 from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
+from ..resources import Dims, compute_seconds, disk_seconds
 from ..attention.functional import project_qkv
 from ..data.corpora import DEFAULT_CALIB
-from .base import Plan, kv_bytes_per_token, layer_bytes, passthrough, same_specs
+from .base import Plan, kv_bytes_per_token, passthrough, same_specs
 from .calibrate import CalibSettings, batches, refit_o_proj
-from .layers import LayerInput, LayerOutput, run_layers
+from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .options import ConversionOptions
-from .refine import RefineSettings, Target
+from .refine import RefineSettings, Target, refine_flops
 from .headmerge import KeyMerge, align_keys, align_values, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
 
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -388,12 +389,12 @@ class GQAConversion:
         ]
         settings = {"kv_heads": new_kv, "method": method.name, "kv_heads_before": shape.kv_heads}
         state = {"method": method, "shape": shape, "new_kv": new_kv, "target": target}
-        est_seconds = ckpt.nbytes / 200e6  # streaming copy at ~200 MB/s
-        est_peak = layer_bytes(ckpt, family) * 3
+        est_seconds = disk_seconds(ckpt.nbytes)  # reading every tensor
+        est_peak = streaming_bytes(ckpt, family)
         if method.needs_calibration and new_kv == shape.kv_heads:
             pass  # the identity is an exact copy: no calibration to run
         elif method.needs_calibration:
-            calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens).validate()
+            calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens).validate(ckpt.folder)
             state["calib"] = calib
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
                          "ridge": calib.ridge if method.refit_o else None}
@@ -401,13 +402,16 @@ class GQAConversion:
             state["refine"] = refine
             settings |= {"refine_steps": refine.steps, "refine_lr": refine.lr if refine.steps else None,
                          "refine_target": refine.target if refine.steps else None}
-            # ~5 passes over the calibration tokens per layer (stats, refit x2, forward), at the
-            # measured ~500 tokens/s/model of a 135M model on 2 cores, scaled by model size.
-            per_token_layer = 2 * ckpt.num_params / shape.layers
-            est_seconds += 5 * calib.tokens * shape.layers * per_token_layer / 40e9
-            activations = calib.tokens * shape.hidden * 4 * 3
-            embed_bytes = torch.Size(ckpt.meta(family.embed)[0]).numel() * 4
-            est_peak = layer_bytes(ckpt, family) * 3 + activations + embed_bytes
+            dims = Dims.of(ckpt.config)
+            N, T = calib.tokens, calib.seq_len
+            # per layer: q/k/v statistics, the o_proj refit (old and new attention, Gram matrix), the
+            # converted layer's forward to propagate the activations
+            hd = shape.heads * shape.head_dim
+            per_layer = (dims.attention_flops(N, T) / 2 + (2 * dims.attention_flops(N, T) + 2 * N * hd * (hd + shape.hidden)
+                                                            if method.refit_o else 0) + dims.layer_flops(N, T))
+            per_layer += refine_flops(dims, refine, N, T)
+            est_seconds += compute_seconds(shape.layers * per_layer)
+            est_peak = calibrated_bytes(ckpt, family, calib, refine)
             summary.append(("calibration", f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}, "
                                            "layer by layer"))
         elif opts.given() & {"calib", "calib_tokens"} and not isinstance(method, _Expansion):

@@ -30,9 +30,35 @@ from ..attention.layerwise import LayerFactory
 from ..families import Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
-from .base import passthrough
+from .base import layer_bytes, passthrough
 from .calibrate import CalibSettings, batches, calibration_tokens
 from .refine import RefineSettings, refine_layer
+
+
+def streaming_bytes(ckpt: Checkpoint, family: Family) -> int:
+    """Memory a weight-only layer-by-layer walk holds above the process's: one layer's tensors as read
+    (mapped pages) and their working copies (float64 where the maths runs), and the largest single
+    tensor's mapped pages."""
+    largest = max(ckpt.meta(n)[1].itemsize * torch.Size(ckpt.meta(n)[0]).numel() for n in ckpt.names())
+    per = layer_bytes(ckpt, family)
+    return 2 * per + 4 * per * 8 // max(ckpt.dtype.itemsize, 1) // 2 + largest
+
+
+def calibrated_bytes(ckpt: Checkpoint, family: Family, calib: CalibSettings, refine: RefineSettings | None = None) -> int:
+    """Memory a calibrated walk holds above the process's: the streaming walk's, the embedding matrix
+    in float32 (a copy unless stored so), the activations (the layer's inputs, their normed copy, the
+    next layer's inputs being built, and the original model's for a `stream` refinement), one batch's
+    attention scores, and tokenizing the calibration text."""
+    config = ckpt.config
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    tokens, seq_len, batch = calib.tokens, calib.seq_len, calib.batch_size
+    shape, dtype = ckpt.meta(family.embed)
+    embed = torch.Size(shape).numel() * 4 if dtype != torch.float32 else 0  # float32: its mapped pages, counted above
+    copies = 4 + (3 if refine is not None and refine.steps and refine.target == "stream" else 0)
+    activations = copies * tokens * hidden * 4
+    scores = batch * heads * seq_len * seq_len * 4
+    walk = streaming_bytes(ckpt, family) + embed + activations + scores + 4 * layer_bytes(ckpt, family)
+    return max(walk, calib.tokenize_bytes())
 
 
 @dataclass

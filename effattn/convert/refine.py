@@ -37,6 +37,15 @@ class RefineSettings:
     seed: int = 0
 
 
+def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int) -> float:
+    """Floating-point work of refining one layer (`dims`: resources.Dims) on `tokens` calibration tokens."""
+    if not settings.steps:
+        return 0.0
+    fit = dims.layer_flops if settings.target == "stream" else dims.attention_flops
+    once = fit(tokens, seq_len) * (3 if settings.target == "stream" else 2)  # targets (+ x0 onward), error before, after
+    return once + fit(tokens, seq_len) + settings.steps * 3 * fit(settings.batch_size * seq_len, seq_len)  # fwd + bwd
+
+
 def attention_out(layer: torch.nn.Module, x: torch.Tensor, cos, sin) -> torch.Tensor:
     """A transformers decoder layer's attention output (before the residual) on layer inputs x [B, T, D]."""
     h = layer.input_layernorm(x)

@@ -38,11 +38,12 @@ from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
 from ..kernels.rope import apply_rope
-from .base import Plan, layer_bytes, same_specs
+from ..resources import Dims, compute_seconds, disk_seconds
+from .base import Plan, same_specs
 from .kmeans import KMeansMethod, kmeans
 from ..models import ModelSpec
 from .calibrate import batches
-from .layers import LayerInput, LayerOutput, run_layers
+from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .options import ConversionOptions
 
 # Default far position (`--far-position`) as a multiple of the window. ReRoPE classically sees far keys
@@ -184,8 +185,8 @@ class ReRoPEConversion(_ReRoPEBase):
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
                      ("attention", f"ReRoPE, window {c.window}: exact inside, relative position {c.far} beyond"),
                      ("KV cache", f"{kv:,.0f} bytes/token, unchanged (every key is kept)")],
-            kv_bytes_per_token=(kv, kv), est_seconds=ckpt.nbytes / 200e6,
-            est_peak_bytes=layer_bytes(ckpt, family) * 2, state={"shape": shape, "target": c.target, "size": c.size},
+            kv_bytes_per_token=(kv, kv), est_seconds=disk_seconds(ckpt.nbytes),
+            est_peak_bytes=streaming_bytes(ckpt, family), state={"shape": shape, "target": c.target, "size": c.size},
         )
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
@@ -202,8 +203,28 @@ class ReRoPEConversion(_ReRoPEBase):
                    progress=progress, description="writing layers")
 
 
+def break_even_tokens(kv_per_token: float, state_bytes: float, exact_per_token: float) -> float | None:
+    """The sequence length beyond which a VQ cache (constant state + the exact heads' growing part) is
+    smaller than the original's KV cache; None when it never is."""
+    saving = kv_per_token - exact_per_token
+    return state_bytes / saving if saving > 0 else None
+
+
+def _vq_cache_line(kv: float, state: float, exact: float, exact_heads: int) -> str:
+    grows = f" + {exact:,.0f} bytes/token for the {exact_heads} exact heads' keys and values" if exact_heads else ""
+    even = break_even_tokens(kv, state, exact)
+    tail = (f"; smaller than the original's beyond {even:,.0f} tokens (break-even), larger below" if even
+            else "; never smaller than the original's")
+    return f"original {kv:,.0f} bytes/token (grows with length); VQ {state:,.0f} bytes per sequence{grows}{tail}"
+
+
+VQ_FORWARD_EXTRA = 2.0  # the VQ attention's forward costs about this many extra attention passes (measured)
+
+
 class VQConversion(_ReRoPEBase):
     name = "vq"
+    # the VQ cache pays off at long context: the card measures there (break-even in the KV line)
+    measure_contexts = (2048, 8192)
     description = "Transformer-VQ: ReRoPE window + keys beyond it quantized to k-means codebooks (linear time)"
     quantize = True
     Options = VQOptions
@@ -218,7 +239,7 @@ class VQConversion(_ReRoPEBase):
         c = self._common(ckpt, family, opts, target)
         shape, window, sinks, size, kv = c.shape, c.window, c.sinks, c.size, c.kv_before
         metric, method, exact_heads = opts.metric, opts.kmeans, opts.exact_heads
-        calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens, seq_len=opts.calib_seq_len).validate()
+        calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens, seq_len=opts.calib_seq_len).validate(ckpt.folder)
         if exact_heads > shape.layers * shape.kv_heads:
             raise EffattnError(f"--exact-heads {exact_heads} is more than the model's {shape.layers * shape.kv_heads} "
                                f"KV heads ({shape.layers} layers x {shape.kv_heads})",
@@ -234,8 +255,15 @@ class VQConversion(_ReRoPEBase):
         state_bytes = (shape.layers * shape.kv_heads * (window - 1 + sinks) * 2 * shape.head_dim * 4
                        + (shape.layers * shape.kv_heads - exact_heads) * size * per_code * 4)
         exact_bytes = exact_heads * 2 * shape.head_dim * (c.target or ckpt.dtype).itemsize  # per token, growing
-        est = ckpt.nbytes / 200e6 + calib.tokens * 2 * ckpt.num_params / 20e9 * (1.5 if exact_heads else 1)
-        activations = calib.tokens * shape.hidden * 4 * 3 + calib.tokens * shape.kv_heads * shape.head_dim * 4 * 2
+        # per layer: keys and far-attention statistics (an attention pass), Lloyd's k-means (15 rounds of
+        # assigning every key to a codeword and averaging), the layer's VQ forward to propagate the
+        # activations, and for --exact-heads each head's exact attention to score it
+        dims, N, T = Dims.of(ckpt.config), calib.tokens, calib.seq_len
+        kmeans_flops = 15 * shape.kv_heads * 4 * N * size * shape.head_dim
+        per_layer = (dims.attention_flops(N, T) * (2 if exact_heads else 1) + kmeans_flops
+                     + dims.layer_flops(N, T) + VQ_FORWARD_EXTRA * dims.attention_flops(N, T))
+        est = disk_seconds(ckpt.nbytes) + compute_seconds(shape.layers * per_layer)
+        est_peak = calibrated_bytes(ckpt, family, calib) + 3 * shape.kv_heads * N * shape.head_dim * 4
         return Plan(
             conversion=self.name,
             settings={"codebook_size": size, "window": window, "far_position": c.far, "sinks": sinks,
@@ -251,16 +279,13 @@ class VQConversion(_ReRoPEBase):
                                    + (f", {sinks} sink positions never quantized" if sinks else "")),
                      ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
                                    f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
-                     ("KV cache", f"{kv:,.0f} bytes/token now; VQ state {state_bytes:,.0f} bytes at any length "
-                                  f"(= {kv:,.0f} bytes/token x {state_bytes / kv:,.0f} tokens)"
-                                  + (f", plus {exact_bytes:,.0f} bytes/token for the {exact_heads} exact heads' keys and values"
-                                     if exact_heads else "")),
+                     ("KV cache", _vq_cache_line(kv, state_bytes, exact_bytes, exact_heads)),
                      ("VQ kernel", _kernel_line()),
                      *([("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose attention output "
                                         "ReRoPE + VQ most changes on the calibration text keep their original attention")]
                        if exact_heads else [])],
             kv_bytes_per_token=(kv, state_bytes / (4 * window) + exact_bytes),
-            est_seconds=est, est_peak_bytes=layer_bytes(ckpt, family) * 3 + activations + 400 * 2**20,
+            est_seconds=est, est_peak_bytes=est_peak,
             state={"shape": shape, "target": c.target, "size": size, "calib": calib, "metric": metric,
                    "kmeans": method, "exact_heads": exact_heads},
         )

@@ -274,7 +274,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
         model, tokenizer, _ = load_model(student_path, dtype="float32")
         teacher = None
         if teacher_spec is not None:
-            teacher, _, _ = load_model(teacher_spec, dtype=TEACHER_DTYPE[recipe.train.precision])
+            teacher, _, _ = load_model(teacher_spec, dtype=TEACHER_DTYPE[recipe.train.precision], tokenizer=False)
     if teacher is not None:
         if teacher.config.vocab_size != model.config.vocab_size:
             raise EffattnError(f"teacher {teacher_spec} and student have different vocabularies "
@@ -426,7 +426,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
 
 def finished_result(run: RunFolder, main: bool) -> FinetuneResult:
     """The result of the fine-tune already finished in OUT, read back from its folder."""
-    model, _, _ = load_model(run.out, dtype="float32")
+    model, _, _ = load_model(run.out, dtype="float32", tokenizer=False)
     ft = json.loads((run.out / "effattn.json").read_text())["finetune"]
     record = json.loads((run.out / "effattn.json").read_text()) if main else None
     return FinetuneResult(run.out if main else None, model, ft["steps"], ft["tokens"], ft["seconds"],

@@ -16,7 +16,6 @@ estimates:
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch
@@ -28,31 +27,13 @@ from .config import Recipe
 from .data import check_disjoint, check_source
 from .loop import TEACHER_DTYPE, resolve_teacher, tokens_per_step, total_steps
 from .params import count_params, select_trainable
+from ..resources import device_flops
 
 # Achieved / measured-matmul FLOP/s of heal-gqa steps on SmolLM2-135M (4x256 tokens, 2 shared CPU
 # cores, load average 5-7): ~22 GFLOP/s achieved, 41-68 measured. A rough, machine-dependent factor.
 EFFICIENCY = 0.45
 RUNTIME_BYTES = 2**29  # Python, torch, tokenizer, tokenized text: ~0.5 GiB measured
 LOGIT_COPIES = 6  # student logits, their log-softmax and gradient, teacher logits and log-softmax, the KL terms
-
-
-def device_flops(dtype: torch.dtype = torch.float32, windows: int = 3, seconds: float = 0.1) -> float:
-    """Matmul FLOP/s of the default device: the best of a few short windows (steadier on a shared machine)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    n = 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
-    best = 0.0
-    for _ in range(windows):
-        runs, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            a @ b
-            runs += 1
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = max(best, 2 * n**3 * runs / (time.perf_counter() - t0))
-    return best
 
 
 def _meta_model(config: dict[str, Any]):

@@ -10,17 +10,21 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 
 def measurement_rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(metric, original, converted) rows from an EvalReport dict."""
+    """(metric, original, converted) rows from an EvalReport dict; a measurement at several block
+    lengths (its `longer` reports) labels every row with its length."""
+    reports = [m, *m.get("longer", [])]
     rows = []
-    base, mine = m.get("baseline") or {}, m["model"]
-    for corpus, ppl in mine["perplexity"].items():
-        rows.append((f"perplexity · {corpus}", _fmt((base.get("perplexity") or {}).get(corpus)), _fmt(ppl)))
-    for corpus, agree in (m.get("agreement") or {}).items():
-        rows.append((f"top-1 agreement · {corpus}", "100%", f"{agree:.1%}"))
-    for corpus, kl in (m.get("kl") or {}).items():
-        rows.append((f"KL(original‖converted) · {corpus}", "0", f"{kl:.3f}"))
-    rows.append(("KV-cache bytes/token (measured)", _fmt(base.get("kv_bytes_per_token"), ",.0f"),
-                 _fmt(mine.get("kv_bytes_per_token"), ",.0f")))
+    for r in reports:
+        at = f" @ {r['settings']['context']:,}" if len(reports) > 1 else ""
+        base, mine = r.get("baseline") or {}, r["model"]
+        for corpus, ppl in mine["perplexity"].items():
+            rows.append((f"perplexity · {corpus}{at}", _fmt((base.get("perplexity") or {}).get(corpus)), _fmt(ppl)))
+        for corpus, agree in (r.get("agreement") or {}).items():
+            rows.append((f"top-1 agreement · {corpus}{at}", "100%", f"{agree:.1%}"))
+        for corpus, kl in (r.get("kl") or {}).items():
+            rows.append((f"KL(original‖converted) · {corpus}{at}", "0", f"{kl:.3f}"))
+        rows.append((f"KV-cache bytes/token (measured{', after ' + format(mine.get('kv_context') or 0, ',') + ' tokens' if at else ''})",
+                     _fmt(base.get("kv_bytes_per_token"), ",.0f"), _fmt(mine.get("kv_bytes_per_token"), ",.0f")))
     return rows
 
 
@@ -38,7 +42,7 @@ def model_card(name: str, record: dict[str, Any], plan) -> str:
         "",
         f"# {name}",
         "",
-        f"Converted by [effattn](https://github.com/) {record['effattn_version']} from `{src['model']}` "
+        f"Converted by effattn {record['effattn_version']} from `{src['model']}` "
         f"({src['model_type']}, {src['num_params'] / 1e6:.0f}M parameters) on {record['created'][:10]}.",
         "",
         "## Conversion",
@@ -52,22 +56,26 @@ def model_card(name: str, record: dict[str, Any], plan) -> str:
     ]
     m = record.get("measurements")
     if m:
-        s = m["settings"]
+        reports = [m, *m.get("longer", [])]
+        blocks = " and ".join(f"{r['settings']['max_tokens']:,} tokens per corpus in blocks of {r['settings']['context']:,}"
+                              for r in reports)
         lines += [
             "## Measured",
             "",
-            f"`effattn eval`, {s['max_tokens']} tokens per corpus in blocks of {s['context']}; "
-            "held-out corpora not used for calibration.",
+            f"`effattn eval`, {blocks}; held-out corpora not used for calibration.",
             "",
             "| metric | original | converted |",
             "|---|---|---|",
             *[f"| {a} | {b} | {c} |" for a, b, c in measurement_rows(m)],
             "",
         ]
+    elif record.get("measurement_skipped"):
+        lines += ["## Measured", "", f"Not measured at conversion time: {record['measurement_skipped']}.", ""]
     else:
-        lines += ["## Measured", "", "Not measured at conversion time; run `effattn eval OUT --baseline SOURCE`.", ""]
-    if record.get("command"):
-        lines += ["## Reproduce", "", "```", record["command"], "```", ""]
+        lines += ["## Measured", "", f"Not measured at conversion time; run `effattn eval {name} --baseline {src['model']}`.", ""]
+    if record.get("reproduce") or record.get("command"):
+        lines += ["## Reproduce", "", f"With effattn {record['effattn_version']}:", "", "```",
+                  record.get("reproduce") or record["command"], "```", ""]
     lines += load_section(name, plan.config.get("model_type"))
     return "\n".join(lines)
 

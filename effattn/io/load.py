@@ -28,10 +28,35 @@ def as_ref(model: str | Path | ModelRef, *, trust_remote_code: bool = False) -> 
     return model if isinstance(model, ModelRef) else resolve_model(str(model), trust_remote_code=trust_remote_code)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model",
+                   "vocab.txt", "tekken.json")
+
+
+def tokenizer_missing(folder: Path) -> str | None:
+    """Why `folder` cannot give a tokenizer (None when it holds one). transformers does not refuse a
+    folder without tokenizer files: it builds an empty tokenizer that turns any text into 0 tokens."""
+    if any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return f"{Path(folder).name} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...)"
+
+
+def load_tokenizer(source: str | Path | ModelRef, *, trust_remote_code: bool = False, option: str = "--tokenizer"):
+    """The tokenizer of MODEL-like `source` (a folder, a built-in name, a hub id); refuses a folder
+    that has none, naming `option` as the way to give one."""
+    from transformers import AutoTokenizer
+
+    ref = as_ref(source, trust_remote_code=trust_remote_code)
+    why = tokenizer_missing(ref.path)
+    if why:
+        raise EffattnError(why, f"pass {option} FOLDER_OR_MODEL (e.g. the model it came from) or copy its tokenizer files there")
+    return AutoTokenizer.from_pretrained(str(ref.path), trust_remote_code=trust_remote_code)
+
+
 def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", trust_remote_code: bool = False,
-               allow_pickle: bool = False, device: str | torch.device = "cpu"):
-    """(model, tokenizer, ref) for a MODEL argument, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+               allow_pickle: bool = False, device: str | torch.device = "cpu", tokenizer: str | Path | bool = True):
+    """(model, tokenizer, ref) for a MODEL argument, in eval mode. The tokenizer is MODEL's
+    (tokenizer=True), another folder's or MODEL argument's (a path or name), or None (False)."""
+    from transformers import AutoModelForCausalLM
 
     import effattn.attention  # noqa: F401 - registers effattn's own model classes with transformers
 
@@ -54,8 +79,9 @@ def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", t
         raise EffattnError(f"transformers could not load {ref.display} ({type(exc).__name__}: {str(exc)[:200]})",
                            "check the checkpoint is complete and matches its config.json") from exc
     lm.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(ref.path), trust_remote_code=trust_remote_code)
-    return lm, tokenizer, ref
+    if tokenizer is False:
+        return lm, None, ref
+    return lm, load_tokenizer(ref if tokenizer is True else tokenizer, trust_remote_code=trust_remote_code), ref
 
 
 def _registered(model_type: str | None) -> bool:

@@ -1,0 +1,193 @@
+"""What a run costs on this machine: its speed, the process's memory, and estimates held against both.
+
+Estimates are built from counts (floating-point operations, bytes read and written, bytes held) and
+two things measured here, once per process:
+
+  * `matmul_flops()`: float32 matrix-multiply throughput of torch on this machine's threads (a
+    ~0.3 s probe; on a loaded machine it is lower, and so are the estimates' rates). Model work
+    runs at a fraction of it; the fractions below were measured on the built-in model
+    (BENCHMARKS.md, "estimates") and are used for every model.
+  * `baseline_rss()`: the process's resident memory before the run (the interpreter, torch and
+    transformers already imported): every peak starts from it.
+
+Peak memory is the process's peak resident set (what `/usr/bin/time -f %M` reports), including
+mapped checkpoint pages. `PeakRSS` measures it for one run: on Linux it resets the kernel's
+high-water mark first (`/proc/self/clear_refs`), so the peak is the run's, not the process's
+lifetime's; elsewhere it falls back to the lifetime peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Fractions of the matmul probe's rate that real work reaches on the CPU (measured; see module doc).
+FORWARD_EFFICIENCY = 0.45  # a transformers forward pass, float32, batches of 512-token blocks
+LAYERWISE_EFFICIENCY = 0.55  # the layer-wise runner: one decoder layer at a time, plus statistics
+DISK_BYTES_PER_S = 1e9
+TOKENIZE_BYTES_PER_CHAR = 350  # peak memory of tokenizing a whole corpus at once (a byte-level tokenizer, the worst)
+MODEL_LOAD_SECONDS = 1.0  # transformers building a model from a local safetensors folder  # reading a checkpoint and writing safetensors (page cache, mmap)
+
+
+def device_flops(dtype: torch.dtype = torch.float32, windows: int = 3, seconds: float = 0.1, device: str | None = None) -> float:
+    """Matmul FLOP/s of `device` (default: CUDA when present, else the CPU): the best of a few short
+    windows of 1024³ products (steadier on a shared machine)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    n = 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = 0.0
+    for _ in range(windows):
+        runs, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            runs += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 2 * n**3 * runs / (time.perf_counter() - t0))
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def matmul_flops() -> float:
+    """This CPU's float32 matmul throughput (FLOP/s), probed once per process (conversions run on the CPU)."""
+    return device_flops(torch.float32, device="cpu")
+
+
+def _status(field_name: str) -> int | None:
+    """A memory field of /proc/self/status in bytes (Linux), or None."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _lifetime_peak() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def rss() -> int:
+    """The process's resident memory now (bytes)."""
+    return _status("VmRSS") or _lifetime_peak()
+
+
+def baseline_rss() -> int:
+    """Resident memory the process holds before a run starts: the base every peak estimate adds to."""
+    return rss()
+
+
+def process_age() -> float:
+    """Seconds since this process started (its interpreter start-up and imports, which the same command
+    pays again): from /proc on Linux, else 0."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+        return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - start)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def forward_seconds(tokens: int, params: int, passes: float = 1.0) -> float:
+    """Seconds for `passes` float32 forward passes of a model with `params` parameters over `tokens`."""
+    return passes * 2 * params * tokens / (matmul_flops() * FORWARD_EFFICIENCY)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes of a decoder that cost models need, from a config.json dict."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: dict) -> Dims:
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        return cls(layers=config["num_hidden_layers"], hidden=hidden, heads=heads,
+                   kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or hidden // heads,
+                   intermediate=config.get("intermediate_size") or 4 * hidden, vocab=config.get("vocab_size") or 32000)
+
+    def scores_flops(self, tokens: int, seq_len: int) -> float:
+        """One attention block's scores and weighted sum over `tokens` in causal blocks of `seq_len`."""
+        return 2 * tokens * seq_len * self.heads * self.head_dim  # causal: half of 4·T·H·d per token
+
+    def attention_flops(self, tokens: int, seq_len: int) -> float:
+        """One attention block's forward over `tokens` in causal blocks of `seq_len`: projections and scores."""
+        proj = 2 * tokens * self.hidden * (2 * self.heads + 2 * self.kv_heads) * self.head_dim
+        return proj + self.scores_flops(tokens, seq_len)
+
+    def layer_flops(self, tokens: int, seq_len: int) -> float:
+        """One decoder layer's forward (attention + gated MLP)."""
+        return self.attention_flops(tokens, seq_len) + 6 * tokens * self.hidden * self.intermediate
+
+
+def compute_seconds(flops: float, efficiency: float = LAYERWISE_EFFICIENCY) -> float:
+    return flops / (matmul_flops() * efficiency)
+
+
+def disk_seconds(nbytes: int) -> float:
+    return nbytes / DISK_BYTES_PER_S
+
+
+@dataclass
+class PeakRSS:
+    """`with PeakRSS() as peak: ...` then `peak.bytes`: the process's peak resident set during the block
+    (`peak.exact` says whether the kernel's high-water mark could be reset at its start)."""
+
+    bytes: int = 0
+    exact: bool = False
+    _start: float = field(default=0.0, repr=False)
+
+    def __enter__(self) -> PeakRSS:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak resident set size (Linux >= 4.0)
+            self.exact = True
+        except OSError:
+            self.exact = False
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.read()
+
+    def read(self) -> int:
+        self.bytes = (_status("VmHWM") if self.exact else None) or _lifetime_peak()
+        return self.bytes
+
+
+def load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def side_by_side(est_seconds: float, est_peak: int, seconds: float, peak: PeakRSS) -> dict:
+    """The record's `resources` entry: the plan's estimate beside what this run measured."""
+    return {
+        "estimated": {"seconds": round(est_seconds, 1), "peak_rss_bytes": int(est_peak)},
+        "measured": {"seconds": round(seconds, 1), "peak_rss_bytes": int(peak.bytes),
+                     "peak_is_this_run": peak.exact, "load_average": load_average(),
+                     "threads": torch.get_num_threads()},
+        "ratio": {"seconds": round(seconds / max(est_seconds, 1e-9), 2),
+                  "peak_rss": round(peak.bytes / max(est_peak, 1), 2)},
+    }

@@ -1,0 +1,181 @@
+"""What a conversion prints, estimates and records is true, and an optional measurement never decides
+its outcome: tokenizer-less folders, estimates against measured peaks, cards that reproduce."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from effattn.io.load import TOKENIZER_FILES
+from effattn.io.card import measurement_rows
+from effattn.testing import make_model
+from tests.test_cli_errors import assert_one_line_error, run_cli
+
+EFFATTN = str(Path(sys.executable).parent / "effattn")
+
+
+def without_tokenizer(folder: Path) -> Path:
+    for name in TOKENIZER_FILES:
+        (folder / name).unlink(missing_ok=True)
+    return folder
+
+
+def record(folder: Path) -> dict:
+    return json.loads((folder / "effattn.json").read_text())
+
+
+# -- 1. a folder without a tokenizer converts; the measurement is skipped, and says why -----------
+
+@pytest.mark.parametrize("family,args", [
+    ("qwen2", ["--to", "gqa", "--kv-heads", "1", "--method", "mean"]),
+    ("llama", ["--to", "mqa", "--method", "align"]),
+    ("llama", ["--to", "rerope", "--window", "16"]),
+])
+def test_a_folder_without_tokenizer_converts_and_the_record_says_why(capsys, tiny, tmp_path, family, args):
+    src = without_tokenizer(tiny(family))
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "convert", src, *args, "-o", out)
+    assert code in (0, None), err
+    assert "measurement skipped" in stdout and "no tokenizer" in stdout
+    rec = record(out)
+    assert rec["measurements"] is None
+    assert "no tokenizer files" in rec["measurement_skipped"] and "--tokenizer" in rec["measurement_skipped"]
+    card = (out / "README.md").read_text()
+    assert "Not measured at conversion time" in card and "no tokenizer files" in card
+    # measuring later with the tokenizer of another folder works
+    tok = tiny(family)
+    code, stdout, err = run_cli(capsys, "eval", out, "--baseline", src, "--tokenizer", tok, "--max-tokens", "256",
+                                "--context", "64", "--no-speed", "--json")
+    assert code in (0, None), err
+    report = json.loads(stdout)
+    assert report["model"]["perplexity"]["shakespeare"] > 1 and report["baseline"]["perplexity"]["shakespeare"] > 1
+
+
+def test_without_tokenizer_calibration_and_an_explicit_eval_are_refused_before_work(capsys, tiny, tmp_path):
+    src = without_tokenizer(tiny("llama"))
+    for args in (["--to", "mqa"], ["--to", "vq", "--codebook-size", "8", "--window", "16", "--calib-seq-len", "64"],
+                 ["--to", "mqa", "--method", "mean", "--eval"]):
+        out = tmp_path / "out"
+        for dry in ([], ["--dry-run"]):
+            code, _, err = run_cli(capsys, "convert", src, *args, *dry, "-o", out)
+            assert_one_line_error(code, err, "tokenizer")
+            assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    code, _, err = run_cli(capsys, "eval", src, "--max-tokens", "256", "--context", "64")
+    assert_one_line_error(code, err, "no tokenizer files", "--tokenizer")
+
+
+def test_a_failing_measurement_does_not_fail_the_conversion(tiny, tmp_path, monkeypatch):
+    from effattn.convert import base, convert
+    from effattn.errors import EffattnError
+
+    def broken(*_, **__):
+        raise EffattnError("the text has 0 tokens", "use a longer text")
+
+    monkeypatch.setattr(base, "_quick_measure", broken)
+    result = convert(tiny("llama"), tmp_path / "out", to="mqa", options={"method": "mean"})
+    assert result.record["measurements"] is None
+    assert "the measurement failed: the text has 0 tokens" in result.record["measurement_skipped"]
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+# -- 2. estimates beside measurements -------------------------------------------------------------
+
+def sized_model(folder: Path) -> Path:
+    """Big enough that the conversion's own memory shows beside the interpreter's (~0.4 GB): 6 layers,
+    hidden 768, 52M parameters (210 MB in float32)."""
+    return make_model(folder, "llama", hidden=768, intermediate=3072, layers=6, heads=12, kv_heads=4, head_dim=64,
+                      init_std=0.02)
+
+
+@pytest.mark.parametrize("args", [
+    "--to mqa --method mean",
+    "--to mqa --calib-tokens 2048 --eval --eval-tokens 1024",
+    "--to vq --codebook-size 32 --window 64 --calib-tokens 2048 --calib-seq-len 256 --no-eval",
+])
+def test_the_memory_estimate_is_within_2x_of_the_measured_peak(tmp_path_factory, args):
+    """The dry run's estimate of the process's peak resident set against the peak the same conversion
+    measured (effattn.json `resources`, the kernel's high-water mark reset at the start), in a fresh
+    process as a user runs it."""
+    models = tmp_path_factory.getbasetemp() / "sized"
+    src = models if (models / "config.json").exists() else sized_model(models)
+    out = tmp_path_factory.mktemp("est") / "out"
+    argv = [EFFATTN, "convert", str(src), *shlex.split(args), "-o", str(out)]
+    dry = subprocess.run(argv + ["--dry-run", "--json"], capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    estimate = json.loads(dry.stdout)["est_peak_bytes"]
+    run = subprocess.run(argv + ["--json"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    res = record(out)["resources"]
+    measured = res["measured"]["peak_rss_bytes"]
+    assert res["estimated"]["peak_rss_bytes"] > 0 and res["measured"]["seconds"] > 0
+    assert 0.5 <= measured / estimate <= 2.0, (args, estimate / 2**20, measured / 2**20)
+    # the record keeps the run's own estimate beside the measurement
+    assert 0.5 <= res["estimated"]["peak_rss_bytes"] / estimate <= 2.0
+
+
+# -- 3. the card ------------------------------------------------------------------------------------
+
+def test_the_reproduce_line_reproduces_the_output(tiny, tmp_path):
+    src = tiny("llama")
+    out = tmp_path / "first"
+    code = subprocess.run([EFFATTN, "convert", str(src), "--to", "mqa", "--calib-tokens", "1024", "--no-eval",
+                           "-o", str(out)], capture_output=True, text=True)
+    assert code.returncode == 0, code.stderr
+    line = record(out)["reproduce"]
+    card = (out / "README.md").read_text()
+    assert line in card and "https://github.com/)" not in card
+    argv = shlex.split(line)
+    assert argv[:2] == ["effattn", "convert"] and "--calib-tokens" in argv and "--method" in argv  # defaults spelled out
+    again = tmp_path / "again"
+    argv[argv.index("-o") + 1] = str(again)
+    rerun = subprocess.run([EFFATTN, *argv[1:], "--no-eval"], capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    a, b = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert record(again)["reproduce"].replace(str(again), str(out)) == line
+
+
+def test_a_vq_card_measures_at_long_context_and_states_the_break_even(tiny, tmp_path):
+    from effattn.convert import convert
+
+    result = convert(tiny("llama"), tmp_path / "vq", to="vq",
+                     options={"codebook_size": 8, "window": 64, "calib_tokens": 1024, "calib_seq_len": 256},
+                     measure=True, eval_tokens=2048)
+    m = result.measurements
+    contexts = [m["settings"]["context"]] + [r["settings"]["context"] for r in m["longer"]]
+    assert contexts == [2048, 8192]
+    rows = {name: (orig, conv) for name, orig, conv in measurement_rows(m)}
+    kv_long = next(v for k, v in rows.items() if k.startswith("KV-cache") and "8,192" in k)
+    kv_short = next(v for k, v in rows.items() if k.startswith("KV-cache") and "2,048" in k)
+    per_token = lambda s: float(s.replace(",", ""))  # noqa: E731
+    # the VQ state is constant: per token it shrinks with length, the original's stays
+    assert per_token(kv_long[1]) < per_token(kv_short[1]) / 3
+    assert per_token(kv_long[0]) == pytest.approx(per_token(kv_short[0]))
+    card = (tmp_path / "vq" / "README.md").read_text()
+    assert "break-even" in card and "bytes/token now" not in card
+    assert "blocks of 2,048" in card and "blocks of 8,192" in card
+    assert "perplexity · shakespeare @ 8,192" in card
+
+
+def test_chunked_log_probabilities_equal_the_full_ones(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from effattn.evaluate import corpus_scores, logp_chunks
+
+    model = AutoModelForCausalLM.from_pretrained(tiny("llama")).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny("llama", seed=1)).eval()
+    blocks = torch.randint(0, 258, (3, 300))
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=blocks).logits.float(), -1)
+        pieces = torch.cat([lp for _, lp in logp_chunks(model, blocks, chunk=64)], dim=1)
+    torch.testing.assert_close(pieces, full, rtol=1e-5, atol=1e-5)
+    small = corpus_scores(model, blocks, base)
+    assert small["tokens"] == 3 * 299
+    assert small["perplexity"] == pytest.approx(torch.exp(-full[:, :-1].gather(-1, blocks[:, 1:, None]).mean()).item(), rel=1e-5)
