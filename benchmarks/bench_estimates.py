@@ -30,7 +30,7 @@ CASES = {
     "mqa-mean": ("llama", "convert {model} --to mqa --method mean --no-eval -o OUT"),
     "mqa-default": ("llama", "convert {model} --to mqa --no-eval -o OUT"),
     "mqa-default+eval": ("llama", "convert {model} --to mqa -o OUT"),
-    "gqa3-pca": ("llama", "convert {model} --to gqa --kv-heads 3 --method pca --no-eval -o OUT"),
+    "mqa-pca": ("llama", "convert {model} --to mqa --method pca --no-eval -o OUT"),
     "rerope": ("llama", "convert {model} --to rerope --window 256 --no-eval -o OUT"),
     "vq-default": ("llama", "vq-init {model} --no-eval -o OUT"),
     "vq-default+eval": ("llama", "vq-init {model} -o OUT"),

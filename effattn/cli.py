@@ -59,7 +59,7 @@ def _kv_table(rows, title=None) -> Table:
     table.add_column(style="bold")
     table.add_column()
     for k, v in rows:
-        table.add_row(k, str(v))
+        table.add_row(escape(str(k)), escape(str(v)))
     return table
 
 
@@ -81,7 +81,7 @@ def inspect(
     rows.insert(1, ("path", info["path"]))
     rows.append(("rope", ", ".join(f"{k}={v}" for k, v in info["rope"].items())))
     out.print(_kv_table([(k, f"{v:,}" if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-                         for k, v in rows], title=f"effattn inspect · {info['model']}"))
+                         for k, v in rows], title=f"effattn inspect · {escape(str(info['model']))}"))
     out.print(_kv_table(list(info["conversions"].items()), title="conversions"))
 
 
@@ -197,7 +197,7 @@ def conversion_help(to: str) -> None:
     for row in describe(conversion.Options):
         if row["name"] in preset:
             continue
-        table.add_row(row["flag"], row["type"], "—" if row["default"] is None else str(row["default"]), row["help"])
+        table.add_row(*map(escape, (row["flag"], row["type"], "—" if row["default"] is None else str(row["default"]), row["help"])))
     out.print(table)
     out.print("In a recipe: student.convert: {to: " + to + ", <option>: <value>} with the names above in snake_case.",
               highlight=False)
@@ -230,7 +230,7 @@ def _run_conversion(model, output, to, options, *, dtype, force, dry_run, max_sh
         out.print(_kv_table(rows, title="effattn convert --dry-run"))
         return
     rows.append(("time", f"{result.seconds:.1f} s"))
-    out.print(_kv_table(rows, title=f"effattn convert · {result.out}"))
+    out.print(_kv_table(rows, title=f"effattn convert · {escape(str(result.out))}"))
     if result.measurements:
         from .io.card import measurement_rows
 
@@ -238,11 +238,11 @@ def _run_conversion(model, output, to, options, *, dtype, force, dry_run, max_sh
         for col in ("metric", "original", "converted"):
             table.add_column(col, justify="left" if col == "metric" else "right")
         for r in measurement_rows(result.measurements):
-            table.add_row(*r)
+            table.add_row(*map(escape, r))
         out.print(table)
     elif result.record and result.record.get("measurement_skipped"):
         out.print(f"[yellow]measurement skipped[/]: {escape(result.record['measurement_skipped'])}", highlight=False)
-    out.print(f"[green]wrote[/] {result.out}")
+    out.print(f"[green]wrote[/] {escape(str(result.out))}")
 
 
 @app.command("eval")
@@ -268,6 +268,9 @@ def eval_(
     corpora = tuple(c for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c)
     if context < 2:
         raise EffattnError(f"--context must be at least 2 tokens, got {context}", "use e.g. --context 512")
+    if max_tokens < context:
+        raise EffattnError(f"--max-tokens {max_tokens} is less than one block of --context {context}",
+                           f"use --max-tokens {context} or more, or --context {max(2, max_tokens)} or less")
     settings = EvalSettings(corpora=corpora, context=context, max_tokens=max_tokens, batch_size=batch_size, speed=speed)
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
         report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -333,7 +336,7 @@ def bench(
     out.print(table)
     out.print(describe(report), highlight=False)
     if plot is not None:
-        out.print(f"[green]wrote[/] {plot}")
+        out.print(f"[green]wrote[/] {escape(str(plot))}")
 
 
 recipes_app = typer.Typer(no_args_is_help=True, help="Built-in fine-tuning recipes: list, copy, validate.")
@@ -356,7 +359,7 @@ def recipes_ls(as_json: bool = JsonOpt):
     table.add_column("name", style="bold")
     table.add_column("description")
     for row in rows:
-        table.add_row(row["name"], row["description"])
+        table.add_row(escape(row["name"]), escape(row["description"]))
     out.print(table)
 
 
@@ -369,7 +372,7 @@ def recipes_cp(
     """Copy built-in recipe NAME to FILE, to edit it."""
     from .finetune.recipes import copy_recipe
 
-    out.print(f"[green]wrote[/] {copy_recipe(name, file, force=force)}")
+    out.print(f"[green]wrote[/] {escape(str(copy_recipe(name, file, force=force)))}")
 
 
 @recipes_app.command("validate")
@@ -381,7 +384,7 @@ def recipes_validate(recipe: str = RecipeArg, overrides: Optional[list[str]] = O
     if as_json:
         return _print_json(resolved.to_dict())
     out.print(resolved.to_yaml(), highlight=False, markup=False)
-    out.print(f"[green]valid:[/] {recipe}")
+    out.print(f"[green]valid:[/] {escape(str(recipe))}")
 
 
 @app.command()
@@ -421,7 +424,7 @@ def finetune(
         return _print_json({"output": result.out, "steps": result.steps, "tokens": result.tokens,
                             "seconds": result.seconds, "final_loss": result.final_loss, "resumed_from": result.resumed_from,
                             "start_eval": result.start_eval, "final_eval": result.final_eval, "teacher_eval": teacher})
-    table = Table(title=f"effattn finetune · {result.out}", title_justify="left")
+    table = Table(title=f"effattn finetune · {escape(str(result.out))}", title_justify="left")
     for col in ("held-out", "teacher", "before", "after"):
         table.add_column(col, justify="left" if col == "held-out" else "right")
     for corpus, after in result.final_eval.items():
@@ -433,7 +436,7 @@ def finetune(
     out.print(table)
     out.print(f"{result.steps} steps, {result.tokens:,} tokens, {result.seconds / 60:.1f} min of training; "
               f"final loss {result.final_loss:.4f}")
-    out.print(f"[green]wrote[/] {result.out}")
+    out.print(f"[green]wrote[/] {escape(str(result.out))}")
 
 
 def _training_progress(enabled: bool) -> Progress:
@@ -495,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     except EffattnError as exc:
         if DEBUG:
             raise
-        err.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except (typer.Exit, SystemExit) as exc:
         sys.exit(getattr(exc, "exit_code", getattr(exc, "code", 0)))
@@ -506,14 +509,14 @@ def main(argv: list[str] | None = None) -> None:
         err.print("interrupted")
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
+        if callable(getattr(exc, "format_message", None)) and hasattr(exc, "exit_code"):  # click's (typer's copy too)
+            if DEBUG:
+                raise
+            err.print(f"[bold red]error:[/] {escape(' '.join(exc.format_message().split()))}", highlight=False, soft_wrap=True)
+            sys.exit(2)
         if DEBUG:
             raise
-        err.print(f"[bold red]error:[/] unexpected {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
+        err.print(f"[bold red]error:[/] unexpected {type(exc).__name__}: {escape(str(exc))} (run again with --debug for the traceback)",
                   highlight=False, soft_wrap=True)
         sys.exit(1)
 

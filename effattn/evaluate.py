@@ -78,13 +78,18 @@ LOGIT_CHUNK = 128  # positions whose [B, chunk, vocab] log-probabilities exist a
 def logp_chunks(model, ids: torch.Tensor, chunk: int = LOGIT_CHUNK):
     """Yield (start, log-probabilities [B, n, V]) over the positions of ids [B, T], `chunk` positions at a
     time: the decoder runs once, the LM head per chunk, so a long block never holds its whole [B, T, V]
-    logits (at 8K tokens and a 49K vocabulary that is 1.6 GB a copy). Models without the usual
-    `.model` + `.lm_head` split (or with a logit soft-cap) get one chunk of full logits."""
-    decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if decoder is None or head is None or getattr(model.config, "final_logit_softcapping", None) or ids.shape[1] <= chunk:
+    logits (at 8K tokens and a 49K vocabulary that is 1.6 GB a copy). The model's own forward runs, with
+    its LM head swapped for the identity so that it returns the final hidden states; models without a
+    linear `lm_head`, or with a logit soft-cap after it, get one chunk of full logits."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear) or getattr(model.config, "final_logit_softcapping", None) or ids.shape[1] <= chunk:
         yield 0, log_probs(model, ids)
         return
-    hidden = decoder(input_ids=ids.to(head.weight.device), use_cache=False).last_hidden_state  # (B, T, D)
+    model.lm_head = torch.nn.Identity()
+    try:
+        hidden = model(input_ids=ids.to(head.weight.device), use_cache=False).logits  # (B, T, D)
+    finally:
+        model.lm_head = head
     for start in range(0, ids.shape[1], chunk):
         yield start, F.log_softmax(head(hidden[:, start : start + chunk]).float(), dim=-1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 
 from .evaluate import EvalReport
@@ -22,16 +23,16 @@ def _change(before, after, lower_is_better=True):
 
 def eval_table(report: EvalReport) -> Table:
     m, b = report.model, report.baseline
-    table = Table(title=f"effattn eval · {m.name}", title_justify="left")
+    table = Table(title=f"effattn eval · {escape(m.name)}", title_justify="left")
     table.add_column("metric")
     if b is not None:
-        table.add_column(b.name, justify="right")
-    table.add_column(m.name if b is None else "model", justify="right")
+        table.add_column(escape(b.name), justify="right")
+    table.add_column(escape(m.name) if b is None else "model", justify="right")
     if b is not None:
         table.add_column("change", justify="right")
 
     def row(label, mine, base=None, spec=",.2f", lower=True):
-        cells = [label]
+        cells = [escape(label)]
         if b is not None:
             cells.append(_num(base, spec))
         cells.append(_num(mine, spec))
@@ -42,9 +43,9 @@ def eval_table(report: EvalReport) -> Table:
     for corpus, ppl in m.perplexity.items():
         row(f"perplexity · {corpus} ({report.tokens[corpus]:,} tok)", ppl, b.perplexity.get(corpus) if b else None)
     for corpus, agree in report.agreement.items():
-        table.add_row(f"top-1 agreement · {corpus}", "", f"{agree:.1%}", "")
+        table.add_row(escape(f"top-1 agreement · {corpus}"), "", f"{agree:.1%}", "")
     for corpus, kl in report.kl.items():
-        table.add_row(f"KL(baseline‖model) · {corpus}", "", f"{kl:.4f}", "")
+        table.add_row(escape(f"KL(baseline‖model) · {corpus}"), "", f"{kl:.4f}", "")
     row(f"KV-cache bytes/token (measured, {m.kv_context} tok)", m.kv_bytes_per_token,
         b.kv_bytes_per_token if b else None, ",.0f")
     if m.prefill_tokens_per_s is not None:

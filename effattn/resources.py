@@ -41,8 +41,9 @@ def device_flops(dtype: torch.dtype = torch.float32, windows: int = 3, seconds: 
     windows of 1024³ products (steadier on a shared machine)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     n = 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)  # a probe must not move the global random state a run depends on
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
     a @ b  # warm-up
     best = 0.0
     for _ in range(windows):

@@ -179,3 +179,24 @@ def test_a_kill_spec_names_one_point_and_optionally_one_step():
     assert not matches("checkpoint.state@4", "checkpoint.state")  # a point reached outside the steps
     assert matches("eval", "eval", 7) and not matches("eval", "train.step", 7)
     assert matches("output.swap:out", "output.swap:out") and not matches("output.swap:out", "output.swap:student")
+
+
+def test_resume_with_a_changed_learning_rate_trains_at_the_recorded_one(setup):
+    """`--resume` after changing optimizer.lr: the steps after the checkpoint run (and are logged) at the new
+    rate on the same schedule, not at the rate restored with the optimizer's state."""
+    root, reference = setup
+    out = root / "relr"
+    assert run_cli(root, out, kill_at="train.logged@3").returncode == -9
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop(ENV, None)
+    args = [a if not a.startswith("optimizer.lr=") else "optimizer.lr=2e-3" for a in RECIPE]
+    done = subprocess.run([sys.executable, "-m", "effattn.cli", "finetune", str(root / "heal.yaml"), "-o", str(out),
+                           *args, "--resume"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "optimizer.lr: 0.001 -> 0.002" in done.stdout + done.stderr
+    ref = {r["step"]: r["lr"] for r in training_records(reference) if r["kind"] == "train"}
+    new = {r["step"]: r["lr"] for r in training_records(out) if r["kind"] == "train"}
+    assert new[1] == ref[1] and new[2] == ref[2]  # before the checkpoint: the first session's rate
+    for step in range(3, STEPS + 1):
+        assert new[step] == pytest.approx(2 * ref[step], rel=1e-6), step
+    assert json.loads((out / "effattn.json").read_text())["finetune"]["recipe"]["optimizer"]["lr"] == 2e-3

@@ -3,7 +3,9 @@
 A conversion declares everything the rest of effattn needs (base.py's `Conversion`): its name,
 aliases (other names with preset options, e.g. mqa = gqa with kv_heads 1), `Options` (options.py),
 `plan`, `run`, optionally `targets` (the line `effattn inspect` shows; else its description), and
-`model`, the ModelSpec of its own model class where no native architecture fits (models.py).
+`model`, the ModelSpec of its own model class where no native architecture fits (models.py), and
+optionally `measure_contexts`, the block lengths its card is measured at (default 512; a conversion
+whose cache pays off only at long context, like VQ, declares longer ones).
 `register_conversion` adds one at run time (a plugin, or a test).
 """
 

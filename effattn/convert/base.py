@@ -26,7 +26,7 @@ from ..families import Family, family_for
 from ..io.checkpoint import Checkpoint
 from ..io.load import as_ref, parse_dtype, tokenizer_missing
 from ..io.resolve import ModelRef
-from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, copy_side_files, parse_size, write_json
+from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, check_output, copy_side_files, parse_size, write_json
 from ..models import model_spec
 from ..resources import (FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, TOKENIZE_BYTES_PER_CHAR, Dims, PeakRSS, baseline_rss, compute_seconds, disk_seconds,
                          side_by_side)
@@ -150,12 +150,14 @@ def convert(
         raise EffattnError("no output folder given", "pass -o OUT")
     measuring, skipped = _measurement(ckpt, ref, measure)
     _add_estimates(plan, ckpt, measure=measuring, eval_tokens=eval_tokens, contexts=measure_contexts(conversion))
+    if out is not None:  # a dry run refuses what the run would
+        check_output(out, force=force, needed_bytes=plan.output_bytes, inputs=[ref.path])
     if dry_run:
         return ConvertResult(None, plan)
     out = Path(out)
     peak = PeakRSS().__enter__()
     t0 = time.perf_counter()
-    with atomic_output(out, force=force, needed_bytes=plan.output_bytes) as tmp:
+    with atomic_output(out, force=force, needed_bytes=plan.output_bytes, inputs=[ref.path]) as tmp:
         writer = SafetensorsWriter(tmp, plan.specs, parse_size(max_shard_size))
         conversion.run(ckpt, family, plan, writer, progress)
         writer.close()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.functional import attention_heads, output_projection
-from ..data.corpora import DEFAULT_CALIB, load_text, token_blocks
+from ..data.corpora import CORPORA, DEFAULT_CALIB, corpus_names, leading_tokens, load_text, token_blocks
 from ..errors import EffattnError
 from ..families import AttentionShape
 
@@ -34,8 +34,20 @@ class CalibSettings:
     text_chars: int = 0  # the calibration text's length, once validated (memory estimate of tokenizing it)
 
     def validate(self, folder=None) -> CalibSettings:
-        """Check the settings, the calibration text (it exists and is not empty) and, given the model's
-        folder, that it can tokenize the text, before any work. Returns the settings with text_chars."""
+        """Check everything the calibration will need before any work: the text (not an evaluation
+        corpus, not empty) and, given the model's folder, its tokenizer and that the text holds the
+        tokens asked for. Returns the settings as they will be used: `tokens` rounded down to whole
+        sequences, `text_chars` for the memory estimate."""
+        if self.corpus in CORPORA and CORPORA[self.corpus].role == "eval":
+            raise EffattnError(f"--calib {self.corpus} is an evaluation corpus, held out from calibration and training",
+                               f"calibrate on {', '.join(corpus_names('train'))} or your own text")
+        if self.tokens < self.seq_len:
+            raise EffattnError(f"--calib-tokens ({self.tokens}) must be at least one sequence ({self.seq_len} tokens)",
+                               f"use --calib-tokens {self.seq_len} or more")
+        text = load_text(self.corpus)
+        if not text.strip():
+            raise EffattnError(f"calibration text {self.corpus} is empty", "point --calib to a text with content")
+        used = self.tokens // self.seq_len * self.seq_len
         if folder is not None:
             from ..io.load import tokenizer_missing
 
@@ -44,26 +56,29 @@ class CalibSettings:
                 raise EffattnError(f"calibration needs the model's tokenizer: {why}",
                                    "copy the tokenizer files of the model it came from into it, or choose a "
                                    "weight-only method (e.g. --method mean)")
-        if self.tokens < self.seq_len:
-            raise EffattnError(f"--calib-tokens ({self.tokens}) must be at least one sequence ({self.seq_len} tokens)",
-                               f"use --calib-tokens {self.seq_len} or more")
-        text = load_text(self.corpus)
-        if not text.strip():
-            raise EffattnError(f"calibration text {self.corpus} is empty", "point --calib to a text with content")
-        return replace(self, text_chars=len(text))
+            held = len(leading_tokens(_tokenizer(folder), text, used))
+            whole = held // self.seq_len * self.seq_len
+            if whole < used:
+                raise EffattnError(f"--calib-tokens {self.tokens:,} is more than {self.corpus!r} holds ({held:,} tokens, "
+                                   f"{whole:,} in whole sequences of {self.seq_len})",
+                                   f"use --calib-tokens {whole} or less, or a longer --calib text")
+        return replace(self, tokens=used, text_chars=len(text))
 
     def tokenize_bytes(self) -> int:
-        """Peak memory of tokenizing the calibration text."""
+        """Peak memory of tokenizing the calibration text (a prefix of ~6 characters per token is read)."""
         from ..resources import TOKENIZE_BYTES_PER_CHAR
 
-        return self.text_chars * TOKENIZE_BYTES_PER_CHAR
+        return min(self.text_chars, 12 * self.tokens) * TOKENIZE_BYTES_PER_CHAR
+
+
+def _tokenizer(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def calibration_tokens(folder, settings: CalibSettings) -> torch.Tensor:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return token_blocks(tokenizer, load_text(settings.corpus), settings.seq_len, settings.tokens)
+    return token_blocks(_tokenizer(folder), load_text(settings.corpus), settings.seq_len, settings.tokens)
 
 
 def batches(x: torch.Tensor, size: int):

@@ -218,7 +218,11 @@ def _vq_cache_line(kv: float, state: float, exact: float, exact_heads: int) -> s
     return f"original {kv:,.0f} bytes/token (grows with length); VQ {state:,.0f} bytes per sequence{grows}{tail}"
 
 
-VQ_FORWARD_EXTRA = 2.0  # the VQ attention's forward costs about this many extra attention passes (measured)
+# Measured on the built-in model (BENCHMARKS.md, "estimates"): the VQ attention's forward in the runner
+# costs about this many extra attention passes, and Lloyd's rounds (distances, argmin, scatter) run at
+# about a third of matmul speed.
+VQ_FORWARD_EXTRA = 5.0
+KMEANS_SLOWDOWN = 3.0
 
 
 class VQConversion(_ReRoPEBase):
@@ -259,7 +263,7 @@ class VQConversion(_ReRoPEBase):
         # assigning every key to a codeword and averaging), the layer's VQ forward to propagate the
         # activations, and for --exact-heads each head's exact attention to score it
         dims, N, T = Dims.of(ckpt.config), calib.tokens, calib.seq_len
-        kmeans_flops = 15 * shape.kv_heads * 4 * N * size * shape.head_dim
+        kmeans_flops = KMEANS_SLOWDOWN * 15 * shape.kv_heads * 4 * N * size * shape.head_dim
         per_layer = (dims.attention_flops(N, T) * (2 if exact_heads else 1) + kmeans_flops
                      + dims.layer_flops(N, T) + VQ_FORWARD_EXTRA * dims.attention_flops(N, T))
         est = disk_seconds(ckpt.nbytes) + compute_seconds(shape.layers * per_layer)

@@ -241,6 +241,12 @@ def load_text(name_or_path: str) -> str:
                        one_of(name_or_path, CORPORA))
 
 
+def leading_tokens(tokenizer, text: str, need: int) -> list[int]:
+    """The token ids of a prefix of `text` that holds more than `need` tokens (all of them when the text
+    holds fewer): how many tokens a text offers, without tokenizing all of a long one."""
+    return _tokenize(tokenizer, text, need)
+
+
 def _tokenize(tokenizer, text: str, need: int | None) -> list[int]:
     """Token ids of `text`; when only the first `need` tokens are wanted, tokenize a growing prefix."""
     encode = lambda t: tokenizer(t, add_special_tokens=False, return_attention_mask=False)["input_ids"]  # noqa: E731

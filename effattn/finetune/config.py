@@ -193,6 +193,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         line = f" at line {where.line + 1}" if where else ""
         raise EffattnError(f"{path} is not valid YAML{line} ({getattr(exc, 'problem', exc)})",
                            "fix the syntax; `effattn recipes cp heal-gqa FILE` writes a valid example") from None
+    except UnicodeDecodeError as exc:
+        raise EffattnError(f"recipe file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                           "pass a YAML recipe saved as UTF-8") from None
     if not isinstance(data, dict):
         raise EffattnError(f"{path} does not hold a mapping of recipe sections (got {type(data).__name__})",
                            "start from `effattn recipes cp heal-gqa FILE`")

@@ -104,6 +104,23 @@ def build_optimizer(cfg: Optimizer, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+def apply_optimizer_settings(optimizer, scheduler, cfg: Optimizer) -> None:
+    """After restoring a checkpoint, make the optimizer and the schedule follow the recipe (`--resume`
+    with a changed optimizer section): the restored state carries the old learning rate (also in the
+    scheduler's base_lrs), weight decay and betas. The moments and the step count stay restored."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
+        group["weight_decay"] = cfg.weight_decay
+        if cfg.name == "adamw":
+            group["betas"], group["eps"] = tuple(cfg.betas), cfg.eps
+        else:
+            group["momentum"] = cfg.momentum
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = cfg.lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
 def make_accelerator(train: Train):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
@@ -316,6 +333,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     step = 0
     if start.checkpoint is not None:
         accelerator.load_state(str(start.checkpoint))
+        apply_optimizer_settings(optimizer, scheduler, recipe.optimizer)  # --resume with a changed recipe: its values
         state = read_state(start.checkpoint)
         step, samples, tokens, seconds = state["step"], state["samples"], state["tokens"], state["seconds"]
         start_eval = state["start_eval"]

@@ -114,6 +114,10 @@ def decide_start(run: RunFolder, recipe: dict[str, Any], *, resume: bool, force:
         raise EffattnError(f"{out} holds a checkpoint (step {state['step']}) of a different recipe: {'; '.join(diffs)}",
                            "pass --resume to continue from it with this recipe, --force to start over, "
                            f"or run {run.recipe} again")
+    if state["recipe"].get("optimizer", {}).get("name") != recipe.get("optimizer", {}).get("name"):
+        raise EffattnError(f"{out}'s checkpoint was trained with optimizer.name "
+                           f"{state['recipe'].get('optimizer', {}).get('name')!r}: its state cannot continue another optimizer",
+                           "keep optimizer.name, or pass --force to start over")
     notes = [f"resuming from {latest.name} (step {state['step']})"]
     if diffs:
         notes.append(f"--resume with a changed recipe: {'; '.join(diffs)}")

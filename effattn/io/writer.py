@@ -26,8 +26,32 @@ from ..killpoints import kill_point
 from .checkpoint import SAFETENSORS_DTYPE
 
 
+def check_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0, inputs=()) -> Path:
+    """Everything `atomic_output` refuses, checked without writing (a dry run calls it too): an existing
+    OUT without force, OUT not a folder, too little disk, and OUT being (or holding) one of the run's
+    `inputs`, which replacing it would destroy."""
+    out = Path(out).expanduser().absolute()
+    for source in inputs:
+        source = Path(source).expanduser().absolute()
+        if out.resolve() == source.resolve() or source.resolve().is_relative_to(out.resolve()):
+            raise EffattnError(f"-o {out} is (or holds) the input {source}: writing it would destroy the input",
+                               "choose another output folder")
+    if out.exists() and not force:
+        raise EffattnError(f"output folder {out} already exists", "pass --force to replace it, or choose another -o")
+    if out.exists() and not out.is_dir():
+        raise EffattnError(f"output path {out} exists and is not a folder", "choose another -o")
+    parent = next((p for p in [out.parent, *out.parents] if p.exists()), None)
+    free = shutil.disk_usage(parent).free if parent is not None else 0
+    if needed_bytes and free < needed_bytes * 1.05:
+        raise EffattnError(
+            f"not enough disk space for {out}: {needed_bytes / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free",
+            "free some space or write to another disk with -o",
+        )
+    return out
+
+
 @contextmanager
-def atomic_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0) -> Iterator[Path]:
+def atomic_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0, inputs=()) -> Iterator[Path]:
     """Yield a fresh temporary folder that becomes `out` when the block completes without error.
 
     An existing `out` (with force) is replaced by two renames, out -> .NAME.old-X and
@@ -36,17 +60,8 @@ def atomic_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0
     """
     out = Path(out).expanduser().absolute()
     finish_interrupted_swap(out)
-    if out.exists() and not force:
-        raise EffattnError(f"output folder {out} already exists", "pass --force to replace it, or choose another -o")
-    if out.exists() and not out.is_dir():
-        raise EffattnError(f"output path {out} exists and is not a folder", "choose another -o")
+    check_output(out, force=force, needed_bytes=needed_bytes, inputs=inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out.parent).free
-    if needed_bytes and free < needed_bytes * 1.05:
-        raise EffattnError(
-            f"not enough disk space for {out}: {needed_bytes / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free",
-            "free some space or write to another disk with -o",
-        )
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
