@@ -143,8 +143,9 @@ def tensor_bytes(obj: Any, _seen: set[int] | None = None, _depth: int = 0) -> in
 
 @torch.no_grad()
 def kv_cache_bytes(model, ids: torch.Tensor) -> int:
-    """Total bytes held by the cache a forward pass over `ids` [1, T] returns."""
-    out = model(input_ids=ids, use_cache=True)
+    """Total bytes held by the cache a forward pass over `ids` [1, T] returns (only the last position's
+    logits are computed: at 8K tokens the whole [T, vocab] would be the largest tensor of the run)."""
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     if out.cache is None:
         raise EffattnError("the model returned no KV cache", "evaluate a model whose forward supports use_cache=True")
     return tensor_bytes(out.cache)
@@ -153,11 +154,11 @@ def kv_cache_bytes(model, ids: torch.Tensor) -> int:
 @torch.no_grad()
 def speed(model, ids: torch.Tensor, decode_tokens: int = 32, repeats: int = 3) -> tuple[float, float]:
     """(prefill tokens/s over `ids` [1, T], decode tokens/s for greedy steps after it); medians."""
-    model(input_ids=ids[:, :16], use_cache=True)  # warm-up
+    model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)  # warm-up
     prefill, decode = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)  # as generate() prefills
         prefill.append(ids.shape[1] / (time.perf_counter() - t0))
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()

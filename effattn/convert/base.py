@@ -233,12 +233,18 @@ def _add_estimates(plan: Plan, ckpt: Checkpoint, *, measure: bool, eval_tokens: 
         seconds += 2 * MODEL_LOAD_SECONDS
         for context in contexts:
             tokens = len(DEFAULT_EVAL) * max(eval_tokens, context)  # each corpus, whole blocks
-            flops = 2 * tokens * ckpt.num_params + dims.layers * dims.scores_flops(tokens, context)
-            seconds += 2 * compute_seconds(flops, FORWARD_EFFICIENCY)  # the converted model and the original
-            # both models in float32, a batch's hidden states, and two models' log-probabilities of one chunk
+            span = span_of(plan, context)  # keys each query of the converted model reads
+            for keys in (context, span):  # the original, then the converted model
+                flops = 2 * tokens * ckpt.num_params + dims.layers * dims.scores_flops(tokens, keys)
+                seconds += compute_seconds(flops, FORWARD_EFFICIENCY)
+            # both models in float32; one block's activations (hidden states, MLP, attention internals,
+            # for each model), the KV cache the measurement of its size builds, and the log-probabilities
+            # of one chunk of positions for the model, the original and their difference
             batch = max(1, 1024 // context)
-            activations = batch * context * dims.hidden * 4 * 8 + 4 * batch * min(context, LOGIT_CHUNK) * dims.vocab * 4
-            work = max(work, 2 * ckpt.num_params * 4 + activations)
+            activations = 2 * batch * context * (8 * dims.hidden + 3 * dims.intermediate) * 4
+            cache = context * kv_bytes_per_token(ckpt.config, torch.float32)
+            logits = 4 * batch * min(context, LOGIT_CHUNK) * dims.vocab * 4
+            work = max(work, 2 * ckpt.num_params * 4 + activations + cache + logits)
         work = max(work, 2 * ckpt.num_params * 4 + max(len(load_text(c)) for c in DEFAULT_EVAL) * TOKENIZE_BYTES_PER_CHAR)
     plan.est_seconds = seconds
     plan.est_peak_bytes = baseline_rss() + work
@@ -270,6 +276,13 @@ def reproduce_command(source: str, out: Path, to: str, opts: ConversionOptions, 
             parts += [flag(name), shlex.quote(str(value))]
     parts += ["--dtype", str(dtype or "auto"), "--max-shard-size", str(max_shard_size), "-o", shlex.quote(str(out))]
     return " ".join(parts)
+
+
+def span_of(plan: Plan, context: int) -> int:
+    """How many keys a query of the converted model attends to at `context` (the plan's state may say
+    `attention_span`, a function of the context: a VQ model reads its window and its codebook)."""
+    span = plan.state.get("attention_span")
+    return min(context, span(context)) if span else context
 
 
 def measure_contexts(conversion) -> tuple[int, ...]:

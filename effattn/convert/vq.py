@@ -291,7 +291,9 @@ class VQConversion(_ReRoPEBase):
             kv_bytes_per_token=(kv, state_bytes / (4 * window) + exact_bytes),
             est_seconds=est, est_peak_bytes=est_peak,
             state={"shape": shape, "target": c.target, "size": size, "calib": calib, "metric": metric,
-                   "kmeans": method, "exact_heads": exact_heads},
+                   "kmeans": method, "exact_heads": exact_heads,
+                   # a query reads its window's keys, the sinks and one summary per code
+                   "attention_span": lambda context: window + sinks + size},
         )
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
