@@ -28,6 +28,7 @@ from benchmarks._util import ROOT, machine  # noqa: E402
 CASES = {
     # name: (model, effattn arguments after the model; OUT is replaced by a fresh folder)
     "mqa-mean": ("llama", "convert {model} --to mqa --method mean --no-eval -o OUT"),
+    "mqa-mean-cold": ("llama", "convert {model} --to mqa --method mean --no-eval -o OUT"),  # weights not in the page cache
     "mqa-default": ("llama", "convert {model} --to mqa --no-eval -o OUT"),
     "mqa-default+eval": ("llama", "convert {model} --to mqa -o OUT"),
     "mqa-pca": ("llama", "convert {model} --to mqa --method pca --no-eval -o OUT"),
@@ -62,6 +63,18 @@ def big_model(folder: Path) -> Path:
                       init_std=0.02)
 
 
+def evict(model: str) -> None:
+    """Drop a model's weight files from the page cache (POSIX_FADV_DONTNEED), so the next read is cold."""
+    from effattn.io.resolve import resolve_model
+
+    for path in resolve_model(model).path.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def run(argv: list[str], env: dict) -> tuple[float, int, str]:
     """(wall seconds, peak RSS bytes, stdout) of `effattn ARGV` in a fresh process."""
     with tempfile.NamedTemporaryFile("r") as timing:
@@ -94,6 +107,8 @@ def main() -> None:
                 est_s = sum(plan["est_seconds"].values())
                 est_peak = plan["memory_bytes_per_process"]["total"]
             else:
+                if name.endswith("-cold"):
+                    evict(model)
                 argv = [a if a != "OUT" else str(out) for a in shlex.split(template.format(model=model))]
                 plan = json.loads(run(argv + ["--dry-run", "--json"], env)[2])
                 est_s, est_peak = plan["est_seconds"], plan["est_peak_bytes"]

@@ -179,3 +179,25 @@ def test_chunked_log_probabilities_equal_the_full_ones(tiny):
     small = corpus_scores(model, blocks, base)
     assert small["tokens"] == 3 * 299
     assert small["perplexity"] == pytest.approx(torch.exp(-full[:, :-1].gather(-1, blocks[:, 1:, None]).mean()).item(), rel=1e-5)
+
+
+def test_the_read_estimate_asks_the_page_cache(tmp_path):
+    import os
+
+    from effattn.resources import COLD_READ_BYTES_PER_S, DISK_BYTES_PER_S, cached_bytes, read_seconds
+
+    f = tmp_path / "weights.bin"
+    f.write_bytes(os.urandom(1 << 20))
+    f.read_bytes()
+    cached = cached_bytes(f)
+    if cached is None:
+        pytest.skip("this platform cannot say which pages are cached (mincore)")
+    assert cached == 1 << 20
+    assert read_seconds([f]) == pytest.approx((1 << 20) / DISK_BYTES_PER_S)
+    fd = os.open(f, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    left = cached_bytes(f)
+    expected = left / DISK_BYTES_PER_S + ((1 << 20) - left) / COLD_READ_BYTES_PER_S
+    assert read_seconds([f]) == pytest.approx(expected)  # whatever the file system let go counts as cold

@@ -28,8 +28,8 @@ from ..io.load import as_ref, parse_dtype, tokenizer_missing
 from ..io.resolve import ModelRef
 from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, check_output, copy_side_files, parse_size, write_json
 from ..models import model_spec
-from ..resources import (FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, TOKENIZE_BYTES_PER_CHAR, Dims, PeakRSS, baseline_rss, compute_seconds, disk_seconds,
-                         side_by_side)
+from ..resources import (FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, TOKENIZE_BYTES_PER_CHAR, Dims, PeakRSS, baseline_rss,
+                         compute_seconds, disk_seconds, read_seconds, side_by_side)
 from .options import ConversionOptions, resolve
 
 
@@ -97,6 +97,12 @@ def same_specs(ckpt: Checkpoint, target: torch.dtype | None, reshaped: dict[str,
         shape, dtype = ckpt.meta(name)
         specs.append(TensorSpec(name, reshaped.get(name, shape), out_dtype(dtype, target)))
     return specs + list(extra or [])
+
+
+def read_time(ckpt: Checkpoint) -> float:
+    """Seconds to read every weight: cached pages at memory speed, the rest at the disk's."""
+    files = ckpt.files()
+    return read_seconds(files) if files else disk_seconds(ckpt.nbytes)
 
 
 def layer_bytes(ckpt: Checkpoint, family: Family) -> int:

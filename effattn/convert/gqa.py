@@ -22,10 +22,10 @@ from ..errors import EffattnError, one_of
 from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
-from ..resources import Dims, compute_seconds, disk_seconds
+from ..resources import Dims, compute_seconds
 from ..attention.functional import project_qkv
 from ..data.corpora import DEFAULT_CALIB
-from .base import Plan, kv_bytes_per_token, passthrough, same_specs
+from .base import Plan, kv_bytes_per_token, passthrough, read_time, same_specs
 from .calibrate import CalibSettings, batches, refit_o_proj
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .options import ConversionOptions
@@ -389,7 +389,7 @@ class GQAConversion:
         ]
         settings = {"kv_heads": new_kv, "method": method.name, "kv_heads_before": shape.kv_heads}
         state = {"method": method, "shape": shape, "new_kv": new_kv, "target": target}
-        est_seconds = disk_seconds(ckpt.nbytes)  # reading every tensor
+        est_seconds = read_time(ckpt)  # reading every tensor
         est_peak = streaming_bytes(ckpt, family)
         if method.needs_calibration and new_kv == shape.kv_heads:
             pass  # the identity is an exact copy: no calibration to run

@@ -38,8 +38,8 @@ from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
 from ..kernels.rope import apply_rope
-from ..resources import Dims, compute_seconds, disk_seconds
-from .base import Plan, same_specs
+from ..resources import Dims, compute_seconds
+from .base import Plan, read_time, same_specs
 from .kmeans import KMeansMethod, kmeans
 from ..models import ModelSpec
 from .calibrate import batches
@@ -185,7 +185,7 @@ class ReRoPEConversion(_ReRoPEBase):
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
                      ("attention", f"ReRoPE, window {c.window}: exact inside, relative position {c.far} beyond"),
                      ("KV cache", f"{kv:,.0f} bytes/token, unchanged (every key is kept)")],
-            kv_bytes_per_token=(kv, kv), est_seconds=disk_seconds(ckpt.nbytes),
+            kv_bytes_per_token=(kv, kv), est_seconds=read_time(ckpt),
             est_peak_bytes=streaming_bytes(ckpt, family), state={"shape": shape, "target": c.target, "size": c.size},
         )
 
@@ -266,7 +266,7 @@ class VQConversion(_ReRoPEBase):
         kmeans_flops = KMEANS_SLOWDOWN * 15 * shape.kv_heads * 4 * N * size * shape.head_dim
         per_layer = (dims.attention_flops(N, T) * (2 if exact_heads else 1) + kmeans_flops
                      + dims.layer_flops(N, T) + VQ_FORWARD_EXTRA * dims.attention_flops(N, T))
-        est = disk_seconds(ckpt.nbytes) + compute_seconds(shape.layers * per_layer)
+        est = read_time(ckpt) + compute_seconds(shape.layers * per_layer)
         est_peak = calibrated_bytes(ckpt, family, calib) + 3 * shape.kv_heads * N * shape.head_dim * 4
         return Plan(
             conversion=self.name,

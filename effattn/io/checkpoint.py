@@ -84,6 +84,10 @@ class Checkpoint:
         return self._handles[file]
 
     # -- access ------------------------------------------------------------------------------
+    def files(self) -> list[Path]:
+        """The safetensors files holding the weights (empty for pickled checkpoints)."""
+        return sorted(set(self._location.values())) if self._pickled is None else []
+
     def names(self) -> list[str]:
         return list(self._pickled) if self._pickled is not None else list(self._location)
 
