@@ -178,7 +178,7 @@ def compute_seconds(flops: float, efficiency: float = LAYERWISE_EFFICIENCY) -> f
     return flops / (matmul_flops() * efficiency)
 
 
-COLD_READ_BYTES_PER_S = 500e6  # pages not in the page cache: this machine read an evicted 538 MB checkpoint in ~1 s
+COLD_READ_BYTES_PER_S = 1e9  # pages not in the page cache: this machine read an evicted 538 MB checkpoint in 0.5-1 s
 
 
 def cached_bytes(path: Path) -> int | None:
