@@ -8,6 +8,7 @@ from .convert import CONVERSIONS
 from .convert.base import kv_bytes_per_token
 from .families import AttentionShape, family_for, rope_settings
 from .io.checkpoint import Checkpoint
+from .io.verify import verify_checkpoint
 from .io.load import as_ref
 
 
@@ -15,6 +16,7 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
                   allow_pickle: bool = False) -> dict[str, Any]:
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)
+    verify_checkpoint(ckpt)
     family = family_for(ckpt.config)
     shape = AttentionShape.of(ckpt.config)
     dtype = ckpt.dtype

@@ -82,3 +82,32 @@ def test_messages_keep_square_brackets_and_usage_errors_are_one_line(capsys, tmp
     binary.write_bytes(b"student:\n  model: \xd0\xff\n")
     code, _, err = run_cli(capsys, "recipes", "validate", binary)
     assert_one_line_error(code, err, "recipe.yaml is not UTF-8")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_missing_or_misshapen_tensor_is_named_before_work(capsys, tiny, tmp_path, family):
+    """transformers would fill a missing tensor with random values (eval would run on a broken model) and
+    conversions failed deep inside; every command names the tensor first."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    broken = {}
+    for kind in ("missing", "shape"):
+        src = tiny(family)
+        tensors = load_file(src / "model.safetensors")
+        if kind == "missing":
+            tensors.pop("model.layers.0.self_attn.k_proj.weight")
+        else:
+            tensors["model.layers.1.self_attn.v_proj.weight"] = torch.zeros(5, tensors["model.embed_tokens.weight"].shape[1])
+        save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+        broken[kind] = src
+    needles = {"missing": "lacks tensor model.layers.0.self_attn.k_proj.weight",
+               "shape": "tensor model.layers.1.self_attn.v_proj.weight"}
+    for kind, src in broken.items():
+        for args in (["inspect", src], ["convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "o"],
+                     ["convert", src, "--to", "mqa", "-o", tmp_path / "o", "--dry-run"],
+                     ["vq-init", src, "--codebook-size", "8", "--window", "16", "-o", tmp_path / "o"],
+                     ["eval", src, "--max-tokens", "256", "--context", "64", "--no-speed"]):
+            code, _, err = run_cli(capsys, *args)
+            assert_one_line_error(code, err, needles[kind])
+            assert not (tmp_path / "o").exists()

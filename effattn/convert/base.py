@@ -24,6 +24,7 @@ from .. import __version__
 from ..errors import EffattnError
 from ..families import Family, family_for
 from ..io.checkpoint import Checkpoint
+from ..io.verify import verify_checkpoint
 from ..io.load import as_ref, parse_dtype, tokenizer_missing
 from ..io.resolve import ModelRef
 from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, check_output, copy_side_files, parse_size, write_json
@@ -144,6 +145,7 @@ def convert(
     conversion, opts = resolve(to, dict(options or {}))
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)
+    verify_checkpoint(ckpt)
     made_by_us = model_spec(ckpt.config.get("model_type"))
     if made_by_us:
         raise EffattnError(f"{ref.spec} is already an effattn model ({made_by_us.description})",

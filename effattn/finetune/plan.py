@@ -27,6 +27,7 @@ from .config import Recipe
 from .data import check_disjoint, check_source
 from .loop import TEACHER_DTYPE, resolve_teacher, tokens_per_step, total_steps
 from .params import count_params, select_trainable
+from ..io.verify import meta_model
 from ..resources import device_flops
 
 # Achieved / measured-matmul FLOP/s of heal-gqa steps on SmolLM2-135M (4x256 tokens, 2 shared CPU
@@ -34,16 +35,6 @@ from ..resources import device_flops
 EFFICIENCY = 0.45
 RUNTIME_BYTES = 2**29  # Python, torch, tokenizer, tokenized text: ~0.5 GiB measured
 LOGIT_COPIES = 6  # student logits, their log-softmax and gradient, teacher logits and log-softmax, the KL terms
-
-
-def _meta_model(config: dict[str, Any]):
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    import effattn.attention  # noqa: F401 - effattn's own model classes
-
-    cfg = CONFIG_MAPPING[config["model_type"]].from_dict(config)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
 
 
 def plan_finetune(recipe: Recipe, processes: int | None = None) -> dict[str, Any]:
@@ -62,7 +53,7 @@ def plan_finetune(recipe: Recipe, processes: int | None = None) -> dict[str, Any
     teacher_spec = resolve_teacher(recipe, record, path)
     teacher_params = Checkpoint(as_ref(teacher_spec).path).num_params if teacher_spec else 0
 
-    model = select_trainable(_meta_model(config), recipe.train)
+    model = select_trainable(meta_model(config), recipe.train)
     trainable, total = count_params(model)
     embed = model.get_input_embeddings().weight.numel()
     vocab, hidden = config["vocab_size"], config["hidden_size"]

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import EffattnError
 from .checkpoint import Checkpoint
+from .verify import verify_checkpoint
 from .resolve import ModelRef, resolve_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -62,6 +63,7 @@ def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", t
 
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)  # validates weights and refuses pickles
+    verify_checkpoint(ckpt)
     if ckpt.config.get("auto_map") and not trust_remote_code and not _registered(ckpt.config.get("model_type")):
         raise EffattnError(f"{ref.display} needs its own modeling code (auto_map in config.json)",
                            "pass --trust-remote-code if you trust it")

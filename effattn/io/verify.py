@@ -1,0 +1,66 @@
+"""A checkpoint checked against its own config.json before any work: every tensor the config implies is
+there, with the shape it implies. transformers would otherwise fill a missing tensor with random values
+(and evaluate a broken model without a word), and conversions would fail deep inside with a shape error
+that names no tensor.
+
+The expected names and shapes come from the model class built on the meta device (no memory, no
+weights), so they are exact for every family transformers (or effattn) registers; a model type only
+remote code defines is not checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import EffattnError
+
+
+def meta_model(config: dict[str, Any]):
+    """The causal-LM model `config` describes, on the meta device (shapes only)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    import effattn.attention  # noqa: F401 - effattn's own model classes
+
+    cfg = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """Name -> shape of every tensor a checkpoint of `config` holds (tied output weights excluded), or
+    None where the model type is not registered here."""
+    from transformers import CONFIG_MAPPING
+
+    if config.get("model_type") not in CONFIG_MAPPING:
+        return None
+    try:
+        model = meta_model(config)
+    except Exception:  # noqa: BLE001 - a config transformers cannot build is reported when it loads
+        return None
+    tied = {k for k in getattr(model, "_tied_weights_keys", None) or {}} if config.get("tie_word_embeddings", True) else set()
+    return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
+
+
+def verify_checkpoint(ckpt) -> None:
+    """Refuse a checkpoint that lacks a tensor its config.json implies or holds one of another shape,
+    naming the tensor. A checkpoint whose names follow another scheme altogether (fewer than half the
+    expected names present) is left to transformers' own key mapping."""
+    expected = expected_tensors(ckpt.config)
+    if not expected:
+        return
+    present = set(ckpt.names())
+    missing = [name for name in expected if name not in present]
+    if len(missing) > len(expected) / 2:
+        return
+    where = ckpt.folder
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise EffattnError(f"{where} lacks tensor {missing[0]}{more}, which its config.json implies",
+                           "export the checkpoint again completely, or fix its config.json")
+    for name, shape in expected.items():
+        actual = tuple(ckpt.meta(name)[0])
+        if actual != shape:
+            raise EffattnError(f"tensor {name} in {where} has shape {list(actual)}, but config.json implies {list(shape)}",
+                               "export the checkpoint again, or fix config.json to match it")
