@@ -111,3 +111,9 @@ def test_a_missing_or_misshapen_tensor_is_named_before_work(capsys, tiny, tmp_pa
             code, _, err = run_cli(capsys, *args)
             assert_one_line_error(code, err, needles[kind])
             assert not (tmp_path / "o").exists()
+
+
+def test_an_alias_is_echoed_as_the_user_wrote_it(capsys, tiny, tmp_path):
+    code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "mqa", "--method", "foo", "-o", tmp_path / "o")
+    assert_one_line_error(code, err, "--to mqa --help")
+    assert "--to gqa" not in err

@@ -71,7 +71,7 @@ def resolve(to: str, values: dict[str, Any], *, name: Callable[[str], str] = fla
         return conversion, conversion.Options.model_validate(values)
     except ValidationError as exc:
         raise EffattnError("; ".join(_explain(e, name) for e in exc.errors()),
-                           f"`effattn convert --to {to} --help` lists the options of {to}") from None
+                           f"`effattn convert --to {asked} --help` lists the options of {asked}") from None
 
 
 def _explain(error: dict[str, Any], name: Callable[[str], str]) -> str:
