@@ -7,7 +7,7 @@ two things measured here, once per process:
     ~0.3 s probe, or the best earlier probe on this machine: estimates are for an idle machine, as
     the BENCHMARKS table measures them; a loaded one is slower). Model work runs at a fraction of it; the fractions below were measured on the built-in model
     (BENCHMARKS.md, "estimates") and are used for every model.
-  * `baseline_rss()`: the process's resident memory before the run (the interpreter, torch and
+  * `rss()` at planning time: the process's resident memory before the run (the interpreter, torch and
     transformers already imported): every peak starts from it.
 
 Peak memory is the process's peak resident set (what `/usr/bin/time -f %M` reports), including
@@ -23,10 +23,12 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .families import AttentionShape
 
 # Fractions of the matmul probe's rate that real work reaches on the CPU (measured; see module doc).
 FORWARD_EFFICIENCY = 0.45  # a transformers forward pass, float32, batches of 512-token blocks
@@ -118,11 +120,6 @@ def rss() -> int:
     return _status("VmRSS") or _lifetime_peak()
 
 
-def baseline_rss() -> int:
-    """Resident memory the process holds before a run starts: the base every peak estimate adds to."""
-    return rss()
-
-
 def process_age() -> float:
     """Seconds since this process started (its interpreter start-up and imports, which the same command
     pays again): from /proc on Linux, else 0."""
@@ -134,31 +131,18 @@ def process_age() -> float:
         return 0.0
 
 
-def forward_seconds(tokens: int, params: int, passes: float = 1.0) -> float:
-    """Seconds for `passes` float32 forward passes of a model with `params` parameters over `tokens`."""
-    return passes * 2 * params * tokens / (matmul_flops() * FORWARD_EFFICIENCY)
-
-
 @dataclass(frozen=True)
-class Dims:
-    """The sizes of a decoder that cost models need, from a config.json dict."""
+class Dims(AttentionShape):
+    """A config's attention geometry plus the other sizes cost models need."""
 
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
+    intermediate: int = 0
+    vocab: int = 0
 
     @classmethod
     def of(cls, config: dict) -> Dims:
-        heads = config["num_attention_heads"]
-        hidden = config["hidden_size"]
-        return cls(layers=config["num_hidden_layers"], hidden=hidden, heads=heads,
-                   kv_heads=config.get("num_key_value_heads") or heads,
-                   head_dim=config.get("head_dim") or hidden // heads,
-                   intermediate=config.get("intermediate_size") or 4 * hidden, vocab=config.get("vocab_size") or 32000)
+        shape = AttentionShape.of(config)
+        return cls(**vars(shape), intermediate=config.get("intermediate_size") or 4 * shape.hidden,
+                   vocab=config.get("vocab_size") or 32000)
 
     def scores_flops(self, tokens: int, seq_len: int) -> float:
         """One attention block's scores and weighted sum over `tokens` in causal blocks of `seq_len`."""
@@ -224,7 +208,6 @@ class PeakRSS:
 
     bytes: int = 0
     exact: bool = False
-    _start: float = field(default=0.0, repr=False)
 
     def __enter__(self) -> PeakRSS:
         try:
@@ -233,7 +216,6 @@ class PeakRSS:
             self.exact = True
         except OSError:
             self.exact = False
-        self._start = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:

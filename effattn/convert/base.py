@@ -29,7 +29,7 @@ from ..io.load import as_ref, parse_dtype, tokenizer_missing
 from ..io.resolve import ModelRef
 from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, check_output, copy_side_files, parse_size, write_json
 from ..models import model_spec
-from ..resources import (FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, TOKENIZE_BYTES_PER_CHAR, Dims, PeakRSS, baseline_rss,
+from ..resources import (FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, TOKENIZE_BYTES_PER_CHAR, Dims, PeakRSS, rss,
                          compute_seconds, disk_seconds, read_seconds, side_by_side)
 from .options import ConversionOptions, resolve
 
@@ -255,7 +255,7 @@ def _add_estimates(plan: Plan, ckpt: Checkpoint, *, measure: bool, eval_tokens: 
             work = max(work, 2 * ckpt.num_params * 4 + activations + cache + logits)
         work = max(work, 2 * ckpt.num_params * 4 + max(len(load_text(c)) for c in DEFAULT_EVAL) * TOKENIZE_BYTES_PER_CHAR)
     plan.est_seconds = seconds
-    plan.est_peak_bytes = baseline_rss() + work
+    plan.est_peak_bytes = rss() + work
 
 
 def reproduce_command(source: str, out: Path, to: str, opts: ConversionOptions, settings: dict[str, Any], *,
