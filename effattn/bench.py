@@ -50,6 +50,7 @@ class BenchKind:
     description: str
     build: Callable[[dict], Callable[[], torch.Tensor]]
     max_length: int | None = None  # longer lengths are refused (e.g. quadratic-memory references)
+    score_copies: int = 0  # (heads, T, T) float32 tensors it holds at once (quadratic references); 0: none
 
 
 BENCH_KINDS: dict[str, BenchKind] = {}
@@ -96,7 +97,8 @@ for _kind in (
     BenchKind("sdpa", "RoPE on q and k, then scaled_dot_product_attention (causal, GQA)", _sdpa),
     BenchKind("vq", "Transformer-VQ: nearest-codeword codes, then the chunked kernel (vq_attention_chunk)", _vq()),
     BenchKind("vq_means", "vq with key means (codes scored at the mean of their keys)", _vq(key_means=True)),
-    BenchKind("vq_naive", "vq through the quadratic reference vq_attention_naive", _vq(naive=True), NAIVE_MAX_LENGTH),
+    BenchKind("vq_naive", "vq through the quadratic reference vq_attention_naive", _vq(naive=True), NAIVE_MAX_LENGTH,
+              score_copies=4),
 ):
     register_kind(_kind)
 MEASURED = ("time_s", "time_min_s", "cpu_time_s", "peak_mem_bytes", "output_bytes", "threads")
@@ -125,6 +127,7 @@ def bench_attention(
     omp_wait_policy: str | None = None,
     timeout_s: float = 3600.0,
     progress: Callable[[str], None] | None = None,
+    memory_check: bool = True,
 ) -> list[dict]:
     """Time one attention layer forward and measure its peak memory, per kind and length.
 
@@ -144,6 +147,7 @@ def bench_attention(
             operations (``vq``) far more than one large fused one (``sdpa``). Default: inherited.
         timeout_s: limit per point.
         progress: called with a short description before each point.
+        memory_check: refuse lengths whose estimated peak memory exceeds the machine's (default).
 
     Returns:
         One dict per (kind, length) with ``kind, length, time_s, time_min_s, cpu_time_s,
@@ -158,6 +162,9 @@ def bench_attention(
         codebook_size=codebook_size, block_size=block_size, sinks=sinks, dtype=dtype_name, repeats=repeats,
         threads=threads, device=device, omp_wait_policy=omp_wait_policy,
     )  # fmt: skip
+    if memory_check:
+        check_bench_memory(kinds, lengths, device=device, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                           codebook_size=codebook_size, dtype=dtype_name)
     settings = dict(
         heads=heads,
         kv_heads=kv_heads,
@@ -276,6 +283,38 @@ def describe(report: dict) -> str:
         f"threads, torch {info['torch']}, Python {info['python']}{', GPU ' + info['gpu'] if 'gpu' in info else ''}; "
         f"1-minute load average {load['before']:.2f} before, {load['after']:.2f} after; OMP_WAIT_POLICY {policy}."
     )
+
+
+POINT_BASE_BYTES = 400 * 2**20  # a point's fresh process before its inputs: Python, torch, effattn (~0.35 GiB measured)
+
+
+def point_peak_bytes(kind: str, length: int, *, heads: int, kv_heads: int, head_dim: int, codebook_size: int,
+                     dtype: str = "float32", **_) -> int:
+    """Estimated peak resident set of one point's process: its start, the inputs (q, k, v, RoPE tables),
+    their rotated and transposed copies and the output (~4x the inputs: BENCHMARKS.md measures SDPA's
+    working memory at ~2x the output), the codebook, and any (heads, T, T) tensors the kind holds."""
+    itemsize = getattr(torch, dtype).itemsize
+    inputs = length * ((heads + 2 * kv_heads) * head_dim * itemsize + 2 * head_dim * 4)
+    scores = BENCH_KINDS[kind].score_copies * heads * length * length * 4
+    return POINT_BASE_BYTES + 4 * inputs + kv_heads * codebook_size * head_dim * itemsize + scores
+
+
+def check_bench_memory(kinds, lengths, *, device: str = "cpu", **settings) -> None:
+    """Refuse lengths whose point would not fit (each point is a fresh process: it gets what the machine
+    has free), naming the longest length that fits."""
+    from .resources import check_memory, memory_budget, rss
+
+    cuda = device.startswith("cuda")
+    held = 0 if cuda else rss() - POINT_BASE_BYTES  # this process's own memory is not the point's
+    longest = max(lengths)
+    for kind in kinds:
+        def peak_of(n: int, kind=kind) -> int:
+            return point_peak_bytes(kind, n, **settings) - (POINT_BASE_BYTES if cuda else 0) + held
+
+        if memory_budget(device if cuda else None) is None:
+            return
+        check_memory(peak_of(longest), what=f"bench of {kind} at length {longest:,}", device=device if cuda else None,
+                     options=[("--lengths values of", longest, peak_of, 1, 1)])
 
 
 def _run_point(spec: dict, timeout_s: float) -> dict:

@@ -36,6 +36,9 @@ JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON on std
 OutputOpt = typer.Option(None, "-o", "--output", help="output folder")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto (keep), float32, bfloat16, float16")
 ForceOpt = typer.Option(False, "--force", help="replace an existing output folder")
+MemoryCheckOpt = typer.Option(True, "--memory-check/--no-memory-check",
+                              help="refuse a run whose estimated peak memory exceeds what the machine has (the "
+                                   "default), naming the option that shrinks it; --no-memory-check runs it anyway")
 DryRunOpt = typer.Option(False, "--dry-run", help="show what would be done; write nothing")
 MeasureOpt = typer.Option(None, "--eval/--no-eval", help="measure original vs converted for the card (default: models up to 3B)")
 EvalTokensOpt = typer.Option(4096, "--eval-tokens", help="tokens per corpus for that measurement")
@@ -133,12 +136,13 @@ def convert(
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
     allow_pickle: bool = PickleOpt,
+    memory_check: bool = MemoryCheckOpt,
     **options,
 ):
     """Convert MODEL's attention and write a native transformers checkpoint to -o OUT."""
     _run_conversion(model, output, to, options, dtype=dtype, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
                     measure=measure, eval_tokens=eval_tokens, as_json=as_json, trust_remote_code=trust_remote_code,
-                    allow_pickle=allow_pickle)
+                    allow_pickle=allow_pickle, memory_check=memory_check)
 
 
 def vq_init(
@@ -153,12 +157,13 @@ def vq_init(
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
     allow_pickle: bool = PickleOpt,
+    memory_check: bool = MemoryCheckOpt,
     **options,
 ):
     """Transformer-VQ from a pretrained model: ReRoPE window + k-means codebooks (= convert --to vq)."""
     _run_conversion(model, output, "vq", options, dtype=dtype, force=force, dry_run=dry_run,
                     max_shard_size=max_shard_size, measure=measure, eval_tokens=eval_tokens, as_json=as_json,
-                    trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+                    trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, memory_check=memory_check)
 
 
 def _register_conversion_commands() -> None:
@@ -204,7 +209,7 @@ def conversion_help(to: str) -> None:
 
 
 def _run_conversion(model, output, to, options, *, dtype, force, dry_run, max_shard_size, measure, eval_tokens,
-                    as_json, trust_remote_code, allow_pickle) -> None:
+                    as_json, trust_remote_code, allow_pickle, memory_check=True) -> None:
     from .convert import convert as run_convert
 
     options = {k: v for k, v in options.items() if v is not None}
@@ -213,7 +218,7 @@ def _run_conversion(model, output, to, options, *, dtype, force, dry_run, max_sh
         result = run_convert(model, output, to=to, options=options, dtype=dtype, force=force, dry_run=dry_run,
                              max_shard_size=max_shard_size, measure=measure, eval_tokens=eval_tokens,
                              trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, progress=progress,
-                             command=command)
+                             command=command, memory_check=memory_check)
     plan = result.plan
     if as_json:
         return _print_json({"dry_run": dry_run, "output": result.out, "summary": dict(plan.summary),
@@ -259,6 +264,7 @@ def eval_(
                                                                       "(for a MODEL folder that has none)"),
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
+    memory_check: bool = MemoryCheckOpt,
 ):
     """Perplexity, agreement and KL against a baseline, measured KV bytes/token, prefill/decode speed."""
     from .data.corpora import DEFAULT_EVAL
@@ -274,7 +280,7 @@ def eval_(
     settings = EvalSettings(corpora=corpora, context=context, max_tokens=max_tokens, batch_size=batch_size, speed=speed)
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
         report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
-                          tokenizer=tokenizer)
+                          tokenizer=tokenizer, memory_check=memory_check)
     if as_json:
         return _print_json(report.to_dict())
     out.print(eval_table(report))
@@ -301,6 +307,7 @@ def bench(
                                                        "(passive on machines shared with other jobs)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="also save time and memory curves of each kind here (PNG)"),
     as_json: bool = JsonOpt,
+    memory_check: bool = MemoryCheckOpt,
 ):
     """Time and peak memory of one causal attention layer forward at each length: SDPA vs Transformer-VQ.
 
@@ -318,7 +325,7 @@ def bench(
     kinds, sizes = parse_kinds(attention), parse_lengths(lengths)
     settings = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, codebook_size=codebook_size,
                     block_size=block_size, sinks=sinks, dtype=dtype, repeats=repeats, threads=threads, device=device,
-                    omp_wait_policy=omp_wait_policy)
+                    omp_wait_policy=omp_wait_policy, memory_check=memory_check)
     if plot is not None:
         check_plot_path(plot)  # before minutes of measurements
     with err.status("benchmarking ...", spinner="dots") if not as_json else _null() as status:
@@ -396,6 +403,7 @@ def finetune(
     force: bool = typer.Option(False, "--force", help="start over, replacing OUT"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the resolved run, sizes and estimates; train nothing"),
     as_json: bool = JsonOpt,
+    memory_check: bool = MemoryCheckOpt,
 ):
     """Heal (fine-tune) a converted model with a recipe; resumes from OUT's checkpoints by itself.
 
@@ -407,7 +415,7 @@ def finetune(
 
     resolved = load_recipe(recipe, overrides, output=output)
     if dry_run:
-        plan = plan_finetune(resolved)
+        plan = plan_finetune(resolved, memory_check=memory_check)
         if as_json:
             return _print_json(plan)
         out.print(resolved.to_yaml(), highlight=False, markup=False)
@@ -416,6 +424,7 @@ def finetune(
     command = "effattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with _training_progress(enabled=not as_json) as progress:
         result = run_finetune(resolved, resume=resume, force=force, progress=progress, command=command,
+                              memory_check=memory_check,
                               log=lambda line: err.print(line, highlight=False))
     if result.out is None:  # not the main process
         return

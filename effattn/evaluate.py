@@ -203,13 +203,65 @@ def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=Non
     return report
 
 
+def measure_peak_bytes(config: dict, params: int, baseline_params: int, *, context: int, batch_size: int,
+                       text_chars: int, weight_bytes: int = 4) -> int:
+    """Memory `measure` holds above the process's at its peak: both models' weights, then the largest
+    of its phases: tokenizing a corpus; a batch's forward (one decoder layer's activations, ~12 x hidden
+    + 4 x intermediate values per token, the final hidden states of each model and a chunk of
+    log-probabilities); the KV-cache measurement (the whole cache of one block, float32, as the
+    original's attention stores it, an upper bound for a smaller cache). Assumes a memory-efficient
+    attention (transformers' SDPA, or effattn's own kernels): no (context x context) score matrix.
+    Measured on SmolLM2-135M: 1.17, 1.47, 2.65 GB at contexts 1K, 4K, 16K against 1.20, 1.46, 2.58
+    estimated (with the process's ~0.4 GB)."""
+    from .convert.base import kv_bytes_per_token
+    from .resources import TOKENIZE_BYTES_PER_CHAR, Dims
+
+    dims = Dims.of(config)
+    models = 2 if baseline_params else 1
+    layer = context * (12 * dims.hidden + 4 * dims.intermediate) * 4  # one sequence through one layer
+    forward = batch_size * layer + models * batch_size * context * dims.hidden * 4 \
+        + 2 * models * batch_size * min(context, LOGIT_CHUNK) * dims.vocab * 4
+    cache = context * kv_bytes_per_token(config, torch.float32) + layer
+    return (params + baseline_params) * weight_bytes + max(forward, cache, text_chars * TOKENIZE_BYTES_PER_CHAR)
+
+
+def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "float32",
+                      trust_remote_code: bool = False, memory_check: bool = True) -> int:
+    """The estimated peak resident set of evaluating MODEL (and BASELINE) with `settings`; refuses one
+    that does not fit the machine, naming --batch-size or --context and the largest value that fits."""
+    from .io.checkpoint import Checkpoint
+    from .io.load import as_ref, parse_dtype
+    from .resources import check_memory, rss
+
+    ckpt = Checkpoint(as_ref(model, trust_remote_code=trust_remote_code).path)
+    base = Checkpoint(as_ref(baseline, trust_remote_code=trust_remote_code).path).num_params if baseline is not None else 0
+    weight_bytes = (parse_dtype(dtype) or ckpt.dtype).itemsize
+    chars = max(len(load_text(c)) for c in settings.corpora)
+    now = rss()
+
+    def peak(context=settings.context, batch_size=settings.batch_size) -> int:
+        return now + measure_peak_bytes(ckpt.config, ckpt.num_params, base, context=context, batch_size=batch_size,
+                                        text_chars=chars, weight_bytes=weight_bytes)
+
+    options = [("--batch-size", settings.batch_size, lambda b: peak(batch_size=b), 1, 1)] if settings.batch_size > 1 else []
+    options.append(("--context" if settings.batch_size == 1 else "--batch-size 1 --context", settings.context,
+                    lambda c: peak(context=c, batch_size=1), 2, 1))
+    estimate = peak()
+    check_memory(estimate, what=f"evaluating at --context {settings.context:,}", options=options, check=memory_check)
+    return estimate
+
+
 def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
-             dtype: str = "float32", trust_remote_code: bool = False, tokenizer=None) -> EvalReport:
+             dtype: str = "float32", trust_remote_code: bool = False, tokenizer=None,
+             memory_check: bool = True) -> EvalReport:
     """Load MODEL (and BASELINE) and measure them; the library entry point of `effattn eval`. The text is
-    tokenized with MODEL's tokenizer, or `tokenizer`'s (a folder or MODEL argument) when given."""
+    tokenized with MODEL's tokenizer, or `tokenizer`'s (a folder or MODEL argument) when given. A run
+    whose estimated memory exceeds the machine's is refused first (`memory_check=False` runs it anyway)."""
     from .io.load import load_model
 
     settings = settings or EvalSettings()
+    check_eval_memory(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                      memory_check=memory_check)
     lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer or True)
     base = base_ref = None
     if baseline is not None:

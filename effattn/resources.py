@@ -243,3 +243,107 @@ def side_by_side(est_seconds: float, est_peak: int, seconds: float, peak: PeakRS
         "ratio": {"seconds": round(seconds / max(est_seconds, 1e-9), 2),
                   "peak_rss": round(peak.bytes / max(est_peak, 1), 2)},
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory checks: a command estimates its peak before heavy work and refuses one that cannot fit.
+
+MEMORY_LIMIT_ENV = "EFFATTN_MEMORY_LIMIT"  # e.g. 8GB: the budget checks use this instead of what the machine has
+NO_MEMORY_CHECK = "--no-memory-check"
+MEMORY_MARGIN = 0.9  # an estimate may be ~10% low (BENCHMARKS.md, "estimates"): runs are held to 90% of the budget
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_free() -> int | None:
+    """What this process's cgroup (a container's memory limit) still allows, or None without a limit."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit == "max" or int(limit) >= 2**60:
+                return None
+            return max(0, int(limit) - int(Path(usage_file).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def memory_budget(device: str | torch.device | None = None) -> int | None:
+    """The most this process's peak may reach: what it holds now plus what the machine (or its cgroup's
+    limit, where lower) can still give it. On a CUDA device: the device's free memory plus what torch
+    holds there. `EFFATTN_MEMORY_LIMIT` (e.g. 8GB) replaces it. None where nothing can be asked."""
+    limit = os.environ.get(MEMORY_LIMIT_ENV)
+    if limit:
+        from .io.writer import parse_size
+
+        return parse_size(limit)
+    if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free + torch.cuda.memory_reserved(torch.device(device))
+    free = [x for x in (_meminfo_available(), _cgroup_free()) if x is not None]
+    return rss() + min(free) if free else None
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.0f} MiB"
+
+
+def largest_fitting(peak_of, lowest: int, highest: int, budget: int, step: int = 1) -> int | None:
+    """The largest multiple of `step` in [lowest, highest] whose `peak_of(value)` fits `budget` (peak_of
+    grows with the value), or None when not even `lowest` fits."""
+    lo, hi = -(-lowest // step), highest // step  # in units of step
+    if lo > hi or peak_of(lo * step) > budget:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if peak_of(mid * step) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+def _round_down(value: int, step: int) -> int:
+    """`value` to two significant digits, down, and a multiple of `step` (243,557 -> 240,000)."""
+    if value < 100:
+        return value
+    unit = 10 ** (len(str(value)) - 2)
+    nice = value // unit * unit // step * step
+    return nice if nice > 0 else value
+
+
+def check_memory(peak: int, *, what: str, options=(), check: bool = True, device=None, also: str = "") -> None:
+    """Refuse a run whose estimated `peak` (bytes, the process's resident set, or the device's memory)
+    exceeds the budget, before its heavy work. `options` are (flag, value, peak_of, lowest, step): the
+    knobs that shrink the run, tried in order; the first with a value that fits is named with the
+    largest such value ("use FLAG N or less", or FLAG's own wording when it holds "{}"). `also` adds a
+    fix (e.g. dropping an optional measurement). `check=False` (the user's --no-memory-check) turns
+    the check off."""
+    from .errors import EffattnError
+
+    budget = memory_budget(device)
+    if not check or budget is None or peak <= budget * MEMORY_MARGIN:
+        return
+    room = int(budget * MEMORY_MARGIN)
+    where = "the GPU" if device is not None and str(device).startswith("cuda") else "this machine"
+    head = f"{what} needs about {gib(peak)} of memory at its peak; {where} has {gib(budget)} for it"
+    fixes = []
+    for flag, value, peak_of, lowest, step in options:
+        best = largest_fitting(peak_of, lowest, value - 1, room, step) if value > lowest else None
+        if best is not None:
+            best = _round_down(best, step)
+            fixes.append("use " + (flag.format(best) if "{}" in flag else f"{flag} {best} or less"))
+            break
+    fixes += [also] if also else []
+    fixes += [] if fixes else ["run it on a machine with more memory"]
+    fixes.append(f"pass {NO_MEMORY_CHECK} to run anyway")
+    raise EffattnError(head, ", ".join(fixes[:-1]) + ", or " + fixes[-1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,225 @@ def test_an_alias_is_echoed_as_the_user_wrote_it(capsys, tiny, tmp_path):
     code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "mqa", "--method", "foo", "-o", tmp_path / "o")
     assert_one_line_error(code, err, "--to mqa --help")
     assert "--to gqa" not in err
+
+
+# -- class 1: memory is estimated before work, and a run that cannot fit is refused -------------------
+
+
+def test_runs_that_cannot_fit_name_the_option_and_the_largest_value_that_fits(capsys, tiny, tmp_path, monkeypatch):
+    from effattn.resources import rss
+
+    src = tiny("llama")
+    # the machine's own budget: an absurd context, batch and bench length are refused
+    code, _, err = run_cli(capsys, "eval", src, "--context", "100000000", "--max-tokens", "100000000")
+    assert_one_line_error(code, err, "evaluating at --context 100,000,000 needs about", "use --batch-size 1 --context",
+                          "or less", "--no-memory-check")
+    code, _, err = run_cli(capsys, "bench", "--attention", "sdpa", "--lengths", "1024,300000000")
+    assert_one_line_error(code, err, "bench of sdpa at length 300,000,000", "use --lengths values of")
+    # a budget set by the user (above what this test process holds already)
+    monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", str(rss() + 2**30))
+    code, _, err = run_cli(capsys, "eval", src, "--context", "400000", "--max-tokens", "400000", "--batch-size", "1")
+    assert_one_line_error(code, err, "use --context ")
+    context = int(err.split("use --context ")[1].split()[0])
+    assert 1000 < context < 400000
+    monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", str(rss() + 400 * 2**20))
+    code, _, err = run_cli(capsys, "vq-init", src, "--codebook-size", "8", "--window", "16", "--calib-tokens", "262144",
+                           "-o", tmp_path / "o", "--no-eval", "--dry-run")
+    assert_one_line_error(code, err, "--to vq needs about", "use --calib-tokens ", "or less")
+    best = int(err.split("use --calib-tokens ")[1].split()[0])
+    assert best % 1024 == 0 and 16384 <= best < 262144  # whole calibration sequences
+    monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", str(rss()))
+    for args in (["convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "o"],
+                 ["eval", src, "--max-tokens", "256", "--context", "64", "--no-speed"]):
+        code, _, err = run_cli(capsys, *args)
+        assert_one_line_error(code, err, "run it on a machine with more memory", "--no-memory-check")
+    assert not (tmp_path / "o").exists() and not leftovers(tmp_path)
+    # forced: the same conversion runs
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "o", "--no-eval",
+                           "--no-memory-check")
+    assert code in (0, None), err
+    assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_the_largest_value_that_fits_is_found_and_rounded_down(monkeypatch):
+    from effattn import resources
+    from effattn.errors import EffattnError
+
+    monkeypatch.setattr(resources, "memory_budget", lambda device=None: 10_000_000)
+    resources.check_memory(9_000_000, what="x")  # within the 90% margin: runs
+    peak = lambda v: 1_000_000 + 37 * v  # noqa: E731
+    with pytest.raises(EffattnError) as exc:
+        resources.check_memory(peak(500_000), what="the run", options=[("--n", 500_000, peak, 1, 1)])
+    best = (9_000_000 - 1_000_000) // 37  # 216,216 fits; 216,217 does not
+    assert "use --n 210000 or less" in str(exc.value) and peak(210_000) <= 9_000_000 < peak(best + 1)
+    with pytest.raises(EffattnError) as exc:  # step: multiples of 512, rounded down
+        resources.check_memory(peak(500_000), what="the run", options=[("--n", 500_000, peak, 512, 512)])
+    assert "use --n 209920 or less" in str(exc.value)
+    with pytest.raises(EffattnError) as exc:  # nothing fits
+        resources.check_memory(peak(500_000), what="the run", options=[("--n", 500_000, lambda v: 10**9, 1, 1)])
+    assert "run it on a machine with more memory, or pass --no-memory-check" in str(exc.value)
+    resources.check_memory(peak(500_000), what="the run", check=False)  # forced
+
+
+def test_a_conversion_that_fits_without_its_measurement_suggests_no_eval(capsys, tiny, tmp_path, monkeypatch):
+    from effattn.convert import convert
+    from effattn.resources import rss
+
+    src = tiny("llama")
+    plain = convert(src, None, to="mqa", options={"method": "mean"}, dry_run=True, measure=False).plan.est_peak_bytes
+    measured = convert(src, None, to="mqa", options={"method": "mean"}, dry_run=True, measure=True).plan.est_peak_bytes
+    assert measured > plain
+    monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", str(int((plain + measured) / 2 / 0.9)))
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "o", "--dry-run")
+    assert_one_line_error(code, err, "with its quick measurement", "pass --no-eval")
+    assert rss() > 0
+
+
+def test_a_fine_tune_that_cannot_fit_names_the_batch_size(capsys, tiny, tmp_path):
+    import yaml
+
+    src = tiny("llama")
+    (tmp_path / "train.txt").write_text("some words to train on. " * 400)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"student": {"model": str(src), "convert": {"to": "mqa", "method": "mean"}},
+                                      "data": {"sources": [str(tmp_path / "train.txt")], "seq_len": 4096},
+                                      "train": {"batch_size": 100000, "max_steps": 1}}))
+    for dry in (["--dry-run"], []):
+        code, _, err = run_cli(capsys, "finetune", recipe, "-o", tmp_path / "out", *dry)
+        assert_one_line_error(code, err, "the fine-tune (per process", "use train.batch_size=", "train.grad_accum")
+    assert not (tmp_path / "out").exists()
+
+
+# -- class 4: internal errors become messages ---------------------------------------------------------
+
+
+def test_a_codebook_larger_than_the_calibration_keys_is_refused_first(capsys, tiny, tmp_path):
+    src = tiny("llama")
+    for dry in ([], ["--dry-run"]):
+        code, _, err = run_cli(capsys, "vq-init", src, "--codebook-size", "5000", "--window", "16", "--calib-tokens", "2048",
+                               "-o", tmp_path / "o", *dry)
+        assert_one_line_error(code, err, "--codebook-size 5,000 is more than the 2,048 calibration keys",
+                              "use --codebook-size 2048 or less, or --calib-tokens 5120 or more")
+    code, _, err = run_cli(capsys, "vq-init", src, "--codebook-size", "2000", "--window", "16", "--calib-tokens", "2048",
+                           "--sinks", "100", "-o", tmp_path / "o", "--dry-run")
+    assert_one_line_error(code, err, "less 100 sinks a sequence", "use --codebook-size 1848 or less")
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_unwritable_output_is_named_before_work(capsys, tiny, tmp_path, monkeypatch):
+    """As root a folder's mode bits do not stop writing: the probe is made to fail the way a read-only
+    disk fails it; as another user a real read-only folder is used too."""
+    import errno
+    import os
+    import tempfile
+
+    src = tiny("llama")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+        code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", ro / "out")
+        assert_one_line_error(code, err, f"cannot write in {ro}", "choose a writable -o")
+        ro.chmod(0o755)
+    real = tempfile.mkdtemp
+
+    def read_only(*args, dir=None, **kw):
+        if dir is not None and Path(dir) == ro:
+            raise OSError(errno.EROFS, "Read-only file system", str(dir))
+        return real(*args, dir=dir, **kw)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    for dry in ([], ["--dry-run"]):
+        code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", ro / "out", *dry)
+        assert_one_line_error(code, err, f"cannot write in {ro}", "Read-only file system", "choose a writable -o")
+    assert list(ro.iterdir()) == []
+
+
+def test_a_disk_that_fills_up_while_writing_is_one_line_and_leaves_nothing(capsys, tiny, tmp_path, monkeypatch):
+    import errno
+
+    from effattn.io import writer
+
+    src = tiny("llama")
+    real_write = writer.SafetensorsWriter.write
+
+    def full(self, name, tensor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer.SafetensorsWriter, "write", full)
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "the disk filled up while writing", "free some space")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+    monkeypatch.setattr(writer.SafetensorsWriter, "write", real_write)
+
+
+def test_a_full_disk_at_a_fine_tune_checkpoint_names_it_and_removes_the_partial_checkpoint(capsys, tiny, tmp_path,
+                                                                                           monkeypatch):
+    import yaml
+    from accelerate import Accelerator
+
+    src = tiny("llama")
+    (tmp_path / "train.txt").write_text("some words to train on. " * 400)
+    (tmp_path / "held.txt").write_text("other words held out. " * 100)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "student": {"model": str(src), "convert": {"to": "mqa", "method": "mean"}},
+        "data": {"sources": [str(tmp_path / "train.txt")], "seq_len": 32},
+        "train": {"batch_size": 2, "max_steps": 4},
+        "eval": {"every": 0, "corpora": [str(tmp_path / "held.txt")], "seq_len": 32, "tokens": 64},
+        "checkpoint": {"every": 2}}))
+    real = Accelerator.save_state
+    calls = []
+
+    def fills_up(self, output_dir=None, **kw):
+        calls.append(output_dir)
+        if len(calls) == 2:  # the second checkpoint: torch's message for a write that ran out of disk
+            (Path(output_dir) / "model.safetensors").write_bytes(b"partial")
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 5184 vs 5072")
+        return real(self, output_dir, **kw)
+
+    monkeypatch.setattr(Accelerator, "save_state", fills_up)
+    code, _, err = run_cli(capsys, "finetune", recipe, "-o", tmp_path / "out")
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]  # after the run's progress lines
+    assert code == 2 and "Traceback" not in err and len(errors) == 1 and err.strip().endswith(errors[0]), err
+    assert "the disk filled up while writing" in errors[0] and "step-000004" in errors[0]
+    assert "resumes from step-000002" in errors[0]
+    checkpoints = tmp_path / "out" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002"]  # no temporary checkpoint left
+    monkeypatch.setattr(Accelerator, "save_state", real)
+    code, _, err = run_cli(capsys, "finetune", recipe, "-o", tmp_path / "out")
+    assert code in (0, None), err
+    assert "resum" in err.lower()
+
+
+# -- class 5: what a killed run left is cleaned up by the next, a live run's is not ---------------------
+
+
+def test_a_killed_conversion_leaves_nothing_a_later_run_does_not_remove(tiny, tmp_path):
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    src = tiny("llama")
+    out = tmp_path / "out"
+    env = {**os.environ, "EFFATTN_KILL_AT": "output.written:out"}
+    cmd = [sys.executable, "-m", "effattn.cli", "convert", str(src), "--to", "mqa", "--method", "mean", "-o", str(out),
+           "--no-eval"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    dead = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert dead and not out.exists()
+    # a live writer's temporary folder (its lock held) beside the same OUT
+    live = tmp_path / ".out.tmp-live"
+    live.mkdir()
+    fd = os.open(tmp_path / ".out.tmp-live.lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        proc = subprocess.run(cmd[:-1] + ["--no-eval"], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".out.tmp-live",
+                                                                                      ".out.tmp-live.lock"]
+        assert (out / "model.safetensors").exists() and not (out / ".out.tmp-live.lock").exists()
+    finally:
+        os.close(fd)

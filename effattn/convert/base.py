@@ -29,9 +29,9 @@ from ..io.load import as_ref, parse_dtype, tokenizer_missing
 from ..io.resolve import ModelRef
 from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, check_output, copy_side_files, parse_size, write_json
 from ..models import model_spec
-from ..resources import (FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, TOKENIZE_BYTES_PER_CHAR, Dims, PeakRSS, rss,
-                         compute_seconds, disk_seconds, read_seconds, side_by_side)
-from .options import ConversionOptions, resolve
+from ..resources import (FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, Dims, PeakRSS, rss,
+                         MEMORY_MARGIN, check_memory, compute_seconds, disk_seconds, memory_budget, read_seconds, side_by_side)
+from .options import ConversionOptions, flag, resolve
 
 
 @dataclass
@@ -64,6 +64,9 @@ class Conversion(Protocol):
     def plan(self, ckpt: Checkpoint, family: Family, opts: ConversionOptions, target: torch.dtype | None) -> Plan: ...
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None: ...
+
+    # Optional: `memory_options`, the options that shrink the run's peak memory, in the order a refusal
+    # names them (e.g. ("calib_tokens", "codebook_size")); `measure_contexts` (see measure_contexts).
 
 
 @dataclass
@@ -136,11 +139,13 @@ def convert(
     allow_pickle: bool = False,
     progress=None,
     command: str | None = None,
+    memory_check: bool = True,
 ) -> ConvertResult:
     """Convert MODEL with the conversion `to` and write a native checkpoint folder to `out`.
 
     `measure=None` evaluates original vs converted briefly (for the model card) when the model has
-    at most 3B parameters; True/False force it on/off.
+    at most 3B parameters; True/False force it on/off. A run whose estimated peak memory exceeds what
+    the machine can give is refused before any work (`memory_check=False` runs it anyway).
     """
     conversion, opts = resolve(to, dict(options or {}))
     ref = as_ref(model, trust_remote_code=trust_remote_code)
@@ -157,7 +162,10 @@ def convert(
     if out is None and not dry_run:
         raise EffattnError("no output folder given", "pass -o OUT")
     measuring, skipped = _measurement(ckpt, ref, measure)
+    conversion_peak = rss() + plan.est_peak_bytes
     _add_estimates(plan, ckpt, measure=measuring, eval_tokens=eval_tokens, contexts=measure_contexts(conversion))
+    if memory_check:
+        _check_memory(conversion, to, ckpt, family, opts, target, plan, conversion_peak, measuring, eval_tokens)
     if out is not None:  # a dry run refuses what the run would
         check_output(out, force=force, needed_bytes=plan.output_bytes, inputs=[ref.path])
     if dry_run:
@@ -209,6 +217,36 @@ def convert(
     return ConvertResult(out.absolute(), plan, seconds, measurements, record)
 
 
+def _check_memory(conversion, to: str, ckpt: Checkpoint, family, opts: ConversionOptions, target, plan: Plan,
+                  conversion_peak: int, measuring: bool, eval_tokens: int) -> None:
+    """Refuse a conversion whose estimated peak does not fit, naming the conversion's own option that
+    shrinks it (planned again at smaller values: the largest that fits) or the quick measurement."""
+    budget = memory_budget()
+    if budget is None or plan.est_peak_bytes <= budget * MEMORY_MARGIN:
+        return
+    also = "pass --no-eval (skip the quick measurement; `effattn eval` measures later)" \
+        if measuring and conversion_peak <= budget * MEMORY_MARGIN else ""
+    options = []
+    for name in getattr(conversion, "memory_options", ()):
+        value = getattr(opts, name, None)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        step = getattr(opts, "calib_seq_len", 512) if name == "calib_tokens" else 1
+        low = step if name == "calib_tokens" else 2
+
+        def peak_of(v, name=name) -> int:
+            try:
+                p = conversion.plan(ckpt, family, opts.model_copy(update={name: v}), target)
+            except EffattnError:
+                return 2**62  # not a valid setting: never suggested
+            _add_estimates(p, ckpt, measure=measuring, eval_tokens=eval_tokens, contexts=measure_contexts(conversion))
+            return p.est_peak_bytes
+
+        options.append((flag(name), value, peak_of, low, step))
+    what = f"--to {to}" + (" with its quick measurement" if measuring else "")
+    check_memory(plan.est_peak_bytes, what=what, options=options, also=also)
+
+
 def _measurement(ckpt: Checkpoint, ref: ModelRef, measure: bool | None) -> tuple[bool, str | None]:
     """(whether the quick before/after measurement runs, why not when it was wanted but cannot).
 
@@ -235,9 +273,10 @@ def _add_estimates(plan: Plan, ckpt: Checkpoint, *, measure: bool, eval_tokens: 
     work = plan.est_peak_bytes
     if measure:
         from ..data.corpora import DEFAULT_EVAL, load_text
-        from ..evaluate import LOGIT_CHUNK
+        from ..evaluate import measure_peak_bytes
 
         dims = Dims.of(ckpt.config)
+        chars = max(len(load_text(c)) for c in DEFAULT_EVAL)
         seconds += 2 * MODEL_LOAD_SECONDS
         for context in contexts:
             tokens = len(DEFAULT_EVAL) * max(eval_tokens, context)  # each corpus, whole blocks
@@ -245,15 +284,9 @@ def _add_estimates(plan: Plan, ckpt: Checkpoint, *, measure: bool, eval_tokens: 
             for keys in (context, span):  # the original, then the converted model
                 flops = 2 * tokens * ckpt.num_params + dims.layers * dims.scores_flops(tokens, keys)
                 seconds += compute_seconds(flops, FORWARD_EFFICIENCY)
-            # both models in float32; one block's activations (hidden states, MLP, attention internals,
-            # for each model), the KV cache the measurement of its size builds, and the log-probabilities
-            # of one chunk of positions for the model, the original and their difference
-            batch = max(1, 1024 // context)
-            activations = 2 * batch * context * (8 * dims.hidden + 3 * dims.intermediate) * 4
-            cache = context * kv_bytes_per_token(ckpt.config, torch.float32)
-            logits = 4 * batch * min(context, LOGIT_CHUNK) * dims.vocab * 4
-            work = max(work, 2 * ckpt.num_params * 4 + activations + cache + logits)
-        work = max(work, 2 * ckpt.num_params * 4 + max(len(load_text(c)) for c in DEFAULT_EVAL) * TOKENIZE_BYTES_PER_CHAR)
+            # both models in float32, batches as _quick_measure runs them
+            work = max(work, measure_peak_bytes(ckpt.config, ckpt.num_params, ckpt.num_params, context=context,
+                                                batch_size=max(1, 1024 // context), text_chars=chars))
     plan.est_seconds = seconds
     plan.est_peak_bytes = rss() + work
 

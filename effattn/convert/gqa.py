@@ -342,6 +342,7 @@ class GQAConversion:
     aliases = {"mqa": {"kv_heads": 1}, "mha": {"kv_heads": "heads"}}
     model = None  # native: the same architecture with fewer KV heads
     name = "gqa"
+    memory_options = ("calib_tokens",)
     description = "change the number of KV heads: GQA, MQA (kv_heads=1) or MHA (kv_heads=heads)"
 
     def targets(self, config: dict[str, Any]) -> str:

@@ -229,6 +229,7 @@ class VQConversion(_ReRoPEBase):
     name = "vq"
     # the VQ cache pays off at long context: the card measures there (break-even in the KV line)
     measure_contexts = (2048, 8192)
+    memory_options = ("calib_tokens", "codebook_size")
     description = "Transformer-VQ: ReRoPE window + keys beyond it quantized to k-means codebooks (linear time)"
     quantize = True
     Options = VQOptions
@@ -251,6 +252,13 @@ class VQConversion(_ReRoPEBase):
         if calib.seq_len <= window:
             raise EffattnError(f"calibration sequences ({calib.seq_len} tokens) must be longer than the window "
                                f"({window}) for keys to be quantized", f"use --window below {calib.seq_len}")
+        per_seq = max(calib.seq_len - sinks, 0)  # keys k-means fits on, per sequence and KV head
+        if size > calib.tokens // calib.seq_len * per_seq:
+            keys = calib.tokens // calib.seq_len * per_seq
+            need = -(-size // max(per_seq, 1)) * calib.seq_len
+            raise EffattnError(f"--codebook-size {size:,} is more than the {keys:,} calibration keys per KV head that "
+                               f"k-means fits it on ({calib.tokens:,} --calib-tokens" + (f", less {sinks} sinks a sequence)" if sinks else ")"),
+                               f"use --codebook-size {keys} or less, or --calib-tokens {need} or more")
         # the cache after T tokens: the window's K/V and the sinks (exact), plus per code a count and a value sum
         # (and a key sum with key means; exact heads keep no per-code statistics: their older keys are in
         # exact_bytes below)

@@ -234,7 +234,8 @@ def deterministic_algorithms(on: bool):
 
 
 def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progress=None,
-             log: Callable[[str], None] | None = None, command: str | None = None) -> FinetuneResult:
+             log: Callable[[str], None] | None = None, command: str | None = None,
+             memory_check: bool = True) -> FinetuneResult:
     """Run `recipe` and write the fine-tuned model to `recipe.output`; resumes from its checkpoints.
 
     resume:   continue from OUT's last checkpoint even if the recipe changed (without it, a
@@ -242,16 +243,22 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     force:    start over, replacing OUT.
     progress: a rich Progress; the task it gets carries the fields `loss` and `tok_s`.
     log:      receives one-line messages (resuming, evaluations, ...). Main process only.
+    memory_check: refuse a run whose estimated memory per process exceeds the device's (plan_finetune).
     """
     with deterministic_algorithms(recipe.train.deterministic):
-        return _finetune(recipe, resume=resume, force=force, progress=progress, log=log, command=command)
+        return _finetune(recipe, resume=resume, force=force, progress=progress, log=log, command=command,
+                         memory_check=memory_check)
 
 
 def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Callable[[str], None] | None,
-              command: str | None) -> FinetuneResult:
+              command: str | None, memory_check: bool = True) -> FinetuneResult:
     if recipe.output is None:
         raise EffattnError("the recipe has no output folder", "pass -o OUT, or set output: in the recipe")
     check_disjoint(recipe.data.sources, recipe.eval.corpora)
+    if memory_check:
+        from .plan import plan_finetune
+
+        plan_finetune(recipe)  # refuses what cannot fit, before any output is touched
     texts = read_sources(recipe.data.sources, recipe.data.text_key)
 
     from accelerate.utils import set_seed

@@ -28,7 +28,7 @@ from .data import check_disjoint, check_source
 from .loop import TEACHER_DTYPE, resolve_teacher, tokens_per_step, total_steps
 from .params import count_params, select_trainable
 from ..io.verify import meta_model
-from ..resources import device_flops
+from ..resources import check_memory, device_flops
 
 # Achieved / measured-matmul FLOP/s of heal-gqa steps on SmolLM2-135M (4x256 tokens, 2 shared CPU
 # cores, load average 5-7): ~22 GFLOP/s achieved, 41-68 measured. A rough, machine-dependent factor.
@@ -37,15 +37,17 @@ RUNTIME_BYTES = 2**29  # Python, torch, tokenizer, tokenized text: ~0.5 GiB meas
 LOGIT_COPIES = 6  # student logits, their log-softmax and gradient, teacher logits and log-softmax, the KL terms
 
 
-def plan_finetune(recipe: Recipe, processes: int | None = None) -> dict[str, Any]:
-    """The resolved run: models, parameter counts, tokens per step, memory and time estimates."""
+def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check: bool = True) -> dict[str, Any]:
+    """The resolved run: models, parameter counts, tokens per step, memory and time estimates. A run whose
+    estimated memory per process exceeds the device's is refused (`memory_check=False` plans it anyway)."""
     processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
     for source in recipe.data.sources:
         check_source(source)
     check_disjoint(recipe.data.sources, recipe.eval.corpora)
     student = recipe.student
     if student.convert is not None:
-        plan = convert(student.model, None, to=student.convert.to, options=student.convert.options(), dry_run=True).plan
+        plan = convert(student.model, None, to=student.convert.to, options=student.convert.options(), dry_run=True,
+                       measure=False, memory_check=memory_check).plan  # prepare_student converts without measuring
         config, conversion, record, path = plan.config, dict(plan.summary), None, None
     else:
         path = as_ref(student.model).path
@@ -69,19 +71,29 @@ def plan_finetune(recipe: Recipe, processes: int | None = None) -> dict[str, Any
     per_step = tokens_per_step(recipe, processes)
     B, T, accum = recipe.train.batch_size, recipe.data.seq_len, recipe.train.grad_accum
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
-    inter = config.get("intermediate_size", 4 * hidden)
-    act_bytes = 2 if recipe.train.precision != "fp32" else 4
-    optimizer_bytes = {"adamw": 8, "sgd": 4}[recipe.optimizer.name]
-    memory = {
-        "student_weights": total * 4,
-        "gradients_and_optimizer": trainable * (4 + optimizer_bytes),
-        "teacher_weights": teacher_params * DTYPES[TEACHER_DTYPE[recipe.train.precision]].itemsize,
-        "activations": B * T * layers * (12 * hidden + 4 * inter) * act_bytes + B * heads * T * T * act_bytes * 2
-                       + B * T * vocab * 4 * LOGIT_COPIES,
-    }
-    memory["runtime"] = RUNTIME_BYTES
-    memory["total"] = sum(memory.values())
 
+    def memory_at(B: int, T: int) -> dict[str, int]:
+        inter = config.get("intermediate_size", 4 * hidden)
+        act_bytes = 2 if recipe.train.precision != "fp32" else 4
+        optimizer_bytes = {"adamw": 8, "sgd": 4}[recipe.optimizer.name]
+        memory = {
+            "student_weights": total * 4,
+            "gradients_and_optimizer": trainable * (4 + optimizer_bytes),
+            "teacher_weights": teacher_params * DTYPES[TEACHER_DTYPE[recipe.train.precision]].itemsize,
+            "activations": B * T * layers * (12 * hidden + 4 * inter) * act_bytes + B * heads * T * T * act_bytes * 2
+                           + B * T * vocab * 4 * LOGIT_COPIES,
+        }
+        memory["runtime"] = RUNTIME_BYTES
+        memory["total"] = sum(memory.values())
+        return memory
+
+    memory = memory_at(B, T)
+    if memory_check:
+        options = [("train.batch_size={} or less (a larger train.grad_accum keeps the tokens per step)", B,
+                    lambda b: memory_at(b, T)["total"], 1, 1),
+                   ("train.batch_size=1 and data.seq_len={} or less", T, lambda t: memory_at(1, t)["total"], 16, 1)]
+        check_memory(memory["total"], what=f"the fine-tune (per process, micro-batches of {B} x {T} tokens)",
+                     options=options, device="cuda" if torch.cuda.is_available() else None)
     attention = 4 * layers * T * hidden  # scores and weighted sum per token, causal half of 2 x 2 x T x d x heads
     flops_token = (4 * compute + 2 * trainable_compute + 3 * attention) + (2 * teacher_compute + attention)
     step_flops = flops_token * B * T * accum

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EffattnError
-from ..io.writer import write_json, write_text
+from ..io.writer import clean_leftovers, disk_error, write_json, write_text
 from ..killpoints import kill_point, watching_checkpoint_files
 from .config import recipe_diff
 
@@ -64,8 +64,8 @@ class RunFolder:
         """Remove what a killed run may have left half-written (main process only): temporary
         checkpoints and files in OUT, checkpoints being deleted, and beside OUT the temporary folder of a
         final model whose writing was cut short (finish_interrupted_swap has already used a complete one)."""
-        for parent, pattern in ((self.out, ".*tmp*"), (self.checkpoints, ".*tmp*"), (self.checkpoints, ".trash-*"),
-                                (self.out.parent, f".{self.out.name}.tmp-*")):
+        clean_leftovers(self.out)  # beside OUT: a dead run's final model, never a live one's
+        for parent, pattern in ((self.out, ".*tmp*"), (self.checkpoints, ".*tmp*"), (self.checkpoints, ".trash-*")):
             if parent.is_dir():
                 for p in parent.glob(pattern):
                     if p.is_dir():
@@ -144,12 +144,21 @@ def save_checkpoint(accelerator, run: RunFolder, state: dict[str, Any], keep: in
     try:
         with watching_checkpoint_files(step):
             accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            kill_point("checkpoint.state", step)
+            write_json(tmp / STATE_FILE, state)  # last: its presence marks the checkpoint complete
+    except (OSError, RuntimeError) as exc:  # e.g. a full disk: torch reports "unexpected pos N vs M"
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        known = disk_error(exc, final)
+        if known is None:
+            raise
+        last = run.complete_checkpoints()
+        raise EffattnError(known.what, known.fix + (f" (it resumes from {last[-1].name})" if last else "")) from None
     finally:
         quiet.setLevel(level)
-    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        kill_point("checkpoint.state", step)
-        write_json(tmp / STATE_FILE, state)  # last: its presence marks the checkpoint complete
         kill_point("checkpoint.complete", step)
         if final.exists():
             _remove(final, step)

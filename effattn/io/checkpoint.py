@@ -174,7 +174,11 @@ def read_config(folder: Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise EffattnError(f"{path} is not valid JSON ({exc.msg}, line {exc.lineno})", "fix or re-download it") from None
+    if not isinstance(config, dict):
+        raise EffattnError(f"{path} holds a JSON {type(config).__name__}, not an object of settings", "fix or re-download it")
     archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise EffattnError(f"{path}: 'architectures' is {archs!r}, not a list of class names", "fix or re-download it")
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
         raise EffattnError(f"{folder} is not a causal LM (architectures: {', '.join(archs)})",
                            "effattn converts decoder-only *ForCausalLM checkpoints")
@@ -182,4 +186,34 @@ def read_config(folder: Path) -> dict[str, Any]:
         if key not in config:
             raise EffattnError(f"{path} has no {key!r}, so it is not a decoder LM config effattn can read",
                                "point to a causal LM checkpoint")
+    _check_sizes(config, path)
     return config
+
+
+# sizes every family reads: (key, required); each must be a positive whole number where present
+SIZE_KEYS = (("num_attention_heads", True), ("hidden_size", True), ("num_hidden_layers", True),
+             ("num_key_value_heads", False), ("head_dim", False), ("vocab_size", False), ("intermediate_size", False),
+             ("max_position_embeddings", False))
+
+
+def _check_sizes(config: dict[str, Any], path: Path) -> None:
+    """The sizes a conversion computes with are whole, positive and consistent (transformers would fail
+    later, or build a different model than the weights hold)."""
+    for key, required in SIZE_KEYS:
+        value = config.get(key)
+        if value is None and not required:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EffattnError(f"{path}: {key} is {value!r}, not a positive whole number", "fix or re-download it")
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv:
+        raise EffattnError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
+                           "fix or re-download it")
+    if config.get("head_dim") is None and config["hidden_size"] % heads:
+        raise EffattnError(f"{path}: hidden_size {config['hidden_size']} is not a multiple of num_attention_heads "
+                           f"{heads} and there is no head_dim", "fix or re-download it")
+    theta = config.get("rope_theta")
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0):
+        raise EffattnError(f"{path}: rope_theta is {theta!r}, not a positive number", "fix or re-download it")
+    if not isinstance(config.get("model_type", ""), str):
+        raise EffattnError(f"{path}: model_type is {config['model_type']!r}, not a name", "fix or re-download it")

@@ -9,8 +9,10 @@ every tensor is then written straight to its offset, so no shard is ever buffere
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
+import time
 import shutil
 import struct
 import tempfile
@@ -41,6 +43,8 @@ def check_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0,
     if out.exists() and not out.is_dir():
         raise EffattnError(f"output path {out} exists and is not a folder", "choose another -o")
     parent = next((p for p in [out.parent, *out.parents] if p.exists()), None)
+    if parent is not None:
+        _check_writable(parent, out)
     free = shutil.disk_usage(parent).free if parent is not None else 0
     if needed_bytes and free < needed_bytes * 1.05:
         raise EffattnError(
@@ -48,6 +52,88 @@ def check_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0,
             "free some space or write to another disk with -o",
         )
     return out
+
+
+def _check_writable(folder: Path, out: Path) -> None:
+    """Refuse before work when nothing can be created in `folder` (permissions, a read-only disk): a
+    probe folder is made and removed at once."""
+    try:
+        Path(tempfile.mkdtemp(prefix=".effattn-probe-", dir=folder)).rmdir()
+    except OSError as exc:
+        raise EffattnError(f"cannot write in {folder} (for -o {out}): {exc.strerror or exc}",
+                           "choose a writable -o, or fix the folder's permissions") from None
+
+
+def disk_error(exc: BaseException, target: Path) -> EffattnError | None:
+    """The one-line error for an OSError (or torch's RuntimeError around one) met while writing `target`:
+    a full disk or quota, a read-only disk, missing permission; None for anything else."""
+    code = getattr(exc, "errno", None)
+    text = str(exc)
+    if code in (errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in text or "file write failed" in text \
+            or (isinstance(exc, RuntimeError) and _nearly_full(target)):
+        return EffattnError(f"the disk filled up while writing {target}", "free some space and run the same command again")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        where = getattr(exc, "filename", None) or target
+        return EffattnError(f"{exc.strerror}: {where} (while writing {target})",
+                            f"check the permissions of {where}, or choose a writable -o")
+    return None
+
+
+def _nearly_full(path: Path) -> bool:
+    parent = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
+    return parent is not None and shutil.disk_usage(parent).free < 64 * 2**20
+
+
+STALE_UNLOCKED_SECONDS = 60  # a temporary folder without a lock file this old is a dead run's
+
+
+def _lock_of(tmp: Path) -> Path:
+    """The lock file of temporary output folder `tmp` (beside it): held with flock while its writer lives."""
+    return tmp.with_name(tmp.name + ".lock")
+
+
+def clean_leftovers(out: Path) -> list[Path]:
+    """Remove the temporary folders beside `out` (.NAME.tmp-X) that a killed run left; returns them.
+    One whose writer is alive holds a lock on its lock file and is left alone."""
+    out = Path(out).expanduser().absolute()
+    removed = []
+    for tmp in sorted(out.parent.glob(f".{out.name}.tmp-*")) if out.parent.is_dir() else []:
+        if tmp.suffix == ".lock":
+            if not tmp.with_suffix("").exists() and not _locked(tmp):
+                tmp.unlink(missing_ok=True)  # its folder became OUT; the kill came before the lock went
+            continue
+        lock = _lock_of(tmp)
+        if not tmp.is_dir() or (_locked(lock) if lock.exists() else _young(tmp)):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
+
+
+def _young(path: Path) -> bool:
+    """Made moments ago (a writer between making its folder and locking it)."""
+    try:
+        return time.time() - path.stat().st_mtime < STALE_UNLOCKED_SECONDS
+    except FileNotFoundError:
+        return True
+
+
+def _locked(lock: Path) -> bool:
+    """Whether a live process holds `lock` (the kernel drops a dead one's flock)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 @contextmanager
@@ -60,21 +146,31 @@ def atomic_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0
     """
     out = Path(out).expanduser().absolute()
     finish_interrupted_swap(out)
+    clean_leftovers(out)
     check_output(out, force=force, needed_bytes=needed_bytes, inputs=inputs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise disk_error(exc, out) or exc from None
+    lock_file = _lock_of(tmp)
+    lock = os.open(lock_file, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies: a later run then removes tmp
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output gets the usual permissions
     try:
         yield tmp
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno == errno.ENOSPC:
-            raise EffattnError(f"the disk filled up while writing {out}", "free some space and run again") from None
+        _unlock(lock, lock_file)
+        known = disk_error(exc, out)
+        if known is not None:
+            raise known from None
         raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _unlock(lock, lock_file)
         raise
     kill_point(f"output.written:{out.name}")
     old = None
@@ -83,9 +179,15 @@ def atomic_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0
         out.rename(old)
         kill_point(f"output.swap:{out.name}")
     tmp.rename(out)
+    _unlock(lock, lock_file)
     if old is not None:
         kill_point(f"output.swapped:{out.name}")
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _unlock(fd: int, lock_file: Path) -> None:
+    lock_file.unlink(missing_ok=True)
+    os.close(fd)
 
 
 def _old_name(tmp: Path) -> Path:
