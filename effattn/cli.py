@@ -265,12 +265,31 @@ def eval_(
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
     memory_check: bool = MemoryCheckOpt,
+    task: str = typer.Option("perplexity", "--task", help="perplexity (with agreement, KL, KV bytes, speed), or a "
+                                                          "long-context retrieval grid: passkey, needle"),
+    lengths: str = typer.Option("2048,4096,8192", "--lengths", help="passkey/needle: prompt lengths in tokens"),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="passkey/needle: where the fact sits "
+                                                                      "(0 = start, 1 = just before the question)"),
+    samples: int = typer.Option(4, "--samples", help="passkey/needle: prompts per length and depth"),
+    seed: int = typer.Option(0, "--seed", help="passkey/needle: seed of keys and filler positions"),
+    filler: Optional[str] = typer.Option(None, "--filler", help="passkey/needle: what the fact hides in: repeat (the "
+                                                                "passkey papers' repeated sentences; passkey's "
+                                                                "default), a corpus or text file (needle: britannica)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="passkey/needle: save the accuracy heatmap here (PNG)"),
 ):
-    """Perplexity, agreement and KL against a baseline, measured KV bytes/token, prefill/decode speed."""
+    """Perplexity, agreement and KL against a baseline, measured KV bytes/token, prefill/decode speed;
+    or (--task passkey|needle) long-context retrieval accuracy over lengths x depths."""
     from .data.corpora import DEFAULT_EVAL
     from .evaluate import EvalSettings, evaluate
     from .report import eval_table
 
+    if task != "perplexity":
+        return _eval_retrieval(model, baseline, task=task, lengths=lengths, depths=depths, samples=samples, seed=seed,
+                               filler=filler, plot=plot, dtype=dtype, tokenizer=tokenizer, as_json=as_json,
+                               trust_remote_code=trust_remote_code, memory_check=memory_check)
+    if plot is not None:
+        raise EffattnError("--plot draws the passkey/needle heatmap", "add --task passkey, or drop --plot")
+    _warn_beyond_trained(model, context, trust_remote_code)
     corpora = tuple(c for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c)
     if context < 2:
         raise EffattnError(f"--context must be at least 2 tokens, got {context}", "use e.g. --context 512")
@@ -284,6 +303,74 @@ def eval_(
     if as_json:
         return _print_json(report.to_dict())
     out.print(eval_table(report))
+
+
+def _warn_beyond_trained(model, context: int, trust_remote_code: bool) -> None:
+    from .families import trained_length
+    from .io.checkpoint import Checkpoint
+    from .io.load import as_ref
+
+    config = Checkpoint(as_ref(model, trust_remote_code=trust_remote_code).path).config
+    limit = config.get("max_position_embeddings") or trained_length(config)
+    if context > limit:
+        err.print(f"[yellow]warning[/]: --context {context:,} is beyond {escape(str(model))}'s max_position_embeddings "
+                  f"({limit:,}; trained to {trained_length(config):,}): positions past it are extrapolated",
+                  highlight=False)
+
+
+def _number_list(text: str, option: str, kind=int) -> tuple:
+    try:
+        values = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise EffattnError(f"{option} {text!r} is not a comma-separated list of numbers",
+                           f"e.g. {option} 2048,4096" if kind is int else f"e.g. {option} 0,0.5,1") from None
+    return values
+
+
+def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, filler, plot, dtype, tokenizer,
+                    as_json, trust_remote_code, memory_check) -> None:
+    from .bench import check_plot_path
+    from .retrieval import RetrievalSettings, evaluate_retrieval, plot_heatmap
+
+    settings = RetrievalSettings(task=task, lengths=_number_list(lengths, "--lengths"),
+                                 depths=_number_list(depths, "--depths", float), samples=samples, seed=seed,
+                                 filler=filler).validate()
+    if plot is not None:
+        check_plot_path(plot)
+    with progress_bar(not as_json) as progress:
+        tasks: dict[str, object] = {}
+
+        def advance(name: str, done: int, total: int) -> None:
+            if name not in tasks:
+                tasks[name] = progress.add_task(f"{task} · {name}", total=total)
+            progress.update(tasks[name], completed=done)
+
+        report = evaluate_retrieval(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                                    tokenizer=tokenizer, memory_check=memory_check, progress=advance,
+                                    warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False))
+    if plot is not None:
+        plot_heatmap(report, plot)
+    if as_json:
+        return _print_json(report.to_dict())
+    table = Table(title=f"effattn eval --task {task} · exact-match accuracy by depth (rows) and length (columns)"
+                        + (f" · {escape(report.model)} (baseline {escape(report.baseline)})" if report.baseline else ""),
+                  title_justify="left")
+    table.add_column("depth")
+    for n in settings.lengths:
+        table.add_column(f"{n:,}", justify="right")
+    for d in settings.depths:
+        cells = []
+        for n in settings.lengths:
+            cell = f"{report.accuracy[n][d]:.0%}"
+            if report.baseline_accuracy is not None:
+                cell += f" ({report.baseline_accuracy[n][d]:.0%})"
+            cells.append(cell)
+        table.add_row(f"{d:g}", *cells)
+    out.print(table)
+    mean = f"mean {report.mean:.0%}" + (f" (baseline {report.baseline_mean:.0%})" if report.baseline_mean is not None else "")
+    out.print(f"{mean} over {len(report.samples)} prompts, {settings.samples} per cell, seed {settings.seed}", highlight=False)
+    if plot is not None:
+        out.print(f"[green]wrote[/] {escape(str(plot))}")
 
 
 @app.command()

@@ -99,6 +99,30 @@ class AttentionShape:
         )
 
 
+def trained_length(config: dict[str, Any]) -> int:
+    """The context a model was trained to: a RoPE-scaled model's original length (linear scaling: its
+    max_position_embeddings over the factor; dynamic NTK keeps the trained one), else its
+    max_position_embeddings."""
+    params = rope_settings(config)
+    original = params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    if original:
+        return int(original)
+    longest = int(config.get("max_position_embeddings") or 2048)
+    if params.get("rope_type") == "linear" and params.get("factor"):  # linear keeps no original length: its
+        return max(1, round(longest / float(params["factor"])))  # max_position_embeddings is the extended one
+    return longest
+
+
+def context_length(config: dict[str, Any]) -> str:
+    """The context a model is meant for, in words: its trained length, or the extension its RoPE
+    scaling declares."""
+    params, trained = rope_settings(config), trained_length(config)
+    kind, factor = params.get("rope_type", "default"), params.get("factor")
+    if kind in (None, "default") or not factor:
+        return f"{trained:,} tokens (trained)"
+    return f"{trained * float(factor):,.0f} tokens (RoPE {kind} x{float(factor):g} of the trained {trained:,})"
+
+
 def rope_settings(config: dict[str, Any]) -> dict[str, Any]:
     """RoPE parameters from a transformers 5 (`rope_parameters`) or 4 (`rope_theta`/`rope_scaling`) config."""
     params = dict(config.get("rope_parameters") or {})

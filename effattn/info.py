@@ -6,7 +6,7 @@ from typing import Any
 
 from .convert import CONVERSIONS
 from .convert.base import kv_bytes_per_token
-from .families import AttentionShape, family_for, rope_settings
+from .families import AttentionShape, context_length, family_for, rope_settings, trained_length
 from .io.checkpoint import Checkpoint
 from .io.verify import verify_checkpoint
 from .io.load import as_ref
@@ -35,6 +35,8 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
         "qk_norm": family.has_qk_norm,
         "rope": rope_settings(ckpt.config),
         "max_position_embeddings": ckpt.config.get("max_position_embeddings"),
+        "trained_length": trained_length(ckpt.config),
+        "context_length": context_length(ckpt.config),
         "tie_word_embeddings": bool(ckpt.config.get("tie_word_embeddings", False)),
         "parameters": ckpt.num_params,
         "dtype": str(dtype).replace("torch.", ""),

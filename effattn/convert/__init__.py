@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..errors import EffattnError, one_of
 from .base import ConvertResult, Plan, convert, read_record
 from .gqa import GQAConversion
+from .rope_scaling import RopeScalingConversion
 from .vq import ReRoPEConversion, VQConversion
 
 CONVERSIONS: dict = {}
@@ -38,7 +39,7 @@ def get_conversion(name: str):
     return CONVERSIONS[name]
 
 
-for _conversion in (GQAConversion(), ReRoPEConversion(), VQConversion()):
+for _conversion in (GQAConversion(), ReRoPEConversion(), VQConversion(), RopeScalingConversion()):
     register_conversion(_conversion)
 
 __all__ = ["CONVERSIONS", "ALIASES", "ConvertResult", "Plan", "convert", "get_conversion", "read_record",

@@ -29,8 +29,8 @@ from ..io.load import as_ref, parse_dtype, tokenizer_missing
 from ..io.resolve import ModelRef
 from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, check_output, copy_side_files, parse_size, write_json
 from ..models import model_spec
-from ..resources import (FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, Dims, PeakRSS, rss,
-                         MEMORY_MARGIN, check_memory, compute_seconds, disk_seconds, memory_budget, read_seconds, side_by_side)
+from ..resources import (FORWARD_EFFICIENCY, MEMORY_MARGIN, MODEL_LOAD_SECONDS, Dims, PeakRSS, check_memory,
+                         compute_seconds, disk_seconds, memory_budget, read_seconds, rss, side_by_side)
 from .options import ConversionOptions, flag, resolve
 
 

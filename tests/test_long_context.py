@@ -1,0 +1,181 @@
+"""Long context: the retrieval grid (`eval --task passkey|needle`) and RoPE scaling as a conversion."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from effattn.io.load import load_model, load_tokenizer
+from effattn.retrieval import PromptBuilder, RetrievalSettings, greedy_answer, is_correct
+
+from .test_cli_errors import assert_one_line_error, run_cli
+
+
+# -- retrieval --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task,filler", [("passkey", None), ("needle", None), ("passkey", "britannica")])
+def test_prompts_have_the_cells_length_and_the_fact_at_its_depth(tiny, task, filler):
+    tok = load_tokenizer(tiny("llama"))
+    settings = RetrievalSettings(task=task, lengths=(600, 900), depths=(0.0, 0.5, 1.0), samples=2, filler=filler).validate()
+    prompts = PromptBuilder(tok, settings).prompts()
+    assert len(prompts) == 2 * 3 * 2
+    for p in prompts:
+        assert len(p.ids) == p.length
+        text = tok.decode(p.ids)
+        assert text.count(p.answer) == (2 if task == "passkey" else 1)  # the key is in the text, once per mention
+        fact = tok.decode(p.ids[p.position :])
+        assert fact.lstrip().startswith("The pass key is" if task == "passkey" else "One of the special magic numbers")
+    head = [p.position for p in prompts if p.depth == 0.0]
+    tail = [p.position for p in prompts if p.depth == 1.0]
+    assert max(head) < min(p.position for p in prompts if p.depth == 0.5) < min(tail)
+    again = PromptBuilder(tok, settings).prompts()  # deterministic for a seed
+    assert [p.ids for p in again] == [p.ids for p in prompts]
+    other = PromptBuilder(tok, RetrievalSettings(task=task, lengths=(600,), depths=(0.5,), samples=2, seed=1,
+                                                 filler=filler).validate()).prompts()
+    assert [p.answer for p in other] != [p.answer for p in prompts[:2]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "vq"])
+def test_chunked_prefill_answers_as_one_forward_does(tiny, tmp_path, kind):
+    """Greedy decoding after a prefill in 64-token chunks through the cache equals the one-pass prefill
+    (ReRoPE+VQ's own cache too)."""
+    src = tiny("qwen2" if kind == "qwen2" else "llama")
+    if kind == "vq":
+        from effattn.convert import convert
+
+        src = convert(src, tmp_path / "vq", to="vq", options={"codebook_size": 8, "window": 16, "calib_tokens": 2048},
+                      measure=False).out
+    model, _, _ = load_model(src)
+    ids = torch.randint(0, 250, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert greedy_answer(model, ids, 8, chunk=64) == greedy_answer(model, ids, 8, chunk=10**6)
+
+
+def test_an_answer_is_right_when_its_first_number_is_the_key():
+    assert is_correct(" 40231. Remember it.", "40231")
+    assert not is_correct(" 4023 1", "40231")
+    assert not is_correct(" the pass key is 402311", "40231")
+    assert not is_correct(" no number", "40231")
+
+
+def test_retrieval_cli_writes_the_grid_the_heatmap_and_the_baseline(capsys, tiny, tmp_path):
+    src = tiny("llama")
+    code, out, err = run_cli(capsys, "eval", src, "--task", "passkey", "--lengths", "300,400", "--depths", "0,1",
+                             "--samples", "2", "--baseline", src, "--plot", tmp_path / "grid.png", "--json")
+    assert code in (0, None), err
+    report = json.loads(out)
+    assert set(report["accuracy"]) == {"300", "400"} and set(report["accuracy"]["300"]) == {"0.0", "1.0"}
+    assert report["baseline_accuracy"] == report["accuracy"]  # the same model on the same prompts
+    assert len(report["samples"]) == 8 and all(s["output"] == s["baseline_output"] for s in report["samples"])
+    assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
+    code, out, err = run_cli(capsys, "eval", src, "--task", "needle", "--lengths", "1000", "--depths", "0.5",
+                             "--samples", "1")
+    assert code in (0, None), err
+    assert "beyond" not in err  # 1,000 fits the tiny model's 4,096 positions: no warning
+    code, out, err = run_cli(capsys, "eval", src, "--task", "passkey", "--lengths", "5000", "--depths", "1",
+                             "--samples", "1", "--json")
+    assert code in (0, None), err
+    assert "beyond its max_position_embeddings (4,096" in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--task", "passkey", "--lengths", "100"], "at least 128 tokens"),
+    (["--task", "passkey", "--lengths", "200"], "leaves no room for filler"),
+    (["--task", "passkey", "--lengths", "2k"], "not a comma-separated list"),
+    (["--task", "passkey", "--depths", "0,2"], "depths are fractions from 0 to 1"),
+    (["--task", "recall"], "unknown task 'recall'"),
+    (["--task", "needle", "--filler", "nope.txt"], "nope.txt"),
+    (["--task", "passkey", "--lengths", "300000000"], "use --lengths values of"),
+    (["--plot", "x.png"], "--plot draws the passkey/needle heatmap"),
+])
+def test_bad_retrieval_settings_are_refused_before_work(capsys, tiny, args, needle):
+    code, _, err = run_cli(capsys, "eval", tiny("llama"), *args)
+    assert_one_line_error(code, err, needle)
+
+
+# -- RoPE scaling ------------------------------------------------------------------------------------
+
+
+def _rope(folder):
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("args,expect", [
+    (["--rope-type", "linear", "--factor", "4"], {"rope_type": "linear", "factor": 4.0}),
+    (["--rope-type", "dynamic", "--factor", "2"], {"rope_type": "dynamic", "factor": 2.0}),
+    (["--rope-type", "yarn", "--factor", "4", "--beta-fast", "16"],
+     {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}),
+    (["--rope-type", "llama3", "--factor", "8"],
+     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+    (["--rope-type", "longrope", "--factor", "2"], {"rope_type": "longrope", "factor": 2.0}),
+])
+def test_rope_scaling_writes_native_rope_parameters_and_keeps_the_weights(capsys, tiny, tmp_path, family, args, expect):
+    from transformers import AutoModelForCausalLM
+
+    src = tiny(family)
+    out = tmp_path / "scaled"
+    code, _, err = run_cli(capsys, "convert", src, "--to", "rope-scaling", *args, "-o", out, "--no-eval")
+    assert code in (0, None), err
+    config = _rope(out)
+    params = config["rope_parameters"]
+    assert expect.items() <= params.items()
+    assert "rope_scaling" not in config
+    factor = expect["factor"]
+    assert config["max_position_embeddings"] == (4096 if expect["rope_type"] == "dynamic" else int(4096 * factor))
+    a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model = AutoModelForCausalLM.from_pretrained(out)  # plain transformers
+    assert model.config.rope_parameters["rope_type"] == expect["rope_type"]
+    code, out_text, _ = run_cli(capsys, "inspect", out, "--json")
+    info = json.loads(out_text)
+    assert info["trained_length"] == 4096 and f"x{factor:g} of the trained 4,096" in info["context_length"]
+
+
+def test_linear_scaling_divides_every_frequency_and_dynamic_is_exact_within_the_trained_length(tiny, tmp_path):
+    from effattn.convert import convert
+
+    src = tiny("llama")
+    ids = torch.randint(0, 250, (1, 96), generator=torch.Generator().manual_seed(0))
+    original, _, _ = load_model(src)
+    linear, _, _ = load_model(convert(src, tmp_path / "lin", to="rope-scaling",
+                                      options={"rope_type": "linear", "factor": 4}, measure=False).out)
+    assert torch.allclose(linear.model.rotary_emb.inv_freq, original.model.rotary_emb.inv_freq / 4)
+    dynamic, _, _ = load_model(convert(src, tmp_path / "dyn", to="rope-scaling",
+                                       options={"rope_type": "dynamic", "factor": 4}, measure=False).out)
+    with torch.no_grad():
+        assert torch.equal(dynamic(input_ids=ids).logits, original(input_ids=ids).logits)
+    yarn, _, _ = load_model(convert(src, tmp_path / "yarn", to="yarn", options={"factor": 4}, measure=False).out)
+    with torch.no_grad():  # yarn changes positions inside the trained length too (interpolated bands)
+        assert not torch.allclose(yarn(input_ids=ids).logits, original(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("args,needle", [
+    ([], "needs --rope-type and --factor"),
+    (["--rope-type", "yarn"], "needs --rope-type and --factor"),
+    (["--rope-type", "yarn", "--factor", "1"], "--factor"),
+    (["--rope-type", "ntk", "--factor", "2"], "--rope-type"),
+    (["--rope-type", "linear", "--factor", "2", "--beta-fast", "8"], "--beta-fast applies to --rope-type yarn, not linear"),
+    (["--rope-type", "yarn", "--factor", "2", "--beta-fast", "1", "--beta-slow", "2"], "must be above --beta-slow"),
+    (["--rope-type", "llama3", "--factor", "2", "--high-freq-factor", "0.5"], "must be above --low-freq-factor"),
+    (["--rope-type", "longrope", "--factor", "2", "--long-factors", "1,2"], "this model has 4 RoPE frequencies"),
+    (["--rope-type", "longrope", "--factor", "2", "--long-factors", "a,b"], "not a comma-separated list"),
+])
+def test_bad_rope_scaling_options_are_refused_before_work(capsys, tiny, tmp_path, args, needle):
+    for dry in ([], ["--dry-run"]):
+        code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "rope-scaling", *args, "-o", tmp_path / "o", *dry)
+        assert_one_line_error(code, err, needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_rescaling_a_scaled_model_starts_from_its_trained_length(tiny, tmp_path):
+    from effattn.convert import convert
+
+    once = convert(tiny("llama"), tmp_path / "a", to="yarn", options={"factor": 2}, measure=False).out
+    twice = convert(once, tmp_path / "b", to="yarn", options={"factor": 8}, measure=False).out
+    config = _rope(twice)
+    assert config["rope_parameters"]["original_max_position_embeddings"] == 4096
+    assert config["max_position_embeddings"] == 4096 * 8
