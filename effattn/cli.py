@@ -289,7 +289,6 @@ def eval_(
                                trust_remote_code=trust_remote_code, memory_check=memory_check)
     if plot is not None:
         raise EffattnError("--plot draws the passkey/needle heatmap", "add --task passkey, or drop --plot")
-    _warn_beyond_trained(model, context, trust_remote_code)
     corpora = tuple(c for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c)
     if context < 2:
         raise EffattnError(f"--context must be at least 2 tokens, got {context}", "use e.g. --context 512")
@@ -299,23 +298,11 @@ def eval_(
     settings = EvalSettings(corpora=corpora, context=context, max_tokens=max_tokens, batch_size=batch_size, speed=speed)
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
         report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
-                          tokenizer=tokenizer, memory_check=memory_check)
+                          tokenizer=tokenizer, memory_check=memory_check,
+                          warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False))
     if as_json:
         return _print_json(report.to_dict())
     out.print(eval_table(report))
-
-
-def _warn_beyond_trained(model, context: int, trust_remote_code: bool) -> None:
-    from .families import trained_length
-    from .io.checkpoint import Checkpoint
-    from .io.load import as_ref
-
-    config = Checkpoint(as_ref(model, trust_remote_code=trust_remote_code).path).config
-    limit = config.get("max_position_embeddings") or trained_length(config)
-    if context > limit:
-        err.print(f"[yellow]warning[/]: --context {context:,} is beyond {escape(str(model))}'s max_position_embeddings "
-                  f"({limit:,}; trained to {trained_length(config):,}): positions past it are extrapolated",
-                  highlight=False)
 
 
 def _number_list(text: str, option: str, kind=int) -> tuple:

@@ -87,11 +87,28 @@ def logp_chunks(model, ids: torch.Tensor, chunk: int = LOGIT_CHUNK):
         return
     model.lm_head = torch.nn.Identity()
     try:
-        hidden = model(input_ids=ids.to(head.weight.device), use_cache=False).logits  # (B, T, D)
+        hidden = final_hidden(model, ids.to(head.weight.device))  # (B, T, D)
     finally:
         model.lm_head = head
     for start in range(0, ids.shape[1], chunk):
         yield start, F.log_softmax(head(hidden[:, start : start + chunk]).float(), dim=-1)
+
+
+PREFILL_CHUNK = 8192  # longer blocks run in chunks of this many positions through the model's cache
+
+
+def final_hidden(model, ids: torch.Tensor, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+    """The model's output over ids [B, T] in one forward, or, for blocks longer than `chunk`, in chunks
+    through its own cache (as generation prefills): a 32K block then holds one chunk's activations and
+    the cache, not 32K positions' activations in every layer."""
+    if ids.shape[1] <= chunk:
+        return model(input_ids=ids, use_cache=False).logits
+    cache, parts = None, []
+    for start in range(0, ids.shape[1], chunk):
+        out = model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True)
+        cache = out.cache
+        parts.append(out.logits)
+    return torch.cat(parts, dim=1)
 
 
 @torch.no_grad()
@@ -209,7 +226,8 @@ def measure_peak_bytes(config: dict, params: int, baseline_params: int, *, conte
     of its phases: tokenizing a corpus; a batch's forward (one decoder layer's activations, ~12 x hidden
     + 4 x intermediate values per token, the final hidden states of each model and a chunk of
     log-probabilities); the KV-cache measurement (the whole cache of one block, float32, as the
-    original's attention stores it, an upper bound for a smaller cache). Assumes a memory-efficient
+    original's attention stores it, an upper bound for a smaller cache). Blocks longer than PREFILL_CHUNK
+    run in chunks through the cache: one chunk's activations plus the block's cache. Assumes a memory-efficient
     attention (transformers' SDPA, or effattn's own kernels): no (context x context) score matrix.
     Peak resident set of `effattn eval llama --corpus shakespeare --batch-size 1 --no-speed` at contexts
     1K, 4K, 16K: 1,144, 1,431, 2,587 MiB measured, 1,151, 1,278, 2,430 estimated (BENCHMARKS.md)."""
@@ -218,8 +236,9 @@ def measure_peak_bytes(config: dict, params: int, baseline_params: int, *, conte
 
     dims = Dims.of(config)
     models = 2 if baseline_params else 1
-    layer = context * (12 * dims.hidden + 4 * dims.intermediate) * 4  # one sequence through one layer
-    forward = batch_size * layer + models * batch_size * context * dims.hidden * 4 \
+    layer = min(context, PREFILL_CHUNK) * (12 * dims.hidden + 4 * dims.intermediate) * 4  # one sequence, one layer
+    chunked = batch_size * context * kv_bytes_per_token(config, torch.float32) if context > PREFILL_CHUNK else 0
+    forward = batch_size * layer + chunked + models * batch_size * context * dims.hidden * 4 \
         + 2 * models * batch_size * min(context, LOGIT_CHUNK) * dims.vocab * 4
     cache = context * kv_bytes_per_token(config, torch.float32) + layer
     return (params + baseline_params) * weight_bytes + max(forward, cache, text_chars * TOKENIZE_BYTES_PER_CHAR)
@@ -251,9 +270,24 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
     return estimate
 
 
+def beyond_trained(model, context: int, *, trust_remote_code: bool = False) -> list[str]:
+    """A note when `context` is beyond MODEL's max_position_embeddings (positions past it extrapolate)."""
+    from .families import trained_length
+    from .io.checkpoint import Checkpoint
+    from .io.load import as_ref
+
+    ref = as_ref(model, trust_remote_code=trust_remote_code)
+    config = Checkpoint(ref.path).config
+    limit = config.get("max_position_embeddings") or trained_length(config)
+    if context <= limit:
+        return []
+    return [f"--context {context:,} is beyond {ref.display}'s max_position_embeddings ({limit:,}; trained to "
+            f"{trained_length(config):,}): positions past it are extrapolated"]
+
+
 def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
              dtype: str = "float32", trust_remote_code: bool = False, tokenizer=None,
-             memory_check: bool = True) -> EvalReport:
+             memory_check: bool = True, warn=None) -> EvalReport:
     """Load MODEL (and BASELINE) and measure them; the library entry point of `effattn eval`. The text is
     tokenized with MODEL's tokenizer, or `tokenizer`'s (a folder or MODEL argument) when given. A run
     whose estimated memory exceeds the machine's is refused first (`memory_check=False` runs it anyway)."""
@@ -262,6 +296,9 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
     settings = settings or EvalSettings()
     check_eval_memory(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                       memory_check=memory_check)
+    if warn is not None:
+        for note in beyond_trained(model, settings.context, trust_remote_code=trust_remote_code):
+            warn(note)
     lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer or True)
     base = base_ref = None
     if baseline is not None:

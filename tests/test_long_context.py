@@ -179,3 +179,41 @@ def test_rescaling_a_scaled_model_starts_from_its_trained_length(tiny, tmp_path)
     config = _rope(twice)
     assert config["rope_parameters"]["original_max_position_embeddings"] == 4096
     assert config["max_position_embeddings"] == 4096 * 8
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "vq"])
+def test_long_blocks_are_scored_through_the_cache_in_chunks_as_in_one_forward(tiny, tmp_path, kind):
+    from effattn.evaluate import final_hidden
+
+    src = tiny("qwen2" if kind == "qwen2" else "llama")
+    if kind == "vq":
+        from effattn.convert import convert
+
+        src = convert(src, tmp_path / "vq", to="vq", options={"codebook_size": 8, "window": 16, "calib_tokens": 2048},
+                      measure=False).out
+    model, _, _ = load_model(src)
+    ids = torch.randint(0, 250, (2, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole, chunked = final_hidden(model, ids, chunk=10**6), final_hidden(model, ids, chunk=48)
+    assert chunked.shape == whole.shape
+    assert torch.allclose(chunked, whole, atol=1e-4, rtol=1e-4), (chunked - whole).abs().max()
+
+
+def test_the_context_extension_recipe_trains_a_scaled_student_on_cross_entropy(capsys, tiny, tmp_path):
+    (tmp_path / "train.txt").write_text("long documents teach long context. " * 600)
+    (tmp_path / "held.txt").write_text("held out words for the evaluation. " * 100)
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "finetune", "extend-context", "-o", out, f"student.model={tiny('llama')}",
+                           f"data.sources=[{tmp_path / 'train.txt'}]", "data.seq_len=128", "train.max_steps=2",
+                           f"eval.corpora=[{tmp_path / 'held.txt'}]", "eval.seq_len=128", "eval.tokens=256",
+                           "eval.every=2", "checkpoint.every=2")
+    assert code in (0, None), err
+    config = _rope(out)
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["max_position_embeddings"] == 2 * 4096
+    record = json.loads((out / "effattn.json").read_text())
+    assert record["finetune"]["recipe"]["loss"]["ce"] == 1.0 and record["finetune"]["recipe"]["loss"]["kl"] == 0.0
+
+
+def test_alibi_is_refused_with_the_measured_reason(capsys, tiny, tmp_path):
+    code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "alibi", "-o", tmp_path / "o")
+    assert_one_line_error(code, err, "--to alibi is refused", "perplexity 32.1 -> 417", "--to rope-scaling")

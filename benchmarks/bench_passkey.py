@@ -1,0 +1,92 @@
+"""Passkey retrieval of the built-in model and its conversions: `effattn eval --task passkey` per variant.
+
+    python benchmarks/bench_passkey.py --variants original,mqa,rerope --lengths 2048,4096,8192 --samples 2
+    python benchmarks/bench_passkey.py --variants original,yarn2,dynamic2,linear2 --lengths 16384 --depths 0,0.5,1 --samples 1
+
+Each variant is converted once into benchmarks/results/passkey-models/ (`--no-eval`), then evaluated in a
+fresh process under `/usr/bin/time` (wall seconds, peak resident set). Results are appended to
+benchmarks/results/passkey[-TAG].json, one entry per (variant, lengths) run, with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._util import ROOT, machine  # noqa: E402
+
+MODELS = ROOT / "benchmarks" / "results" / "passkey-models"
+VARIANTS = {  # name: effattn arguments making it from the built-in model (None: the model itself)
+    "original": None,
+    "mqa": "convert llama --to mqa --no-eval",
+    "rerope": "convert llama --to rerope --window 256 --no-eval",
+    "vq64": "vq-init llama --window 64 --no-eval",
+    "vq64-plain": "vq-init llama --window 64 --no-key-means --no-eval",
+    "vq64-exact18": "vq-init llama --window 64 --exact-heads 18 --no-eval",
+    "linear2": "convert llama --to rope-scaling --rope-type linear --factor 2 --no-eval",
+    "dynamic2": "convert llama --to rope-scaling --rope-type dynamic --factor 2 --no-eval",
+    "yarn2": "convert llama --to rope-scaling --rope-type yarn --factor 2 --no-eval",
+    "llama3-2": "convert llama --to rope-scaling --rope-type llama3 --factor 2 --no-eval",
+    "yarn4": "convert llama --to rope-scaling --rope-type yarn --factor 4 --no-eval",
+}
+
+
+def effattn(args: str) -> list[str]:
+    return [sys.executable, "-m", "effattn.cli", *shlex.split(args)]
+
+
+def model_of(variant: str) -> str:
+    recipe = VARIANTS[variant]
+    if recipe is None:
+        return "llama"
+    out = MODELS / variant
+    if not (out / "config.json").exists():
+        MODELS.mkdir(parents=True, exist_ok=True)
+        subprocess.run(effattn(f"{recipe} -o {out} --force"), check=True)
+    return str(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", default="original")
+    parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--task", default="passkey")
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+    path = ROOT / "benchmarks" / "results" / f"passkey{'-' + args.tag if args.tag else ''}.json"
+    results = json.loads(path.read_text()) if path.exists() else []
+    for variant in args.variants.split(","):
+        model = model_of(variant)
+        load = os.getloadavg()[0]
+        with tempfile.NamedTemporaryFile("r", suffix=".txt") as timing:
+            cmd = ["/usr/bin/time", "-f", "%e %M", "-o", timing.name, *effattn(
+                f"eval {model} --task {args.task} --lengths {args.lengths} --depths {args.depths} "
+                f"--samples {args.samples} --json")]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"{variant} failed:\n{proc.stderr[-2000:]}")
+            wall, peak_kb = timing.read().split()[-2:]
+        report = json.loads(proc.stdout)
+        entry = {"variant": variant, "model": model, "task": args.task, "lengths": args.lengths, "depths": args.depths,
+                 "samples": args.samples, "accuracy": report["accuracy"], "mean": report["mean"],
+                 "wall_s": float(wall), "peak_rss_mib": int(peak_kb) / 1024, "load_before": load,
+                 "load_after": os.getloadavg()[0], "machine": machine(), "outputs": report["samples"]}
+        results.append(entry)
+        path.write_text(json.dumps(results, indent=1))
+        row = " | ".join(f"{L}: " + " ".join(f"{v:.0%}" for v in cells.values()) for L, cells in report["accuracy"].items())
+        print(f"{variant}: mean {report['mean']:.0%} | {row} | {float(wall):.0f} s, {int(peak_kb) / 1024:,.0f} MiB, "
+              f"load {load:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
