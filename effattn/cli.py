@@ -334,7 +334,8 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
 
         report = evaluate_retrieval(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                                     tokenizer=tokenizer, memory_check=memory_check, progress=advance,
-                                    warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False))
+                                    warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
+                                    say=lambda line: err.print(escape(line), highlight=False))
     if plot is not None:
         plot_heatmap(report, plot)
     if as_json:

@@ -103,10 +103,11 @@ def _phrases(task: str, rng: random.Random) -> tuple[str, str, str, str]:
     """(instruction, fact, question, answer) of one sample."""
     if task == "passkey":
         key = str(rng.randint(10000, 99999))
-        return ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
-                "memorize it. I will quiz you about the important information there.\n\n",
-                f" The pass key is {key}. Remember it. {key} is the pass key.",
-                "\n\nWhat is the pass key? The pass key is", key)
+        # the lines of LongLoRA's / Landmark Attention's prompt, joined by newlines as there
+        return ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will "
+                "quiz you about the important information there.\n",
+                f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n",
+                "\nWhat is the pass key? The pass key is", key)
     word, number = rng.choice(NEEDLE_WORDS), str(rng.randint(1000000, 9999999))
     return ("Some special magic numbers are hidden within the following text. Make sure to memorize them. I will "
             "quiz you about the numbers afterwards.\n\n",
@@ -158,7 +159,7 @@ class PromptBuilder:
         idx = [(start + i) % len(self.filler) for i in range(n)]  # the filler wraps around
         filler = [self.filler[i] for i in idx]
         at = round(depth * n)
-        if 0 < at < n:  # the nearest sentence end at or before the depth, within 200 tokens
+        if 0 < at:  # the nearest sentence end at or before the depth, within 200 tokens
             for j in range(at, max(0, at - 200), -1):
                 if self.ends[idx[j - 1]]:
                     at = j
@@ -239,10 +240,11 @@ def estimate(config: dict[str, Any], params: int, settings: RetrievalSettings, *
 def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None = None, *, dtype: str = "float32",
                        trust_remote_code: bool = False, tokenizer=None, memory_check: bool = True,
                        progress: Callable[[str, int, int], None] | None = None,
-                       warn: Callable[[str], None] | None = None) -> RetrievalReport:
+                       warn: Callable[[str], None] | None = None,
+                       say: Callable[[str], None] | None = None) -> RetrievalReport:
     """Run the retrieval grid on MODEL (and BASELINE, with MODEL's tokenizer and the same prompts).
-    `progress(name, done, total)` is called after each prompt; `warn` gets one-line notes (lengths
-    beyond the trained context)."""
+    `progress(name, done, total)` is called after each prompt; before the work, `warn` gets one-line notes
+    (lengths beyond the trained context) and `say` the time and memory estimate."""
     from .families import trained_length
     from .io.checkpoint import Checkpoint
     from .io.load import as_ref, load_model, load_tokenizer, parse_dtype
@@ -260,8 +262,8 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                          f"max_position_embeddings ({ckpt.config.get('max_position_embeddings') or trained:,}; "
                          f"trained to {trained:,})")
     weight_bytes = (parse_dtype(dtype) or ckpts[0].dtype).itemsize
-    _, work = estimate(ckpts[0].config, max(c.num_params for c in ckpts), settings, models=len(ckpts),
-                       weight_bytes=weight_bytes)
+    seconds, work = estimate(ckpts[0].config, max(c.num_params for c in ckpts), settings, models=len(ckpts),
+                             weight_bytes=weight_bytes)
     now = rss()
 
     def peak_at(longest: int) -> int:
@@ -271,12 +273,15 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
 
     check_memory(now + work, what=f"the {settings.task} grid up to {max(settings.lengths):,} tokens",
                  options=[("--lengths values of", max(settings.lengths), peak_at, 128, 1)], check=memory_check)
-    for note in notes:
-        if warn is not None:
-            warn(note)
 
     tok = load_tokenizer(tokenizer or refs[0], trust_remote_code=trust_remote_code)
     prompts = PromptBuilder(tok, settings).prompts()  # a bad length or filler is refused before the model loads
+    for note in notes:
+        if warn is not None:
+            warn(note)
+    if say is not None:
+        say(f"{len(settings.lengths) * len(settings.depths) * settings.samples * len(ckpts)} prompts: estimated "
+            f"~{seconds / 60:,.1f} min on this machine (idle), ~{(now + work) / 2**30:,.1f} GiB at the peak")
     lm, _, ref = load_model(refs[0], dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False)
     total = len(prompts)
     with warnings.catch_warnings():

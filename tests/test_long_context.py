@@ -71,6 +71,7 @@ def test_retrieval_cli_writes_the_grid_the_heatmap_and_the_baseline(capsys, tiny
     assert report["baseline_accuracy"] == report["accuracy"]  # the same model on the same prompts
     assert len(report["samples"]) == 8 and all(s["output"] == s["baseline_output"] for s in report["samples"])
     assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
+    assert "16 prompts: estimated ~" in err  # 2 lengths x 2 depths x 2 samples, two models, before the work
     code, out, err = run_cli(capsys, "eval", src, "--task", "needle", "--lengths", "1000", "--depths", "0.5",
                              "--samples", "1")
     assert code in (0, None), err

@@ -258,7 +258,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     if memory_check:
         from .plan import plan_finetune
 
-        plan_finetune(recipe)  # refuses what cannot fit, before any output is touched
+        plan_finetune(recipe, estimate_time=False)  # refuses what cannot fit, before any output is touched
     texts = read_sources(recipe.data.sources, recipe.data.text_key)
 
     from accelerate.utils import set_seed

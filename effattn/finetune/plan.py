@@ -37,7 +37,8 @@ RUNTIME_BYTES = 2**29  # Python, torch, tokenizer, tokenized text: ~0.5 GiB meas
 LOGIT_COPIES = 6  # student logits, their log-softmax and gradient, teacher logits and log-softmax, the KL terms
 
 
-def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check: bool = True) -> dict[str, Any]:
+def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check: bool = True,
+                  estimate_time: bool = True) -> dict[str, Any]:
     """The resolved run: models, parameter counts, tokens per step, memory and time estimates. A run whose
     estimated memory per process exceeds the device's is refused (`memory_check=False` plans it anyway)."""
     processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
@@ -100,7 +101,7 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     evals = (steps // recipe.eval.every if recipe.eval.every else 0) + 1
     eval_flops = (evals + (1 if teacher_spec else 0)) * len(recipe.eval.corpora) * recipe.eval.tokens * 2 * compute
     dtype = torch.bfloat16 if recipe.train.precision == "bf16" and torch.cuda.is_available() else torch.float32
-    flops = device_flops(dtype) * EFFICIENCY
+    flops = device_flops(dtype) * EFFICIENCY if estimate_time else float("inf")  # the run checks memory only
     return {
         "recipe": recipe.to_dict(),
         "student": {"model": student.model, "conversion": conversion, "params": total, "trainable": trainable,
