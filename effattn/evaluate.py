@@ -94,7 +94,7 @@ def logp_chunks(model, ids: torch.Tensor, chunk: int = LOGIT_CHUNK):
         yield start, F.log_softmax(head(hidden[:, start : start + chunk]).float(), dim=-1)
 
 
-PREFILL_CHUNK = 8192  # longer blocks run in chunks of this many positions through the model's cache
+PREFILL_CHUNK = 32768  # longer blocks run in chunks of this many positions through the model's cache
 
 
 def final_hidden(model, ids: torch.Tensor, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
@@ -237,7 +237,10 @@ def measure_peak_bytes(config: dict, params: int, baseline_params: int, *, conte
     dims = Dims.of(config)
     models = 2 if baseline_params else 1
     layer = min(context, PREFILL_CHUNK) * (12 * dims.hidden + 4 * dims.intermediate) * 4  # one sequence, one layer
-    chunked = batch_size * context * kv_bytes_per_token(config, torch.float32) if context > PREFILL_CHUNK else 0
+    # beyond PREFILL_CHUNK: the block's cache, and each chunk's attention mask and scores against it (the
+    # CPU's SDPA with a mask may materialise them)
+    chunked = batch_size * context * (kv_bytes_per_token(config, torch.float32) + PREFILL_CHUNK * (dims.heads * 4 + 1)) \
+        if context > PREFILL_CHUNK else 0
     forward = batch_size * layer + chunked + models * batch_size * context * dims.hidden * 4 \
         + 2 * models * batch_size * min(context, LOGIT_CHUNK) * dims.vocab * 4
     cache = context * kv_bytes_per_token(config, torch.float32) + layer
