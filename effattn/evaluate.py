@@ -273,21 +273,6 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
     return estimate
 
 
-def beyond_trained(model, context: int, *, trust_remote_code: bool = False) -> list[str]:
-    """A note when `context` is beyond MODEL's max_position_embeddings (positions past it extrapolate)."""
-    from .families import trained_length
-    from .io.checkpoint import Checkpoint
-    from .io.load import as_ref
-
-    ref = as_ref(model, trust_remote_code=trust_remote_code)
-    config = Checkpoint(ref.path).config
-    limit = config.get("max_position_embeddings") or trained_length(config)
-    if context <= limit:
-        return []
-    return [f"--context {context:,} is beyond {ref.display}'s max_position_embeddings ({limit:,}; trained to "
-            f"{trained_length(config):,}): positions past it are extrapolated"]
-
-
 def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
              dtype: str = "float32", trust_remote_code: bool = False, tokenizer=None,
              memory_check: bool = True, warn=None) -> EvalReport:
@@ -300,7 +285,14 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
     check_eval_memory(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                       memory_check=memory_check)
     if warn is not None:
-        for note in beyond_trained(model, settings.context, trust_remote_code=trust_remote_code):
+        from .families import beyond_positions
+        from .io.checkpoint import Checkpoint
+        from .io.load import as_ref
+
+        ref = as_ref(model, trust_remote_code=trust_remote_code)
+        note = beyond_positions(Checkpoint(ref.path).config, [settings.context], ref.display,
+                                f"--context {settings.context:,}")
+        if note:
             warn(note)
     lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer or True)
     base = base_ref = None

@@ -113,6 +113,16 @@ def trained_length(config: dict[str, Any]) -> int:
     return longest
 
 
+def beyond_positions(config: dict[str, Any], lengths, name: str, what: str) -> str | None:
+    """A one-line note when any of `lengths` is beyond the model's max_position_embeddings (positions
+    past it are extrapolated), or None. `what` names the lengths, e.g. "--context 16,384"."""
+    limit = config.get("max_position_embeddings") or trained_length(config)
+    if all(n <= limit for n in lengths):
+        return None
+    return (f"{what} is beyond {name}'s max_position_embeddings ({limit:,}; trained to {trained_length(config):,}): "
+            "positions past it are extrapolated")
+
+
 def context_length(config: dict[str, Any]) -> str:
     """The context a model is meant for, in words: its trained length, or the extension its RoPE
     scaling declares."""

@@ -245,7 +245,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     """Run the retrieval grid on MODEL (and BASELINE, with MODEL's tokenizer and the same prompts).
     `progress(name, done, total)` is called after each prompt; before the work, `warn` gets one-line notes
     (lengths beyond the trained context) and `say` the time and memory estimate."""
-    from .families import trained_length
+    from .families import beyond_positions
     from .io.checkpoint import Checkpoint
     from .io.load import as_ref, load_model, load_tokenizer, parse_dtype
     from .resources import check_memory, rss
@@ -255,12 +255,9 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     ckpts = [Checkpoint(r.path) for r in refs]
     notes = []
     for ref, ckpt in zip(refs, ckpts):
-        trained = trained_length(ckpt.config)
-        beyond = [n for n in settings.lengths if n > (ckpt.config.get("max_position_embeddings") or trained)]
-        if beyond:
-            notes.append(f"{ref.display}: lengths {', '.join(f'{n:,}' for n in beyond)} are beyond its "
-                         f"max_position_embeddings ({ckpt.config.get('max_position_embeddings') or trained:,}; "
-                         f"trained to {trained:,})")
+        note = beyond_positions(ckpt.config, settings.lengths, ref.display, f"--lengths up to {max(settings.lengths):,}")
+        if note:
+            notes.append(note)
     weight_bytes = (parse_dtype(dtype) or ckpts[0].dtype).itemsize
     seconds, work = estimate(ckpts[0].config, max(c.num_params for c in ckpts), settings, models=len(ckpts),
                              weight_bytes=weight_bytes)

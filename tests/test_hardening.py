@@ -180,7 +180,6 @@ def test_the_largest_value_that_fits_is_found_and_rounded_down(monkeypatch):
 
 def test_a_conversion_that_fits_without_its_measurement_suggests_no_eval(capsys, tiny, tmp_path, monkeypatch):
     from effattn.convert import convert
-    from effattn.resources import rss
 
     src = tiny("llama")
     plain = convert(src, None, to="mqa", options={"method": "mean"}, dry_run=True, measure=False).plan.est_peak_bytes
@@ -189,7 +188,6 @@ def test_a_conversion_that_fits_without_its_measurement_suggests_no_eval(capsys,
     monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", str(int((plain + measured) / 2 / 0.9)))
     code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "o", "--dry-run")
     assert_one_line_error(code, err, "with its quick measurement", "pass --no-eval")
-    assert rss() > 0
 
 
 def test_a_fine_tune_that_cannot_fit_names_the_batch_size(capsys, tiny, tmp_path):

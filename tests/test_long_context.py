@@ -79,7 +79,11 @@ def test_retrieval_cli_writes_the_grid_the_heatmap_and_the_baseline(capsys, tiny
     code, out, err = run_cli(capsys, "eval", src, "--task", "passkey", "--lengths", "5000", "--depths", "1",
                              "--samples", "1", "--json")
     assert code in (0, None), err
-    assert "beyond its max_position_embeddings (4,096" in err
+    assert "--lengths up to 5,000 is beyond" in err and "max_position_embeddings (4,096" in err
+    code, _, err = run_cli(capsys, "eval", src, "--context", "5000", "--max-tokens", "5000", "--no-speed",
+                           "--corpus", "shakespeare")
+    assert code in (0, None), err
+    assert "--context 5,000 is beyond" in err and "max_position_embeddings (4,096" in err
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -101,7 +101,9 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     evals = (steps // recipe.eval.every if recipe.eval.every else 0) + 1
     eval_flops = (evals + (1 if teacher_spec else 0)) * len(recipe.eval.corpora) * recipe.eval.tokens * 2 * compute
     dtype = torch.bfloat16 if recipe.train.precision == "bf16" and torch.cuda.is_available() else torch.float32
-    flops = device_flops(dtype) * EFFICIENCY if estimate_time else float("inf")  # the run checks memory only
+    if not estimate_time:  # the run checks memory only: no speed probe
+        return {"memory_bytes_per_process": memory}
+    flops = device_flops(dtype) * EFFICIENCY
     return {
         "recipe": recipe.to_dict(),
         "student": {"model": student.model, "conversion": conversion, "params": total, "trainable": trainable,
