@@ -15,6 +15,7 @@ from ..errors import EffattnError, one_of
 from .base import ConvertResult, Plan, convert, read_record
 from .gqa import GQAConversion
 from .rope_scaling import RopeScalingConversion
+from .swa import SWAConversion
 from .vq import ReRoPEConversion, VQConversion
 
 CONVERSIONS: dict = {}
@@ -51,7 +52,7 @@ def get_conversion(name: str):
     return CONVERSIONS[name]
 
 
-for _conversion in (GQAConversion(), ReRoPEConversion(), VQConversion(), RopeScalingConversion()):
+for _conversion in (GQAConversion(), ReRoPEConversion(), VQConversion(), RopeScalingConversion(), SWAConversion()):
     register_conversion(_conversion)
 
 __all__ = ["CONVERSIONS", "ALIASES", "ConvertResult", "Plan", "convert", "get_conversion", "read_record",
