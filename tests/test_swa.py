@@ -136,3 +136,158 @@ def test_a_llama_with_biases_has_no_native_window(tiny, tmp_path, capsys):
     code, _, err = run_cli(capsys, "convert", tiny("llama", layers=2, attention_bias=True), "--to", "swa",
                            "--window", "8", "-o", tmp_path / "out")
     assert_one_line_error(code, err, "biases")
+
+
+# -- attention sinks (effattn_sinks) ----------------------------------------------------------------
+
+
+def _rope64(head_dim: int, theta: float = 10000.0):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+    def rope(positions):
+        freqs = positions.double()[:, None] * inv_freq[None]
+        emb = torch.cat((freqs, freqs), -1)
+        return emb.cos(), emb.sin()
+
+    return inv_freq, rope
+
+
+@pytest.mark.parametrize("window,sinks,chunk", [(8, 0, 1000), (8, 4, 7), (16, 2, 64), (100, 4, 16), (5, 1, 1)])
+def test_the_sink_kernel_equals_streamingllms_cache_simulated_query_by_query(window, sinks, chunk):
+    from effattn.kernels.sinks import sink_attention, sink_attention_naive
+
+    g = torch.Generator().manual_seed(0)
+    B, L, H, G, D = 2, 70, 4, 2, 8
+    q, k, v = (torch.randn(B, L, h, D, generator=g, dtype=torch.float64) for h in (H, G, G))
+    inv_freq, rope = _rope64(D)
+    ref = sink_attention_naive(q, k, v, inv_freq, window=window, sinks=sinks, scale=D**-0.5)
+    pos = torch.arange(L)
+    got = sink_attention(q, k, v, pos, pos, rope, window=window, sinks=sinks, scale=D**-0.5, chunk=chunk)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    # queries split across calls, keys as a cache holds them (sinks + the last window - 1), positions far out
+    a = 40
+    held = [j for j in range(a) if j < sinks or j > a - window]
+    keys = held + list(range(a, L))
+    got2 = sink_attention(q[:, a:], k[:, keys], v[:, keys], pos[a:], pos[keys], rope, window=window, sinks=sinks,
+                          scale=D**-0.5, chunk=chunk)
+    torch.testing.assert_close(got2, ref[:, a:], rtol=0, atol=1e-12)
+
+
+def _sinks_model(tiny, tmp_path, **options):
+    src = tiny("llama", layers=2)
+    out = convert(src, tmp_path / "sinks", to="swa", options={"window": WINDOW, "sinks": 3} | options, measure=False).out
+    from transformers import AutoModelForCausalLM
+
+    return src, out, AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+
+
+def test_the_sinks_model_is_the_original_within_its_cache_and_streamingllm_beyond(tiny, tmp_path):
+    from effattn.kernels.sinks import sink_attention_naive
+    from transformers import AutoModelForCausalLM
+
+    src, out, model = _sinks_model(tiny, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "effattn_sinks" and (out / "modeling_effattn_sinks.py").exists()
+    assert (config["attention_window"], config["sink_tokens"]) == (WINDOW, 3) and "sliding_window" not in config
+    ids = torch.randint(0, 250, (1, 60), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False).logits
+    fits = 3 + WINDOW  # while the sinks and the window hold every token, nothing is dropped
+    original = reference_logits(src, ids, ["full_attention"] * 2, WINDOW)
+    torch.testing.assert_close(got[:, :fits], original[:, :fits], rtol=0, atol=1e-5)
+    assert (got[:, fits:] - original[:, fits:]).abs().max() > 1e-3
+    # beyond: each attention is StreamingLLM's cache simulated literally (sink_attention_naive)
+    ref_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64).eval()
+    for layer in ref_model.model.layers:
+        attn = layer.self_attn
+
+        def literal(hidden_states, *args, _attn=attn, **kwargs):
+            B, T, _ = hidden_states.shape
+            q, k, v = (getattr(_attn, f"{n}_proj")(hidden_states).view(B, T, -1, _attn.head_dim) for n in "qkv")
+            inv_freq = ref_model.model.rotary_emb.inv_freq.double()
+            o = sink_attention_naive(q, k, v, inv_freq, window=WINDOW, sinks=3, scale=_attn.scaling)
+            return _attn.o_proj(o.reshape(B, T, -1)), None
+
+        attn.forward = literal
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref_model(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_decoding_a_stream_keeps_the_sinks_cache_flat(tiny, tmp_path):
+    _, _, model = _sinks_model(tiny, tmp_path)
+    ids = torch.randint(0, 250, (1, 120), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits
+        out = model(input_ids=ids[:, :20])
+        cache, sizes, worst = out.cache, [], 0.0
+        for t in range(20, 120):
+            step = model(input_ids=ids[:, t : t + 1], cache=cache)
+            cache = step.cache
+            worst = max(worst, float((step.logits[0, -1] - full[0, t]).abs().max()))
+            sizes.append(cache.nbytes())
+    assert worst < 1e-4  # decode through the bounded cache = one forward over everything
+    per_token = 2 * 2 * 3 * 8 * 8  # 2 layers x (keys + values) x 3 KV heads x 8 dims x float64
+    assert set(sizes) == {(3 + WINDOW - 1) * per_token}  # sinks + window - 1 held, whatever the length
+    generated = model.generate(ids[:, :30], max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    seq = ids[:, :30]
+    with torch.no_grad():
+        for _ in range(40):
+            logits = model(input_ids=seq, use_cache=False).logits[:, -1]
+            logits[:, 257] = -torch.inf  # min_new_tokens keeps generate() from ending (the byte tokenizer's eos)
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(generated, seq)
+
+
+def test_sinks_with_full_layers_and_ranking(tiny, tmp_path):
+    src = tiny("qwen3", layers=3)
+    out = convert(src, tmp_path / "ranked", to="swa", options={"window": 8, "sinks": 2, "full_layers": 1,
+                                                                  "calib_tokens": 2048}, measure=False).out
+    config = json.loads((out / "config.json").read_text())
+    errors = json.loads((out / "effattn.json").read_text())["conversion_run"]["window_error"]["per_layer"]
+    assert config["sink_full_layers"] == [max(range(3), key=lambda i: errors[i])]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    full_layer = config["sink_full_layers"][0]
+    assert model.model.layers[full_layer].self_attn.window is None
+    ids = torch.randint(0, 250, (1, 50))
+    with torch.no_grad():
+        out1 = model(input_ids=ids[:, :20])
+        out2 = model(input_ids=ids[:, 20:], cache=out1.cache)
+        torch.testing.assert_close(torch.cat([out1.logits, out2.logits], 1), model(input_ids=ids, use_cache=False).logits,
+                                   rtol=0, atol=1e-4)
+    held = {i: layer.k.shape[1] for i, layer in out2.cache.layers.items()}
+    assert held[full_layer] == 50 and all(n == 2 + 8 - 1 for i, n in held.items() if i != full_layer)
+
+
+def test_the_sinks_model_loads_with_remote_code_alone(tiny, tmp_path):
+    import subprocess
+    import sys
+
+    _, out, model = _sinks_model(tiny, tmp_path)
+    ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(5))
+    script = f"""
+import builtins, sys, torch
+real = builtins.__import__
+def guarded(name, *args, **kwargs):
+    if name == "effattn" or name.startswith("effattn."):
+        raise ImportError("effattn must not be needed")
+    return real(name, *args, **kwargs)
+builtins.__import__ = guarded
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float64).eval()
+assert "effattn" not in sys.modules and type(model).__name__ == "EffattnSinksForCausalLM"
+with torch.no_grad():
+    torch.save(model(input_ids=torch.tensor({ids.tolist()!r}), use_cache=False).logits, {str(tmp_path / "remote.pt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "remote.pt"), model(input_ids=ids, use_cache=False).logits,
+                                   rtol=0, atol=0)
+
+
+def test_sinks_refuse_dynamic_rope_scaling(tiny, tmp_path, capsys):
+    src = tiny("llama", layers=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    code, _, err = run_cli(capsys, "convert", src, "--to", "swa", "--window", "8", "--sinks", "4", "-o", tmp_path / "o")
+    assert_one_line_error(code, err, "dynamic")

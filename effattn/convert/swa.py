@@ -28,12 +28,14 @@ from pydantic import Field
 
 from ..data.corpora import DEFAULT_CALIB
 from ..errors import EffattnError
-from ..families import AttentionShape, Family, trained_length
+from ..families import AttentionShape, Family, rope_settings, trained_length
+from ..models import ModelSpec
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
 from .base import Plan, passthrough, read_time, same_specs
 from .calibrate import CalibSettings, batches
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
+from ..kernels.sinks import sink_attention
 from .options import ConversionOptions
 
 # keys a Llama config carries that Mistral/Ministral do not read (dropped from the native config)
@@ -42,6 +44,9 @@ LLAMA_ONLY = ("attention_bias", "mlp_bias", "pretraining_tp")
 
 class SWAOptions(ConversionOptions):
     window: int | None = Field(None, ge=1, description="keys each query attends to, itself included (required)")
+    sinks: int = Field(0, ge=0, description="first tokens every query also attends to (StreamingLLM's attention "
+                                            "sinks; effattn's own model, loaded by `import effattn` or "
+                                            "trust_remote_code)")
     full_layers: int = Field(0, ge=0, description="layers that keep full attention: those where the window changes the "
                                                   "attention output most on calibration text")
     full_layer_ids: str | None = Field(None, description="comma-separated layer indices that keep full attention "
@@ -101,11 +106,34 @@ def window_mask(length: int, window: int) -> torch.Tensor:
     return (j <= i) & (j > i - window)
 
 
+def _sinks_classes():
+    from ..attention.sinks import EffattnSinksConfig, EffattnSinksForCausalLM
+
+    return EffattnSinksConfig, EffattnSinksForCausalLM
+
+
+def sinks_config(config: dict[str, Any], window: int, sinks: int, layer_types: list[str]) -> dict[str, Any]:
+    """The effattn_sinks config: the base config (its own window switched off) plus the sink settings."""
+    from ..attention.sinks import sinks_config_from
+
+    base = {k: v for k, v in config.items() if k not in ("sliding_window", "use_sliding_window", "max_window_layers",
+                                                         "layer_types")}
+    if base.get("model_type") == "mistral":
+        base["sliding_window"] = None
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    return sinks_config_from(base, sink_tokens=sinks, attention_window=window, sink_full_layers=full)
+
+
 class SWAConversion:
     name = "swa"
-    aliases = {"sliding-window": {}}
-    description = "sliding-window attention (Mistral's window; some layers may keep full attention): a bounded KV cache"
-    model = None  # native: Mistral, Ministral, Qwen2/Qwen3 with a window
+    aliases = {"sliding-window": {}, "sinks": {"sinks": 4}}
+    description = ("sliding-window attention (Mistral's window; some layers may keep full attention), optionally "
+                   "with attention sinks: a bounded KV cache")
+    # native without sinks (Mistral, Ministral, Qwen2/Qwen3 with a window); with sinks, effattn's own model
+    model = ModelSpec(
+        model_type="effattn_sinks", description="attention sinks + sliding window (effattn_sinks, StreamingLLM)",
+        config_class=lambda: _sinks_classes()[0], model_class=lambda: _sinks_classes()[1],
+        modeling_file="modeling_effattn_sinks.py", modules=("kernels/rope.py", "kernels/sinks.py", "attention/sinks.py"))
     Options = SWAOptions
     memory_options = ("calib_tokens",)
     measure_contexts = (512, 2048)
@@ -145,19 +173,28 @@ class SWAConversion:
         # (layer_types is replaced by the run's choice) but its architecture is already decided
         provisional = ["full_attention"] * opts.full_layers + ["sliding_attention"] * (shape.layers - opts.full_layers) \
             if ranking else layer_types
-        new = native_config(config, family, opts.window, provisional)
+        if opts.sinks:
+            if rope_settings(config).get("rope_type") == "dynamic":
+                raise EffattnError("--sinks rotates keys at their distance in the cache, which dynamic NTK scaling "
+                                   "(positions that depend on the sequence length) does not allow",
+                                   "convert the model without dynamic RoPE scaling, or drop --sinks")
+            new = sinks_config(config, opts.window, opts.sinks, provisional)
+        else:
+            new = native_config(config, family, opts.window, provisional)
         if target is not None:
             new["dtype"] = str(target).replace("torch.", "")
             new.pop("torch_dtype", None)
-        check_native(new)
+        if not opts.sinks:
+            check_native(new)
         dtype = target or ckpt.dtype
         before = kv_bytes(config, ["full_attention"] * shape.layers, opts.window, trained, dtype)
-        after = kv_bytes(config, provisional, opts.window, trained, dtype)
+        after = kv_bytes(config, provisional, opts.window + opts.sinks, trained, dtype)
         n_full = opts.full_layers if ranking else len(full)
-        settings: dict[str, Any] = {"window": opts.window, "full_layers": n_full,
+        settings: dict[str, Any] = {"window": opts.window, "sinks": opts.sinks, "full_layers": n_full,
                                     "full_layer_ids": ",".join(map(str, full)) if fixed else None}
         summary = [("model", f"{family.name} -> {new['model_type']}, {shape.layers} layers, weights unchanged"),
-                   ("attention", f"window {opts.window:,} on {shape.layers - n_full} layers" +
+                   ("attention", f"window {opts.window:,}" + (f" + {opts.sinks} sinks" if opts.sinks else "") +
+                    f" on {shape.layers - n_full} layers" +
                     (f", full on {n_full}" + (f" ({settings['full_layer_ids']})" if fixed else
                                               " (the largest measured errors)") if n_full else ""))]
         state: dict[str, Any] = {"target": target, "layer_types": layer_types, "ranking": ranking}
@@ -189,14 +226,23 @@ class SWAConversion:
         window, calib = plan.settings["window"], plan.state["calib"]
         errors: list[float] = []
 
+        sinks = plan.settings["sinks"]
+
         def measure_layer(layer: LayerInput) -> LayerOutput:
             attn, norm = layer.original.self_attn, layer.original.input_layernorm
-            mask = window_mask(layer.x.shape[1], window)[None, None]
+            cos, sin = layer.cos[0], layer.sin[0]
+            rope = lambda positions: (cos[positions], sin[positions])  # noqa: E731
+            positions = torch.arange(layer.x.shape[1])
             num = den = 0.0
             for sl in batches(layer.x, calib.batch_size):
                 h = norm(layer.x[sl])
                 full = attn(h, position_embeddings=(layer.cos, layer.sin), attention_mask=None)[0]
-                windowed = attn(h, position_embeddings=(layer.cos, layer.sin), attention_mask=mask)[0]
+                B, T, _ = h.shape
+                q, k, v = (getattr(attn, f"{n}_proj")(h).view(B, T, -1, attn.head_dim) for n in "qkv")
+                if getattr(attn, "q_norm", None) is not None:
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                out = sink_attention(q, k, v, positions, positions, rope, window=window, sinks=sinks, scale=attn.scaling)
+                windowed = attn.o_proj(out.reshape(B, T, -1))
                 num += float((windowed - full).double().pow(2).sum())
                 den += float(full.double().pow(2).sum())
             errors.append(num / max(den, 1e-30))
@@ -210,7 +256,7 @@ class SWAConversion:
         n_full = plan.settings["full_layers"]
         full = sorted(sorted(range(len(errors)), key=lambda i: -errors[i])[:n_full])
         layer_types = ["full_attention" if i in full else "sliding_attention" for i in range(len(errors))]
-        plan.measured["config"] = {"layer_types": layer_types}
+        plan.measured["config"] = {"sink_full_layers": full} if plan.settings["sinks"] else {"layer_types": layer_types}
         plan.measured["settings"] = {"full_layer_ids": ",".join(map(str, full))}
         plan.measured["window_error"] = {"loss": "relative squared error of each layer's attention output, windowed "
                                                  "against full, on the original model's calibration activations",

@@ -1,0 +1,215 @@
+"""The attention-sinks model (`effattn_sinks`): a family's causal LM whose attention keeps the first
+`sink_tokens` tokens and a sliding window of `attention_window` (StreamingLLM), with a bounded cache.
+
+transformers 5 has no native form of it (SinkCache left the library), so effattn registers this model;
+`trust_remote_code=True` loads the bundled copy. The cache holds, per windowed layer, the sinks and the
+last window - 1 keys and values, before RoPE: every rotation happens at attention time at a small
+position (kernels/sinks.py), so memory and numerics stay the same however long the stream. Layers in
+`sink_full_layers` keep full attention (and a growing cache).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import AutoConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from effattn.kernels.sinks import sink_attention
+
+SINKS_MODEL_TYPE = "effattn_sinks"
+SINKS_DEFAULTS = {
+    "base_model_type": "llama",
+    "sink_tokens": 4,
+    "attention_window": 256,  # not `sliding_window`: transformers would build its own truncating cache
+    "sink_full_layers": [],  # layers that keep full attention
+}
+_NOT_BASE = {"model_type", "architectures", "auto_map", "transformers_version", *SINKS_DEFAULTS}
+
+
+class EffattnSinksConfig(PretrainedConfig):
+    """The base model's config (every key of it, flat) plus the settings of `SINKS_DEFAULTS`."""
+
+    model_type = SINKS_MODEL_TYPE
+
+    def __init__(self, **kwargs):
+        for key, default in SINKS_DEFAULTS.items():
+            setattr(self, key, copy.deepcopy(kwargs.pop(key, default)))
+        super().__init__(**kwargs)
+
+    def base_config(self) -> PretrainedConfig:
+        values = {k: v for k, v in self.to_dict().items() if k not in _NOT_BASE}
+        return AutoConfig.for_model(self.base_model_type, **values)
+
+
+class SinkLayerCache:
+    """One layer's keys and values before RoPE, with their positions: the sinks and the recent window
+    (windowed layers), or everything (full layers)."""
+
+    def __init__(self):
+        self.k = self.v = self.pos = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        """Append the new (B, T, G, D) keys/values at `pos`; return everything the new queries may read."""
+        if self.k is None:
+            return k, v, pos
+        return torch.cat((self.k, k), 1), torch.cat((self.v, v), 1), torch.cat((self.pos, pos))
+
+    def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int | None, sinks: int) -> None:
+        """Hold what later queries can still see: the sinks and the last window - 1 positions."""
+        if window is not None:
+            held = (pos < sinks) | (pos > pos[-1] - window + 1)
+            k, v, pos = k[:, held], v[:, held], pos[held]
+        self.k, self.v, self.pos = k, v, pos
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.numel() * self.k.element_size() * 2
+
+
+class SinkCache:
+    """Per-layer `SinkLayerCache`s; its size stops growing once the window is full (on windowed layers)."""
+
+    def __init__(self):
+        self.layers: dict[int, SinkLayerCache] = {}
+        self.seen = 0  # positions consumed so far
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers.values())
+
+
+class SinkAttention(nn.Module):
+    """A family's attention module (its projections and q/k norms, same names) with sinks + window."""
+
+    def __init__(self, attn: nn.Module, config: EffattnSinksConfig, layer_idx: int):
+        super().__init__()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            if getattr(attn, name, None) is not None:
+                setattr(self, name, getattr(attn, name))
+        self.has_qk_norm = getattr(attn, "q_norm", None) is not None
+        self.layer_idx = layer_idx
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        full = {int(i) for i in config.sink_full_layers or []}
+        self.window = None if layer_idx in full else int(config.attention_window)
+        self.sinks = int(config.sink_tokens)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, sink_rope=None,
+                position_ids=None, **kwargs):
+        if sink_rope is None:
+            raise ValueError("SinkAttention needs sink_rope (the model's RoPE tables by position); run it inside "
+                             "EffattnSinksForCausalLM")
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        pos = position_ids[0]
+        layer = None
+        if cache is not None:
+            layer = cache.layers.setdefault(self.layer_idx, SinkLayerCache())
+            k_all, v_all, k_pos = layer.extend(k, v, pos)
+        else:
+            k_all, v_all, k_pos = k, v, pos
+        out = sink_attention(q, k_all, v_all, pos, k_pos, sink_rope, window=self.window, sinks=self.sinks,
+                             scale=self.scaling)
+        if layer is not None:
+            layer.keep(k_all.detach(), v_all.detach(), k_pos, self.window, self.sinks)
+        return self.o_proj(out.reshape(B, T, -1)), None
+
+
+class EffattnSinksPreTrainedModel(PreTrainedModel):
+    config_class = EffattnSinksConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+class EffattnSinksForCausalLM(EffattnSinksPreTrainedModel, GenerationMixin):
+    """The base family's causal LM with every attention replaced by `SinkAttention`."""
+
+    def __init__(self, config: EffattnSinksConfig):
+        super().__init__(config)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        base_config = config.base_config()
+        base_config._attn_implementation = "sdpa"
+        base = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)](base_config)
+        self._no_split_modules = getattr(base, "_no_split_modules", None)
+        self.model, self.lm_head = base.model, base.lm_head
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = SinkAttention(layer.self_attn, config, i)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise ValueError("EffattnSinksForCausalLM does not support padding: pass sequences of equal length "
+                             "(batch=1 for generation of different prompts)")
+        body = self.model
+        x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        if use_cache and not isinstance(cache, SinkCache):
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError(f"EffattnSinksForCausalLM needs its own SinkCache, got a filled {type(cache).__name__}")
+            cache = SinkCache()  # replaces the empty DynamicCache generate() prepares
+        if not use_cache and not isinstance(cache, SinkCache):
+            cache = None
+        past = cache.seen if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + x.shape[1], device=x.device)[None]
+        elif int(position_ids[0, 0]) != past:
+            raise ValueError(f"position_ids start at {int(position_ids[0, 0])} but the cache holds {past} positions")
+
+        def rope(positions: torch.Tensor):
+            cos, sin = body.rotary_emb(x, positions[None].to(x.device))
+            return cos[0], sin[0]
+
+        for layer in body.layers:
+            x = layer(x, position_embeddings=None, position_ids=position_ids, cache=cache, sink_rope=rope)
+        if cache is not None:
+            cache.seen = past + x.shape[1]
+        x = body.norm(x)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(x[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+
+def sinks_config_from(base: dict, **settings) -> dict:
+    """The config.json dict of a sinks model built on the base model's config dict."""
+    unknown = set(settings) - set(SINKS_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown sinks settings {sorted(unknown)}")
+    config = {k: copy.deepcopy(v) for k, v in base.items() if k not in ("architectures", "auto_map")}
+    config["base_model_type"] = base["model_type"]
+    config["model_type"] = SINKS_MODEL_TYPE
+    config["architectures"] = ["EffattnSinksForCausalLM"]
+    config.update({k: settings.get(k, v) for k, v in SINKS_DEFAULTS.items() if k != "base_model_type"})
+    config["auto_map"] = {"AutoConfig": "modeling_effattn_sinks.EffattnSinksConfig",
+                          "AutoModelForCausalLM": "modeling_effattn_sinks.EffattnSinksForCausalLM"}
+    return config
