@@ -15,6 +15,7 @@ from ..errors import EffattnError, one_of
 from .base import ConvertResult, Plan, convert, read_record
 from .gqa import GQAConversion
 from .rope_scaling import RopeScalingConversion
+from .sparse import SparseConversion
 from .swa import SWAConversion
 from .vq import ReRoPEConversion, VQConversion
 
@@ -52,7 +53,8 @@ def get_conversion(name: str):
     return CONVERSIONS[name]
 
 
-for _conversion in (GQAConversion(), ReRoPEConversion(), VQConversion(), RopeScalingConversion(), SWAConversion()):
+for _conversion in (GQAConversion(), ReRoPEConversion(), VQConversion(), RopeScalingConversion(), SWAConversion(),
+                    SparseConversion()):
     register_conversion(_conversion)
 
 __all__ = ["CONVERSIONS", "ALIASES", "ConvertResult", "Plan", "convert", "get_conversion", "read_record",

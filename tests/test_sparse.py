@@ -1,0 +1,180 @@
+"""Sparse attention patterns (`--to sparse`): FlexAttention block masks against the reference masks,
+the kernels against masked softmax, and the effattn_sparse model against the original under the mask."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from effattn.convert import convert
+from effattn.kernels.patterns import Pattern, block_mask, dense_mask, density, flex_attention_pattern, naive_attention
+
+from .test_cli_errors import assert_one_line_error, run_cli
+
+PATTERNS = [Pattern("window", window=40, sinks=4), Pattern("longformer", window=20, dilation=3, global_tokens=5),
+            Pattern("bigbird", block=32, window_blocks=3, global_blocks=1, random_blocks=2, seed=1, max_length=4096),
+            Pattern("strided", stride=24, local=30)]
+
+
+def test_each_pattern_is_what_its_paper_describes():
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    w = dense_mask(Pattern("window", window=3, sinks=1), 9)
+    assert w[8].nonzero().flatten().tolist() == [0, 6, 7, 8]
+    lf = dense_mask(Pattern("longformer", window=3, dilation=2, global_tokens=1), 9)
+    assert lf[8].nonzero().flatten().tolist() == [0, 4, 6, 8]  # global 0; 3 keys 2 apart
+    assert lf[:, 0].all() and torch.equal(lf[0], causal[0])  # the global token is read by all
+    st = dense_mask(Pattern("strided", stride=3, local=2), 9)
+    assert st[8].nonzero().flatten().tolist() == [2, 5, 7, 8]
+    bb = Pattern("bigbird", block=2, window_blocks=2, global_blocks=1, random_blocks=1, seed=0, max_length=64)
+    m = dense_mask(bb, 16)
+    table = bb.random_table("cpu")
+    for qb in range(8):
+        own = {qb, qb - 1} if qb else {0}
+        randoms = set(table[qb].nonzero().flatten().tolist())
+        assert len(randoms) == (1 if qb >= 3 else 0) and all(1 <= r < qb - 1 for r in randoms)
+        keys = {kv // 2 for kv in m[2 * qb + 1].nonzero().flatten().tolist()}
+        assert keys == own | {0} | randoms
+    for mask in (w, lf, st, m[:9, :9]):
+        assert not (mask & ~causal).any()  # causal
+    assert Pattern("bigbird", seed=3).random_table("cpu").equal(Pattern("bigbird", seed=3).random_table("cpu"))
+    assert not Pattern("bigbird", seed=3).random_table("cpu").equal(Pattern("bigbird", seed=4).random_table("cpu"))
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.name)
+def test_block_masks_equal_the_reference_masks(pattern):
+    T, B = 512, 128
+    bm = block_mask(pattern, T, T)
+    dense = dense_mask(pattern, T)
+    blocks = dense.view(T // B, B, T // B, B)
+    any_, all_ = blocks.any(3).any(1), blocks.all(3).all(1)
+    listed = bm.to_dense()[0, 0].bool()  # every block the kernel visits (partial or full)
+    assert torch.equal(listed, any_)
+    full = torch.zeros_like(listed)  # blocks marked full skip the mask: they must be all True
+    if bm.full_kv_num_blocks is not None:
+        for qb in range(T // B):
+            n = int(bm.full_kv_num_blocks[0, 0, qb])
+            full[qb, bm.full_kv_indices[0, 0, qb, :n]] = True
+    assert not (full & ~all_).any()
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.name)
+def test_flex_attention_agrees_with_masked_softmax(pattern):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 512, 16, generator=g) for h in (4, 2, 2))
+    ref = naive_attention(q, k, v, pattern, 0.25)
+    torch.testing.assert_close(flex_attention_pattern(q, k, v, pattern, 0.25, compiled=False), ref, rtol=1e-5, atol=1e-5)
+    # the reference itself: scores masked densely, queries in chunks or not
+    dense = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * 0.25
+    dense = dense.masked_fill(~dense_mask(pattern, 512), -torch.inf).softmax(-1)
+    torch.testing.assert_close(torch.einsum("bhqk,bhkd->bhqd", dense, v.repeat_interleave(2, 1)), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(naive_attention(q, k, v, pattern, 0.25, chunk=100), ref, rtol=0, atol=1e-6)
+
+
+def test_the_compiled_kernel_agrees_with_masked_softmax():
+    pattern = Pattern("strided", stride=64)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, 1024, 16, generator=g) for h in (4, 2, 2))
+    torch.testing.assert_close(flex_attention_pattern(q, k, v, pattern, 0.25), naive_attention(q, k, v, pattern, 0.25),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_density_counts_the_causal_pairs_kept():
+    assert density(Pattern("window", window=1), 100) == pytest.approx(100 / 5050)
+    assert density(Pattern("strided", stride=1), 64) == 1.0
+    w = Pattern("window", window=256)
+    assert density(w, 16384) < density(w, 4096) < density(w, 1024)
+
+
+def _sparse(tiny, tmp_path, kernel="naive", **options):
+    src = tiny("llama", layers=2)
+    options = {"pattern": "longformer", "window": 20, "dilation": 2, "global_tokens": 3, "kernel": kernel} | options
+    return src, convert(src, tmp_path / f"sparse-{kernel}", to="sparse", options=options, measure=False).out
+
+
+@pytest.mark.parametrize("kernel", ["naive", "flex"])
+def test_the_sparse_model_is_the_original_under_the_patterns_mask(tiny, tmp_path, kernel, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import effattn.attention.sparse as sparse
+
+    monkeypatch.setattr(sparse, "FLEX_MIN_LENGTH", 64)
+    src, out = _sparse(tiny, tmp_path, kernel)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "effattn_sparse" and config["sparse_kernel"] == kernel
+    pattern = Pattern(**config["sparse_pattern"])
+    dtype = torch.float32 if kernel == "flex" else torch.float64  # FlexAttention on the CPU: float32 at most
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+    original = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
+    ids = torch.randint(0, 250, (2, 256), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        ref = original(input_ids=ids, attention_mask=dense_mask(pattern, 256)[None, None]).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-4 if kernel == "flex" else 1e-10)
+
+
+def test_decoding_reads_the_pattern_rows_through_the_cache(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, out = _sparse(tiny, tmp_path, "naive", pattern="bigbird", window=None, dilation=None, global_tokens=None,
+                     block=8, random_blocks=2, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    ids = torch.randint(0, 250, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        generated = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        seq = ids
+        for _ in range(40):
+            logits = model(input_ids=seq, use_cache=False).logits[:, -1]
+            logits[:, 257] = -torch.inf  # min_new_tokens keeps generate() from ending (the byte tokenizer's eos)
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(generated, seq)
+
+
+def test_the_sparse_model_loads_with_remote_code_alone(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, out = _sparse(tiny, tmp_path, "naive", pattern="strided", window=None, dilation=None, global_tokens=None,
+                     stride=8)
+    ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(5))
+    script = f"""
+import builtins, sys, torch
+real = builtins.__import__
+def guarded(name, *args, **kwargs):
+    if name == "effattn" or name.startswith("effattn."):
+        raise ImportError("effattn must not be needed")
+    return real(name, *args, **kwargs)
+builtins.__import__ = guarded
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float64).eval()
+assert "effattn" not in sys.modules and type(model).__name__ == "EffattnSparseForCausalLM"
+with torch.no_grad():
+    torch.save(model(input_ids=torch.tensor({ids.tolist()!r})).logits, {str(tmp_path / "remote.pt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "remote.pt"), model(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_dry_run_reports_the_density(tiny, capsys):
+    code, out, err = run_cli(capsys, "convert", tiny("llama", layers=2), "--to", "bigbird", "--dry-run", "--no-eval")
+    assert code == 0, err
+    assert "effattn_sparse" in out and "of causal pairs" in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    ([], "needs --pattern"),
+    (["--pattern", "longformer", "--stride", "4"], "--stride applies to --pattern strided"),
+    (["--pattern", "bigbird", "--window", "4"], "--window applies to --pattern longformer"),
+    (["--pattern", "dense"], "pattern"),
+    (["--pattern", "strided", "--stride", "0"], "stride"),
+])
+def test_bad_pattern_options_are_refused_in_one_line(tiny, tmp_path, capsys, args, needle):
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "convert", tiny("llama", layers=2), "--to", "sparse", *args, "-o", out)
+    assert_one_line_error(code, err, needle)
+    assert code == 2 and not out.exists()
