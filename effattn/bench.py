@@ -19,7 +19,12 @@ all taking pre-RoPE q/k and the RoPE tables as inputs, so that every kind pays i
 * ``vq``: nearest-codeword codes for the keys (1024 positions at a time) then ``vq_attention_chunk``;
 * ``vq_means``: the same with ``key_means=True`` (codes scored at the mean of their keys, a key sum
   per code in the state);
-* ``vq_naive``: the same codes then the quadratic reference ``vq_attention_naive`` (short lengths only).
+* ``vq_naive``: the same codes then the quadratic reference ``vq_attention_naive`` (short lengths only);
+* ``sparse``: RoPE, then the ``--pattern`` (longformer, bigbird, strided at their default parameters)
+  through FlexAttention's block-sparse kernel, compiled (the block mask is built and the kernel compiled
+  for the point's length before anything is measured); ``sparse_naive``: the masked-softmax reference;
+* ``swa``: the same kernel on a sliding window of ``--window`` keys (and ``--sinks`` first positions).
+Each point of a pattern reports its density: the fraction of causal (query, key) pairs it reads.
 """
 
 import json
@@ -93,15 +98,59 @@ def _vq(naive: bool = False, key_means: bool = False):
     return build
 
 
+def pattern_for(kind: str, spec: dict):
+    """The Pattern a sparse kind runs: `--pattern` at its conversion defaults, or the window (swa)."""
+    from effattn.kernels.patterns import Pattern
+
+    if kind == "swa":
+        return Pattern("window", window=spec["window"], sinks=spec["sinks"])
+    from effattn.convert.sparse import DEFAULTS, PATTERN_OPTIONS
+
+    name = spec.get("pattern") or "strided"
+    return Pattern(name, **{k: DEFAULTS[k] for k in PATTERN_OPTIONS[name]}, **(
+        {"max_length": max(spec["length"], 1 << 17)} if name == "bigbird" else {}))
+
+
+def _pattern(kind: str, naive: bool = False):
+    def build(x: dict):
+        from effattn.kernels.patterns import block_mask, flex_attention_pattern, naive_attention
+        from effattn.kernels.rope import apply_rope
+
+        q, k, v, cos, sin = x["q"], x["k"], x["v"], x["cos"], x["sin"]
+        pattern = pattern_for(kind, x["spec"] | {"length": q.shape[1]})
+        scale = q.shape[-1] ** -0.5
+
+        def run():
+            q_rot = apply_rope(q, cos[:, None], sin[:, None]).transpose(1, 2)
+            k_rot = apply_rope(k, cos[:, None], sin[:, None]).transpose(1, 2)
+            if naive:
+                return naive_attention(q_rot, k_rot, v.transpose(1, 2), pattern, scale).transpose(1, 2)
+            return flex_attention_pattern(q_rot, k_rot, v.transpose(1, 2), pattern, scale).transpose(1, 2)
+
+        if not naive:  # the block mask and the compiled kernel for this length, before any measurement
+            block_mask(pattern, q.shape[1], q.shape[1], str(q.device))
+            run()
+        return run
+
+    return build
+
+
 for _kind in (
     BenchKind("sdpa", "RoPE on q and k, then scaled_dot_product_attention (causal, GQA)", _sdpa),
     BenchKind("vq", "Transformer-VQ: nearest-codeword codes, then the chunked kernel (vq_attention_chunk)", _vq()),
     BenchKind("vq_means", "vq with key means (codes scored at the mean of their keys)", _vq(key_means=True)),
     BenchKind("vq_naive", "vq through the quadratic reference vq_attention_naive", _vq(naive=True), NAIVE_MAX_LENGTH,
               score_copies=4),
+    BenchKind("sparse", "--pattern (longformer, bigbird, strided) on FlexAttention block masks, compiled",
+              _pattern("sparse")),
+    BenchKind("sparse_naive", "--pattern through the masked-softmax reference (queries in chunks of 1024)",
+              _pattern("sparse", naive=True)),
+    BenchKind("swa", "a sliding window of --window keys (+ --sinks) on FlexAttention block masks, compiled",
+              _pattern("swa")),
 ):
     register_kind(_kind)
-MEASURED = ("time_s", "time_min_s", "cpu_time_s", "peak_mem_bytes", "output_bytes", "threads")
+PATTERN_KINDS = ("sparse", "sparse_naive", "swa")
+MEASURED = ("density", "time_s", "time_min_s", "cpu_time_s", "peak_mem_bytes", "output_bytes", "threads")
 
 
 class BenchSettingsError(EffattnError, ValueError):
@@ -119,6 +168,7 @@ def bench_attention(
     codebook_size: int = 512,
     block_size: int = 64,
     sinks: int = 0,
+    pattern: str = "strided",
     dtype: str | torch.dtype = "float32",
     repeats: int = 3,
     threads: int | None = None,
@@ -135,7 +185,9 @@ def bench_attention(
         kinds: names in ``BENCH_KINDS``.
         lengths: sequence lengths T (batch 1, causal).
         heads, kv_heads, head_dim: query heads, key/value heads (``heads % kv_heads == 0``), head size.
-        window, codebook_size, block_size, sinks: Transformer-VQ settings (W, C, L, sinks).
+        window, codebook_size, block_size, sinks: Transformer-VQ settings (W, C, L, sinks); window and
+            sinks are also the `swa` kind's.
+        pattern: the `sparse` kinds' pattern: longformer, bigbird or strided.
         dtype: input dtype, e.g. ``"float32"`` or ``"bfloat16"``.
         repeats: timed passes per point (the median is reported).
         threads: torch intra-op threads in the subprocess (default: torch's default, all cores).
@@ -160,7 +212,7 @@ def bench_attention(
     check_settings(
         kinds, lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window,
         codebook_size=codebook_size, block_size=block_size, sinks=sinks, dtype=dtype_name, repeats=repeats,
-        threads=threads, device=device, omp_wait_policy=omp_wait_policy,
+        threads=threads, device=device, omp_wait_policy=omp_wait_policy, pattern=pattern,
     )  # fmt: skip
     if memory_check:
         check_bench_memory(kinds, lengths, device=device, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -173,6 +225,7 @@ def bench_attention(
         codebook_size=codebook_size,
         block_size=block_size,
         sinks=sinks,
+        pattern=pattern,
         dtype=dtype_name,
         repeats=repeats,
         threads=threads,
@@ -191,7 +244,7 @@ def bench_attention(
 
 def check_settings(
     kinds, lengths, *, heads, kv_heads, head_dim, window, codebook_size, block_size, sinks, dtype, repeats,
-    threads=None, device="cpu", omp_wait_policy=None,
+    threads=None, device="cpu", omp_wait_policy=None, pattern="strided",
 ) -> None:  # fmt: skip
     """Raise :class:`BenchSettingsError` (a ValueError) on the first bad setting of ``bench_attention``."""
     unknown = [kind for kind in kinds if kind not in BENCH_KINDS]
@@ -215,6 +268,10 @@ def check_settings(
     if omp_wait_policy is not None and omp_wait_policy.lower() not in ("active", "passive"):
         raise BenchSettingsError(f"omp_wait_policy must be 'active' or 'passive', got {omp_wait_policy!r}",
                                  "pass one of them, or leave it unset")  # fmt: skip
+    from effattn.convert.sparse import PATTERN_OPTIONS
+
+    if pattern not in PATTERN_OPTIONS:
+        raise BenchSettingsError(f"Unknown pattern {pattern!r}", one_of(pattern, PATTERN_OPTIONS))
     if device != "cpu" and not device.startswith("cuda"):
         raise BenchSettingsError(f"Unknown device {device!r}", "pass cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -277,7 +334,9 @@ def describe(report: dict) -> str:
     return (
         f"One causal attention layer forward, batch 1, {s['heads']} query heads, {s['kv_heads']} key/value heads, "
         f"head_dim {s['head_dim']}, {s['dtype']}, on {s['device']}; VQ: window {s['window']}, codebook "
-        f"{s['codebook_size']}, block_size {s['block_size']}, sinks {s['sinks']}. Median wall and process CPU time "
+        f"{s['codebook_size']}, block_size {s['block_size']}, sinks {s['sinks']}"
+        + (f"; sparse: {s.get('pattern')}" if any(r["kind"] in ("sparse", "sparse_naive") for r in report["results"]) else "")
+        + f". Median wall and process CPU time "
         f"of {s['repeats']} run(s); peak memory is the peak RSS growth during one forward pass over the inputs "
         f"(fresh process per point), output included. Machine: {info['cpu']}, {info['cores']} cores, {threads} torch "
         f"threads, torch {info['torch']}, Python {info['python']}{', GPU ' + info['gpu'] if 'gpu' in info else ''}; "
@@ -429,7 +488,14 @@ def _measure(spec: dict) -> dict:
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
 
+    extra = {}
+    if spec["kind"] in PATTERN_KINDS:
+        from effattn.kernels.patterns import density
+
+        pattern = pattern_for(spec["kind"], spec)
+        extra = {"density": density(pattern, spec["length"])}
     return dict(
+        **extra,
         time_s=statistics.median(times),
         time_min_s=min(times),
         cpu_time_s=statistics.median(cpu_times),
@@ -471,8 +537,10 @@ def table_rows(results: list[dict]) -> list[tuple[str, ...]]:
     order = list(BENCH_KINDS)
     for r in sorted(results, key=lambda r: (r["length"], order.index(r["kind"]) if r["kind"] in order else len(order))):
         ref = sdpa.get(r["length"])
+        name = "window" if r["kind"] == "swa" else r.get("pattern")
+        kind = f"{r['kind']} ({name}, {r['density']:.1%})" if r.get("density") is not None else r["kind"]
         rows.append((
-            r["kind"], str(r["length"]), f"{r['time_s']:.3f}",
+            kind, str(r["length"]), f"{r['time_s']:.3f}",
             f"{ref['time_s'] / r['time_s']:.1f}x" if ref else "-",
             f"{r['cpu_time_s']:.3f}",
             f"{ref['cpu_time_s'] / r['cpu_time_s']:.1f}x" if ref else "-",

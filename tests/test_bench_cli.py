@@ -17,10 +17,14 @@ TINY = ("--repeats", "1", "--window", "64", "--codebook-size", "32")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+# the compiled FlexAttention kinds compile a kernel per point: measured once, in their own test below
+QUICK = [k for k in KINDS if k not in ("sparse", "swa")]
+
+
 @pytest.mark.slow
 def test_bench_json_and_plot(capsys, tmp_path):
     plot = tmp_path / "bench.png"
-    code, stdout, _ = run_cli(capsys, "bench", "--attention", ",".join(KINDS), "--lengths", "256,512", *TINY,
+    code, stdout, _ = run_cli(capsys, "bench", "--attention", ",".join(QUICK), "--lengths", "256,512", *TINY,
                               "--json", "--plot", plot)
     assert code in (0, None)
     report = json.loads(stdout)  # stdout holds the JSON and nothing else
@@ -28,7 +32,7 @@ def test_bench_json_and_plot(capsys, tmp_path):
     assert report["settings"]["window"] == 64 and report["settings"]["codebook_size"] == 32
     assert report["machine"]["cores"] >= 1 and set(report["load_average"]) == {"before", "after"}
     points = {(r["kind"], r["length"]): r for r in report["results"]}
-    assert sorted(points) == sorted((kind, n) for kind in KINDS for n in (256, 512))
+    assert sorted(points) == sorted((kind, n) for kind in QUICK for n in (256, 512))
     for (kind, n), r in points.items():
         assert r["time_s"] > 0 and r["time_min_s"] > 0 and r["cpu_time_s"] > 0, r
         assert r["peak_mem_bytes"] > 0, r
@@ -50,8 +54,24 @@ def test_bench_prints_a_table(capsys):
     assert "9 query heads, 3 key/value heads" in stdout and "load average" in stdout
 
 
+@pytest.mark.slow
+def test_bench_sparse_patterns_report_their_density(capsys):
+    from effattn.kernels.patterns import Pattern, density
+
+    code, stdout, _ = run_cli(capsys, "bench", "--attention", "sdpa,sparse,swa", "--pattern", "longformer",
+                              "--lengths", "512", "--window", "64", "--sinks", "4", "--repeats", "1", "--json")
+    assert code in (0, None)
+    report = json.loads(stdout)
+    points = {r["kind"]: r for r in report["results"]}
+    assert points["sdpa"].get("density") is None
+    assert points["sparse"]["density"] == pytest.approx(density(Pattern("longformer", window=256, global_tokens=4), 512))
+    assert points["swa"]["density"] == pytest.approx(density(Pattern("window", window=64, sinks=4), 512))
+    assert all(r["time_s"] > 0 and r["output_bytes"] == 512 * 9 * 64 * 4 for r in points.values())
+
+
 @pytest.mark.parametrize("args, needles", [
-    (["--attention", "sdpa,flash"], ["Unknown attention kind(s) ['flash']", "valid: sdpa, vq, vq_means, vq_naive"]),
+    (["--attention", "sparse", "--pattern", "dense"], ["Unknown pattern 'dense'", "longformer"]),
+    (["--attention", "sdpa,flash"], ["Unknown attention kind(s) ['flash']", "valid: sdpa, sparse, sparse_naive, swa, vq, vq_means, vq_naive"]),
     (["--attention", "vqq"], ["did you mean 'vq'?"]),
     (["--lengths", "1k,abc"], ["'1k'", "pass e.g. 1024,4096"]),
     (["--lengths", ","], ["not a comma-separated list", "pass e.g."]),
