@@ -183,9 +183,16 @@ class EffattnSinksForCausalLM(EffattnSinksPreTrainedModel, GenerationMixin):
         elif int(position_ids[0, 0]) != past:
             raise ValueError(f"position_ids start at {int(position_ids[0, 0])} but the cache holds {past} positions")
 
+        # one RoPE table per forward for every layer: windowed layers rotate at distances within the
+        # chunk, its window and the sinks; full layers at the text's positions
+        full = bool(self.config.sink_full_layers)
+        cfg = self.config
+        longest = past + x.shape[1] if full else min(past, cfg.attention_window + cfg.sink_tokens) + x.shape[1]
+        cos_t, sin_t = body.rotary_emb(x, torch.arange(longest, device=x.device)[None])
+        cos_t, sin_t = cos_t[0], sin_t[0]
+
         def rope(positions: torch.Tensor):
-            cos, sin = body.rotary_emb(x, positions[None].to(x.device))
-            return cos[0], sin[0]
+            return cos_t[positions], sin_t[positions]
 
         for layer in body.layers:
             x = layer(x, position_embeddings=None, position_ids=position_ids, cache=cache, sink_rope=rope)

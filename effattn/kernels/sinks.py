@@ -90,14 +90,15 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
             # a sink inside the query's window is at its text distance i - j; then i < S + W - 1, so
             # rotating the query at min(i, S + W - 1) serves both cases
             q_sinks = rot(q[:, a : a + chunk], torch.clamp(qp, max=sinks + window - 1))
-            kk, vv = torch.cat((k_sinks, kk), 1), torch.cat((v[:, :n_sink], vv), 1)
+            vv = torch.cat((v[:, :n_sink], vv), 1)
             visible = torch.cat((sink_rel >= 0, visible), 1)
-        kk = kk.repeat_interleave(rep, dim=2) if rep > 1 else kk
-        vv = vv.repeat_interleave(rep, dim=2) if rep > 1 else vv
-        scores = torch.einsum("bqhd,bkhd->bhqk", qq.to(acc), kk[:, n_sink:].to(acc)) * scale
+        # grouped: query head h reads KV head h // rep (no repeated copies of the keys)
+        group = lambda t: t.reshape(B, t.shape[1], G, rep, D)  # noqa: E731
+        scores = torch.einsum("bqgrd,bkgd->bgrqk", group(qq).to(acc), kk.to(acc)) * scale
         if n_sink:
-            sink_scores = torch.einsum("bqhd,bkhd->bhqk", q_sinks.to(acc), kk[:, :n_sink].to(acc)) * scale
+            sink_scores = torch.einsum("bqgrd,bkgd->bgrqk", group(q_sinks).to(acc), k_sinks.to(acc)) * scale
             scores = torch.cat((sink_scores, scores), -1)
         scores = scores.masked_fill(~visible, -math.inf)
-        out[:, a : a + chunk] = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vv.to(acc)).to(out.dtype)
+        o = torch.einsum("bgrqk,bkgd->bqgrd", scores.softmax(-1), vv.to(acc))
+        out[:, a : a + chunk] = o.reshape(B, o.shape[1], H, D).to(out.dtype)
     return out
