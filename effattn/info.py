@@ -45,7 +45,42 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
         "conversions": {name: c.targets(ckpt.config) if hasattr(c, "targets") else c.description
                         for name, c in CONVERSIONS.items()},
     }
+    window = window_of(ckpt.config)
+    if window is not None:
+        size, layers, sinks = window
+        info["attention_window"] = (f"{size:,} keys" + (f" + {sinks} sinks" if sinks else "") + f" on {layers} of "
+                                    f"{shape.layers} layers: those layers' cache stops growing there")
+    from .models import model_spec
+
+    if model_spec(ckpt.config.get("model_type")):
+        info["conversions"] = {"-": "an effattn model: convert the model it came from (see its effattn.json)"}
     if context:
         info["context"] = context
-        info["kv_bytes_at_context"] = per_token * context
+        info["kv_bytes_at_context"] = cache_bytes_at(ckpt.config, dtype, context)
     return info
+
+
+def window_of(config: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(window, windowed layers, sinks) of a model whose attention reads a sliding window, else None:
+    Mistral's `sliding_window`, Ministral/Qwen `layer_types`, effattn_sinks."""
+    layers = config["num_hidden_layers"]
+    if config.get("model_type") == "effattn_sinks":
+        return int(config["attention_window"]), layers - len(config.get("sink_full_layers") or []), int(config["sink_tokens"])
+    size = config.get("sliding_window")
+    if not size or (config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window")):
+        return None
+    if config.get("model_type") == "llama":  # Llama's attention ignores it (only its cache would truncate)
+        return None
+    types = config.get("layer_types") or ["sliding_attention"] * layers
+    return int(size), sum(t == "sliding_attention" for t in types), 0
+
+
+def cache_bytes_at(config: dict[str, Any], dtype, context: int) -> float:
+    """KV-cache bytes after `context` tokens: windowed layers hold at most their window (and sinks)."""
+    per_layer = kv_bytes_per_token(config, dtype) / config["num_hidden_layers"]
+    window = window_of(config)
+    if window is None:
+        return per_layer * config["num_hidden_layers"] * context
+    size, windowed, sinks = window
+    full = config["num_hidden_layers"] - windowed
+    return per_layer * (full * context + windowed * min(context, size + sinks))

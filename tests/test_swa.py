@@ -291,3 +291,20 @@ def test_sinks_refuse_dynamic_rope_scaling(tiny, tmp_path, capsys):
     src = tiny("llama", layers=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     code, _, err = run_cli(capsys, "convert", src, "--to", "swa", "--window", "8", "--sinks", "4", "-o", tmp_path / "o")
     assert_one_line_error(code, err, "dynamic")
+
+
+def test_inspect_shows_the_window_and_the_bounded_cache(tiny, tmp_path):
+    from effattn.info import inspect_model
+
+    src = tiny("llama", layers=3, kv_heads=3, head_dim=8)
+    per_layer_token = 2 * 3 * 8 * 4
+    native = convert(src, tmp_path / "w", to="swa", options={"window": 16, "full_layer_ids": "1"}, measure=False).out
+    info = inspect_model(str(native), context=1000)
+    assert info["attention_window"].startswith("16 keys on 2 of 3 layers")
+    assert info["kv_bytes_at_context"] == per_layer_token * (1000 + 2 * 16)
+    sinks = convert(src, tmp_path / "s", to="swa", options={"window": 16, "sinks": 4}, measure=False).out
+    info = inspect_model(str(sinks), context=1000)
+    assert info["attention_window"].startswith("16 keys + 4 sinks on 3 of 3 layers")
+    assert info["kv_bytes_at_context"] == per_layer_token * 3 * 20
+    assert list(info["conversions"]) == ["-"]  # an effattn model: convert its source instead
+    assert "attention_window" not in inspect_model(str(src))

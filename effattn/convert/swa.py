@@ -140,8 +140,8 @@ class SWAConversion:
 
     def targets(self, config: dict[str, Any]) -> str:
         trained = trained_length(config)
-        return (f"--window W [--full-layers N]: each query attends to its last W keys (W < {trained:,}, the trained "
-                f"context); the cache holds W tokens per windowed layer")
+        return (f"--window W [--sinks S] [--full-layers N]: each query attends to its last W keys (W < {trained:,}, "
+                f"the trained context) and the first S; the cache holds W + S tokens per windowed layer")
 
     def plan(self, ckpt: Checkpoint, family: Family, opts: SWAOptions, target=None) -> Plan:
         config = ckpt.config
