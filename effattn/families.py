@@ -48,7 +48,8 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in [
         Family("llama", ("llama",), notes="Llama 1-3, SmolLM, TinyLlama; optional q/k/v/o biases"),
-        Family("mistral", ("mistral",), qkv_bias="never", notes="optional sliding window"),
+        Family("mistral", ("mistral", "ministral"), qkv_bias="never",
+               notes="optional sliding window; Ministral: per-layer window or full attention (layer_types)"),
         Family("qwen2", ("qwen2",), qkv_bias="always", notes="q/k/v biases"),
         Family("qwen3", ("qwen3",), q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
                notes="per-head q/k RMSNorm before RoPE"),
