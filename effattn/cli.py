@@ -276,6 +276,10 @@ def eval_(
                                                                 "passkey papers' repeated sentences; passkey's "
                                                                 "default), a corpus or text file (needle: britannica)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="passkey/needle: save the accuracy heatmap here (PNG)"),
+    attn_implementation: Optional[str] = typer.Option(None, "--attn-implementation",
+                                                      help="MODEL's attention kernel in transformers: sdpa (default), "
+                                                           "flex_attention (block-sparse: a sliding window skips the "
+                                                           "blocks outside it), eager; native models only"),
 ):
     """Perplexity, agreement and KL against a baseline, measured KV bytes/token, prefill/decode speed;
     or (--task passkey|needle) long-context retrieval accuracy over lengths x depths."""
@@ -286,7 +290,8 @@ def eval_(
     if task != "perplexity":
         return _eval_retrieval(model, baseline, task=task, lengths=lengths, depths=depths, samples=samples, seed=seed,
                                filler=filler, plot=plot, dtype=dtype, tokenizer=tokenizer, as_json=as_json,
-                               trust_remote_code=trust_remote_code, memory_check=memory_check)
+                               trust_remote_code=trust_remote_code, memory_check=memory_check,
+                               attn_implementation=attn_implementation)
     if plot is not None:
         raise EffattnError("--plot draws the passkey/needle heatmap", "add --task passkey, or drop --plot")
     corpora = tuple(c for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c)
@@ -298,7 +303,7 @@ def eval_(
     settings = EvalSettings(corpora=corpora, context=context, max_tokens=max_tokens, batch_size=batch_size, speed=speed)
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
         report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
-                          tokenizer=tokenizer, memory_check=memory_check,
+                          tokenizer=tokenizer, memory_check=memory_check, attn_implementation=attn_implementation,
                           warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False))
     if as_json:
         return _print_json(report.to_dict())
@@ -315,7 +320,7 @@ def _number_list(text: str, option: str, kind=int) -> tuple:
 
 
 def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, filler, plot, dtype, tokenizer,
-                    as_json, trust_remote_code, memory_check) -> None:
+                    as_json, trust_remote_code, memory_check, attn_implementation=None) -> None:
     from .bench import check_plot_path
     from .retrieval import RetrievalSettings, evaluate_retrieval, plot_heatmap
 
@@ -334,6 +339,7 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
 
         report = evaluate_retrieval(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                                     tokenizer=tokenizer, memory_check=memory_check, progress=advance,
+                                    attn_implementation=attn_implementation,
                                     warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
                                     say=lambda line: err.print(escape(line), highlight=False))
     if plot is not None:

@@ -275,7 +275,7 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
 
 def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
              dtype: str = "float32", trust_remote_code: bool = False, tokenizer=None,
-             memory_check: bool = True, warn=None) -> EvalReport:
+             memory_check: bool = True, warn=None, attn_implementation: str | None = None) -> EvalReport:
     """Load MODEL (and BASELINE) and measure them; the library entry point of `effattn eval`. The text is
     tokenized with MODEL's tokenizer, or `tokenizer`'s (a folder or MODEL argument) when given. A run
     whose estimated memory exceeds the machine's is refused first (`memory_check=False` runs it anyway)."""
@@ -294,7 +294,8 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
                                 f"--context {settings.context:,}")
         if note:
             warn(note)
-    lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer or True)
+    lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer or True,
+                              attn_implementation=attn_implementation)
     base = base_ref = None
     if baseline is not None:
         base, _, base_ref = load_model(baseline, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False)

@@ -241,7 +241,8 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                        trust_remote_code: bool = False, tokenizer=None, memory_check: bool = True,
                        progress: Callable[[str, int, int], None] | None = None,
                        warn: Callable[[str], None] | None = None,
-                       say: Callable[[str], None] | None = None) -> RetrievalReport:
+                       say: Callable[[str], None] | None = None,
+                       attn_implementation: str | None = None) -> RetrievalReport:
     """Run the retrieval grid on MODEL (and BASELINE, with MODEL's tokenizer and the same prompts).
     `progress(name, done, total)` is called after each prompt; before the work, `warn` gets one-line notes
     (lengths beyond the trained context) and `say` the time and memory estimate."""
@@ -279,7 +280,8 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     if say is not None:
         say(f"{len(settings.lengths) * len(settings.depths) * settings.samples * len(ckpts)} prompts: estimated "
             f"~{seconds / 60:,.1f} min on this machine (idle), ~{(now + work) / 2**30:,.1f} GiB at the peak")
-    lm, _, ref = load_model(refs[0], dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False)
+    lm, _, ref = load_model(refs[0], dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
+                            attn_implementation=attn_implementation)
     total = len(prompts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -308,3 +308,19 @@ def test_inspect_shows_the_window_and_the_bounded_cache(tiny, tmp_path):
     assert info["kv_bytes_at_context"] == per_layer_token * 3 * 20
     assert list(info["conversions"]) == ["-"]  # an effattn model: convert its source instead
     assert "attention_window" not in inspect_model(str(src))
+
+
+def test_eval_runs_the_window_block_sparse_with_flex_attention(tiny, tmp_path, capsys):
+    from effattn.evaluate import EvalSettings, evaluate
+
+    src = tiny("llama", layers=2)
+    out = convert(src, tmp_path / "w", to="swa", options={"window": 16}, measure=False).out
+    settings = EvalSettings(corpora=("shakespeare",), context=256, max_tokens=512, speed=False)
+    sdpa = evaluate(str(out), settings=settings).model.perplexity["shakespeare"]
+    flex = evaluate(str(out), settings=settings, attn_implementation="flex_attention").model.perplexity["shakespeare"]
+    assert flex == pytest.approx(sdpa, rel=1e-4)
+    sinks = convert(src, tmp_path / "s", to="swa", options={"window": 16, "sinks": 2}, measure=False).out
+    code, _, err = run_cli(capsys, "eval", sinks, "--attn-implementation", "flex_attention", "--no-speed")
+    assert_one_line_error(code, err, "runs its own attention")
+    code, _, err = run_cli(capsys, "eval", out, "--attn-implementation", "flash", "--no-speed")
+    assert_one_line_error(code, err, "flex_attention")

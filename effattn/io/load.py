@@ -53,10 +53,16 @@ def load_tokenizer(source: str | Path | ModelRef, *, trust_remote_code: bool = F
     return AutoTokenizer.from_pretrained(str(ref.path), trust_remote_code=trust_remote_code)
 
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "flex_attention", "eager")
+
+
 def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", trust_remote_code: bool = False,
-               allow_pickle: bool = False, device: str | torch.device = "cpu", tokenizer: str | Path | bool = True):
+               allow_pickle: bool = False, device: str | torch.device = "cpu", tokenizer: str | Path | bool = True,
+               attn_implementation: str | None = None):
     """(model, tokenizer, ref) for a MODEL argument, in eval mode. The tokenizer is MODEL's
-    (tokenizer=True), another folder's or MODEL argument's (a path or name), or None (False)."""
+    (tokenizer=True), another folder's or MODEL argument's (a path or name), or None (False).
+    `attn_implementation` picks transformers' attention kernel (sdpa by default; flex_attention runs a
+    sliding window block-sparse; eager) for native architectures; effattn's own models keep theirs."""
     from transformers import AutoModelForCausalLM
 
     import effattn.attention  # noqa: F401 - registers effattn's own model classes with transformers
@@ -68,12 +74,23 @@ def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", t
         raise EffattnError(f"{ref.display} needs its own modeling code (auto_map in config.json)",
                            "pass --trust-remote-code if you trust it")
     torch_dtype = parse_dtype(dtype) or ckpt.dtype
+    extra = {}
+    if attn_implementation is not None:
+        from ..models import model_spec
+
+        if model_spec(ckpt.config.get("model_type")) or ckpt.config.get("auto_map"):
+            raise EffattnError(f"--attn-implementation applies to native transformers models; {ref.display} runs its "
+                               "own attention", "drop --attn-implementation")
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise EffattnError(f"--attn-implementation {attn_implementation!r} is not one effattn runs",
+                               f"one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+        extra["attn_implementation"] = attn_implementation
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             lm = AutoModelForCausalLM.from_pretrained(
                 str(ref.path), dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                use_safetensors=None if allow_pickle else True,
+                use_safetensors=None if allow_pickle else True, **extra,
             )
     except EffattnError:
         raise
