@@ -75,3 +75,37 @@ def add_zero_shot_args(parser) -> None:
     parser.add_argument("-o", "--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+
+
+CONVERTED = ROOT / "benchmarks" / "results" / "passkey-models"  # converted variants (git-ignored), made once
+
+
+def effattn_cmd(args: str) -> list[str]:
+    import shlex
+
+    return [sys.executable, "-m", "effattn.cli", *shlex.split(args)]
+
+
+def converted(name: str, recipe: str | None) -> str:
+    """The built-in model converted by `recipe` (effattn arguments, e.g. "convert llama --to mqa --no-eval")
+    into CONVERTED/name, made on first use; recipe None: the built-in model itself."""
+    if recipe is None:
+        return "llama"
+    out = CONVERTED / name
+    if not (out / "config.json").exists():
+        CONVERTED.mkdir(parents=True, exist_ok=True)
+        subprocess.run(effattn_cmd(f"{recipe} -o {out} --force"), check=True)
+    return str(out)
+
+
+def timed_effattn(args: str, what: str) -> tuple[str, float, float]:
+    """Run `effattn ARGS` in a fresh process under /usr/bin/time: (stdout, wall seconds, peak RSS MiB)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".txt") as timing:
+        proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", timing.name, *effattn_cmd(args)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{what} failed:\n{proc.stderr[-2000:]}")
+        wall, peak_kb = timing.read().split()[-2:]
+    return proc.stdout, float(wall), int(peak_kb) / 1024

@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import tempfile
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._util import ROOT, machine  # noqa: E402
-from benchmarks.bench_passkey import MODELS, effattn, model_of  # noqa: E402
+from benchmarks._util import CONVERTED as MODELS, ROOT, machine, timed_effattn  # noqa: E402
+from benchmarks.bench_passkey import model_of  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "long-ppl.json"
 
@@ -59,23 +57,18 @@ def main() -> None:
             for corpus in args.corpora.split(","):
                 text = span_file(corpus, args.span)
                 load = os.getloadavg()[0]
-                with tempfile.NamedTemporaryFile("r", suffix=".txt") as timing:
-                    cmd = ["/usr/bin/time", "-f", "%e %M", "-o", timing.name, *effattn(
-                        f"eval {model} --corpus {text} --context {context} --max-tokens {args.span} "
-                        f"--batch-size 1 --no-speed --json")]
-                    proc = subprocess.run(cmd, capture_output=True, text=True)
-                    if proc.returncode != 0:
-                        raise SystemExit(f"{variant} at {context} failed:\n{proc.stderr[-2000:]}")
-                    wall, peak_kb = timing.read().split()[-2:]
-                report = json.loads(proc.stdout)
+                stdout, wall, peak = timed_effattn(
+                    f"eval {model} --corpus {text} --context {context} --max-tokens {args.span} "
+                    f"--batch-size 1 --no-speed --json", f"{variant} at {context}")
+                report = json.loads(stdout)
                 ppl = next(iter(report["model"]["perplexity"].values()))
                 entry = {"variant": variant, "model": model, "corpus": corpus, "context": context, "span": args.span,
-                         "perplexity": ppl, "tokens": next(iter(report["tokens"].values())), "wall_s": float(wall), "peak_rss_mib": int(peak_kb) / 1024,
+                         "perplexity": ppl, "tokens": next(iter(report["tokens"].values())), "wall_s": wall, "peak_rss_mib": peak,
                          "load_before": load, "load_after": os.getloadavg()[0], "machine": machine()}
                 results.append(entry)
                 RESULTS.write_text(json.dumps(results, indent=1))
-                print(f"{variant} {corpus} @ {context}: ppl {ppl:.3f} | {float(wall):.0f} s, "
-                      f"{int(peak_kb) / 1024:,.0f} MiB, load {load:.2f}", flush=True)
+                print(f"{variant} {corpus} @ {context}: ppl {ppl:.3f} | {wall:.0f} s, "
+                      f"{peak:,.0f} MiB, load {load:.2f}", flush=True)
 
 
 if __name__ == "__main__":

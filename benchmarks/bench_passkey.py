@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._util import ROOT, machine  # noqa: E402
+from benchmarks._util import ROOT, converted, effattn_cmd, machine, timed_effattn  # noqa: E402
 
-MODELS = ROOT / "benchmarks" / "results" / "passkey-models"
 VARIANTS = {  # name: effattn arguments making it from the built-in model (None: the model itself)
     "original": None,
     "mqa": "convert llama --to mqa --no-eval",
@@ -39,19 +35,11 @@ VARIANTS = {  # name: effattn arguments making it from the built-in model (None:
 }
 
 
-def effattn(args: str) -> list[str]:
-    return [sys.executable, "-m", "effattn.cli", *shlex.split(args)]
+effattn = effattn_cmd
 
 
 def model_of(variant: str) -> str:
-    recipe = VARIANTS[variant]
-    if recipe is None:
-        return "llama"
-    out = MODELS / variant
-    if not (out / "config.json").exists():
-        MODELS.mkdir(parents=True, exist_ok=True)
-        subprocess.run(effattn(f"{recipe} -o {out} --force"), check=True)
-    return str(out)
+    return converted(variant, VARIANTS[variant])
 
 
 def main() -> None:
@@ -68,23 +56,18 @@ def main() -> None:
     for variant in args.variants.split(","):
         model = model_of(variant)
         load = os.getloadavg()[0]
-        with tempfile.NamedTemporaryFile("r", suffix=".txt") as timing:
-            cmd = ["/usr/bin/time", "-f", "%e %M", "-o", timing.name, *effattn(
-                f"eval {model} --task {args.task} --lengths {args.lengths} --depths {args.depths} "
-                f"--samples {args.samples} --json")]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"{variant} failed:\n{proc.stderr[-2000:]}")
-            wall, peak_kb = timing.read().split()[-2:]
-        report = json.loads(proc.stdout)
+        stdout, wall, peak = timed_effattn(
+            f"eval {model} --task {args.task} --lengths {args.lengths} --depths {args.depths} "
+            f"--samples {args.samples} --json", variant)
+        report = json.loads(stdout)
         entry = {"variant": variant, "model": model, "task": args.task, "lengths": args.lengths, "depths": args.depths,
                  "samples": args.samples, "accuracy": report["accuracy"], "mean": report["mean"],
-                 "wall_s": float(wall), "peak_rss_mib": int(peak_kb) / 1024, "load_before": load,
+                 "wall_s": wall, "peak_rss_mib": peak, "load_before": load,
                  "load_after": os.getloadavg()[0], "machine": machine(), "outputs": report["samples"]}
         results.append(entry)
         path.write_text(json.dumps(results, indent=1))
         row = " | ".join(f"{L}: " + " ".join(f"{v:.0%}" for v in cells.values()) for L, cells in report["accuracy"].items())
-        print(f"{variant}: mean {report['mean']:.0%} | {row} | {float(wall):.0f} s, {int(peak_kb) / 1024:,.0f} MiB, "
+        print(f"{variant}: mean {report['mean']:.0%} | {row} | {wall:.0f} s, {peak:,.0f} MiB, "
               f"load {load:.2f}", flush=True)
 
 

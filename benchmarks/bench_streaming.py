@@ -23,15 +23,13 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._util import ROOT, machine  # noqa: E402
-from benchmarks.bench_passkey import MODELS, effattn  # noqa: E402
+from benchmarks._util import ROOT, converted, machine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "streaming.json"
 RECIPES = {"window": "convert llama --to swa --window 256 --no-eval",
@@ -41,13 +39,7 @@ RECIPES = {"window": "convert llama --to swa --window 256 --no-eval",
 
 
 def model_of(variant: str) -> str:
-    if variant == "original":
-        return "llama"
-    out = MODELS / variant
-    if not (out / "config.json").exists():
-        MODELS.mkdir(parents=True, exist_ok=True)
-        subprocess.run(effattn(f"{RECIPES[variant]} -o {out} --force"), check=True)
-    return str(out)
+    return converted(variant, None if variant == "original" else RECIPES[variant])
 
 
 def rss() -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._util import ROOT, machine  # noqa: E402
-from benchmarks.bench_passkey import MODELS, effattn  # noqa: E402
+from benchmarks._util import converted, effattn_cmd as effattn  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "swa.json"
 RECIPES = {"window": "--window 256", "sinks4": "--window 256 --sinks 4",
@@ -53,13 +53,7 @@ print(json.dumps({"first_s": times[0], "seconds": statistics.median(times[1:]), 
 
 
 def model_of(variant: str) -> str:
-    if variant == "original":
-        return "llama"
-    out = MODELS / variant
-    if not (out / "config.json").exists():
-        MODELS.mkdir(parents=True, exist_ok=True)
-        subprocess.run(effattn(f"convert llama --to swa {RECIPES[variant]} --no-eval -o {out} --force"), check=True)
-    return str(out)
+    return converted(variant, None if variant == "original" else f"convert llama --to swa {RECIPES[variant]} --no-eval")
 
 
 def main() -> None:

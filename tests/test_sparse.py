@@ -4,8 +4,6 @@ the kernels against masked softmax, and the effattn_sparse model against the ori
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -136,28 +134,15 @@ def test_decoding_reads_the_pattern_rows_through_the_cache(tiny, tmp_path):
 def test_the_sparse_model_loads_with_remote_code_alone(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from .remote import remote_logits
+
     _, out = _sparse(tiny, tmp_path, "naive", pattern="strided", window=None, dilation=None, global_tokens=None,
                      stride=8)
     ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(5))
-    script = f"""
-import builtins, sys, torch
-real = builtins.__import__
-def guarded(name, *args, **kwargs):
-    if name == "effattn" or name.startswith("effattn."):
-        raise ImportError("effattn must not be needed")
-    return real(name, *args, **kwargs)
-builtins.__import__ = guarded
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float64).eval()
-assert "effattn" not in sys.modules and type(model).__name__ == "EffattnSparseForCausalLM"
-with torch.no_grad():
-    torch.save(model(input_ids=torch.tensor({ids.tolist()!r})).logits, {str(tmp_path / "remote.pt")!r})
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
     with torch.no_grad():
-        torch.testing.assert_close(torch.load(tmp_path / "remote.pt"), model(input_ids=ids).logits, rtol=0, atol=0)
+        expected = model(input_ids=ids).logits
+    torch.testing.assert_close(remote_logits(out, ids, "EffattnSparseForCausalLM", tmp_path), expected, rtol=0, atol=0)
 
 
 def test_dry_run_reports_the_density(tiny, capsys):

@@ -106,7 +106,7 @@ def test_full_layers_are_the_ones_with_the_largest_measured_error(tiny, tmp_path
     assert config["model_type"] == "ministral"
     assert [i for i, t in enumerate(config["layer_types"]) if t == "full_attention"] == top
     assert record["conversion"]["full_layer_ids"] == ",".join(map(str, top))
-    assert f"--full-layers 2" in record["reproduce"]
+    assert "--full-layers 2" in record["reproduce"]
 
 
 def test_dry_run_states_the_cache_saving(tiny, capsys):
@@ -261,30 +261,13 @@ def test_sinks_with_full_layers_and_ranking(tiny, tmp_path):
 
 
 def test_the_sinks_model_loads_with_remote_code_alone(tiny, tmp_path):
-    import subprocess
-    import sys
+    from .remote import remote_logits
 
     _, out, model = _sinks_model(tiny, tmp_path)
     ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(5))
-    script = f"""
-import builtins, sys, torch
-real = builtins.__import__
-def guarded(name, *args, **kwargs):
-    if name == "effattn" or name.startswith("effattn."):
-        raise ImportError("effattn must not be needed")
-    return real(name, *args, **kwargs)
-builtins.__import__ = guarded
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float64).eval()
-assert "effattn" not in sys.modules and type(model).__name__ == "EffattnSinksForCausalLM"
-with torch.no_grad():
-    torch.save(model(input_ids=torch.tensor({ids.tolist()!r}), use_cache=False).logits, {str(tmp_path / "remote.pt")!r})
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
     with torch.no_grad():
-        torch.testing.assert_close(torch.load(tmp_path / "remote.pt"), model(input_ids=ids, use_cache=False).logits,
-                                   rtol=0, atol=0)
+        expected = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(remote_logits(out, ids, "EffattnSinksForCausalLM", tmp_path), expected, rtol=0, atol=0)
 
 
 def test_sinks_refuse_dynamic_rope_scaling(tiny, tmp_path, capsys):

@@ -4,8 +4,6 @@ remote code, training hooks, k-means, and bad input."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -206,24 +204,10 @@ def test_remote_code_loads_without_effattn(tiny, tmp_path, calib_file):
     out = vq_init(src, tmp_path / "vq", calib_file, sinks=1, exact_heads=2)  # split layers too
     assert "auto_map" in json.loads((out / "config.json").read_text())
     assert "import effattn" in (out / "README.md").read_text()  # the card's Load section says how
-    script = f"""
-import builtins, sys, torch
-real = builtins.__import__
-def guarded(name, *args, **kwargs):
-    if name == "effattn" or name.startswith("effattn."):
-        raise ImportError("effattn must not be needed")
-    return real(name, *args, **kwargs)
-builtins.__import__ = guarded
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float64).eval()
-assert "effattn" not in sys.modules and type(model).__name__ == "EffattnVQForCausalLM"
-ids = torch.tensor({IDS.tolist()!r})
-with torch.no_grad():
-    torch.save(model(input_ids=ids, use_cache=False).logits, {str(tmp_path / "remote.pt")!r})
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
-    torch.testing.assert_close(torch.load(tmp_path / "remote.pt"), logits(load(out)), rtol=0, atol=0)
+    from .remote import remote_logits
+
+    got = remote_logits(out, IDS, "EffattnVQForCausalLM", tmp_path)
+    torch.testing.assert_close(got, logits(load(out)), rtol=0, atol=0)
 
 
 def test_training_exposes_the_commitment_loss_and_moves_the_codebook_by_ema(tiny, tmp_path, calib_file):

@@ -10,13 +10,11 @@ position (kernels/sinks.py), so memory and numerics stay the same however long t
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
-from transformers import AutoConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from effattn.attention.wrapped import WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.sinks import sink_attention
 
 SINKS_MODEL_TYPE = "effattn_sinks"
@@ -26,22 +24,13 @@ SINKS_DEFAULTS = {
     "attention_window": 256,  # not `sliding_window`: transformers would build its own truncating cache
     "sink_full_layers": [],  # layers that keep full attention
 }
-_NOT_BASE = {"model_type", "architectures", "auto_map", "transformers_version", *SINKS_DEFAULTS}
 
 
-class EffattnSinksConfig(PretrainedConfig):
+class EffattnSinksConfig(WrappedConfig):
     """The base model's config (every key of it, flat) plus the settings of `SINKS_DEFAULTS`."""
 
     model_type = SINKS_MODEL_TYPE
-
-    def __init__(self, **kwargs):
-        for key, default in SINKS_DEFAULTS.items():
-            setattr(self, key, copy.deepcopy(kwargs.pop(key, default)))
-        super().__init__(**kwargs)
-
-    def base_config(self) -> PretrainedConfig:
-        values = {k: v for k, v in self.to_dict().items() if k not in _NOT_BASE}
-        return AutoConfig.for_model(self.base_model_type, **values)
+    DEFAULTS = SINKS_DEFAULTS
 
 
 class SinkLayerCache:
@@ -126,48 +115,22 @@ class SinkAttention(nn.Module):
         return self.o_proj(out.reshape(B, T, -1)), None
 
 
-class EffattnSinksPreTrainedModel(PreTrainedModel):
-    config_class = EffattnSinksConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-
-class EffattnSinksForCausalLM(EffattnSinksPreTrainedModel, GenerationMixin):
+class EffattnSinksForCausalLM(WrappedCausalLM):
     """The base family's causal LM with every attention replaced by `SinkAttention`."""
+
+    config_class = EffattnSinksConfig
 
     def __init__(self, config: EffattnSinksConfig):
         super().__init__(config)
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        base_config = config.base_config()
-        base_config._attn_implementation = "sdpa"
-        base = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)](base_config)
-        self._no_split_modules = getattr(base, "_no_split_modules", None)
-        self.model, self.lm_head = base.model, base.lm_head
+        self.build_base(config)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = SinkAttention(layer.self_attn, config, i)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
-
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
         cache = cache if cache is not None else past_key_values
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise ValueError("EffattnSinksForCausalLM does not support padding: pass sequences of equal length "
-                             "(batch=1 for generation of different prompts)")
+        self.check_no_padding(attention_mask, "EffattnSinksForCausalLM")
         body = self.model
         x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
@@ -198,25 +161,10 @@ class EffattnSinksForCausalLM(EffattnSinksPreTrainedModel, GenerationMixin):
             x = layer(x, position_embeddings=None, position_ids=position_ids, cache=cache, sink_rope=rope)
         if cache is not None:
             cache.seen = past + x.shape[1]
-        x = body.norm(x)
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(x[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        logits, loss = self.logits_and_loss(body.norm(x), logits_to_keep, labels, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
 
 def sinks_config_from(base: dict, **settings) -> dict:
     """The config.json dict of a sinks model built on the base model's config dict."""
-    unknown = set(settings) - set(SINKS_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown sinks settings {sorted(unknown)}")
-    config = {k: copy.deepcopy(v) for k, v in base.items() if k not in ("architectures", "auto_map")}
-    config["base_model_type"] = base["model_type"]
-    config["model_type"] = SINKS_MODEL_TYPE
-    config["architectures"] = ["EffattnSinksForCausalLM"]
-    config.update({k: settings.get(k, v) for k, v in SINKS_DEFAULTS.items() if k != "base_model_type"})
-    config["auto_map"] = {"AutoConfig": "modeling_effattn_sinks.EffattnSinksConfig",
-                          "AutoModelForCausalLM": "modeling_effattn_sinks.EffattnSinksForCausalLM"}
-    return config
+    return wrapped_config(base, EffattnSinksConfig, settings, "EffattnSinksForCausalLM", "modeling_effattn_sinks.py")

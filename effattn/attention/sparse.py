@@ -11,12 +11,10 @@ earlier position, so the pattern saves compute, not cache memory.
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from transformers import AutoConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from effattn.attention.wrapped import WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.patterns import Pattern, flex_attention_pattern, naive_attention
 
 SPARSE_MODEL_TYPE = "effattn_sparse"
@@ -26,7 +24,6 @@ SPARSE_DEFAULTS = {
     "sparse_pattern": {"name": "strided", "stride": 128, "local": None},
     "sparse_kernel": "flex",  # flex (FlexAttention, compiled) or naive (the masked-softmax reference)
 }
-_NOT_BASE = {"model_type", "architectures", "auto_map", "transformers_version", *SPARSE_DEFAULTS}
 _PATTERNS: dict[str, Pattern] = {}
 # prefills shorter than this run the reference: compiling a kernel costs more than it saves there
 FLEX_MIN_LENGTH = 512
@@ -64,85 +61,39 @@ def register_attention() -> None:
 register_attention()
 
 
-class EffattnSparseConfig(PretrainedConfig):
+class EffattnSparseConfig(WrappedConfig):
     """The base model's config (every key of it, flat) plus the settings of `SPARSE_DEFAULTS`."""
 
     model_type = SPARSE_MODEL_TYPE
+    DEFAULTS = SPARSE_DEFAULTS
 
-    def __init__(self, **kwargs):
-        for key, default in SPARSE_DEFAULTS.items():
-            setattr(self, key, copy.deepcopy(kwargs.pop(key, default)))
-        super().__init__(**kwargs)
-
-    def base_config(self) -> PretrainedConfig:
-        values = {k: v for k, v in self.to_dict().items() if k not in _NOT_BASE}
-        config = AutoConfig.for_model(self.base_model_type, **values)
+    def base_config(self):
+        config = super().base_config()
         config.sparse_pattern, config.sparse_kernel = dict(self.sparse_pattern), self.sparse_kernel
         return config
 
 
-class EffattnSparsePreTrainedModel(PreTrainedModel):
-    config_class = EffattnSparseConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-
-class EffattnSparseForCausalLM(EffattnSparsePreTrainedModel, GenerationMixin):
+class EffattnSparseForCausalLM(WrappedCausalLM):
     """The base family's causal LM, its attention function the registered sparse pattern."""
+
+    config_class = EffattnSparseConfig
 
     def __init__(self, config: EffattnSparseConfig):
         super().__init__(config)
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        base_config = config.base_config()
-        base_config._attn_implementation = SPARSE_ATTENTION
-        base = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)](base_config)
-        self._no_split_modules = getattr(base, "_no_split_modules", None)
-        self.model, self.lm_head = base.model, base.lm_head
+        self.build_base(config, attn_implementation=SPARSE_ATTENTION)
         self.post_init()
         self.model.config._attn_implementation = SPARSE_ATTENTION  # post_init may have set the default
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
         cache = cache if cache is not None else past_key_values
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise ValueError("EffattnSparseForCausalLM does not support padding: pass sequences of equal length "
-                             "(batch=1 for generation of different prompts)")
+        self.check_no_padding(attention_mask, "EffattnSparseForCausalLM")
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
                          use_cache=use_cache)
-        x = out.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(x[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        logits, loss = self.logits_and_loss(out.last_hidden_state, logits_to_keep, labels, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=getattr(out, "cache", None))
 
 
 def sparse_config_from(base: dict, **settings) -> dict:
     """The config.json dict of a sparse model built on the base model's config dict."""
-    unknown = set(settings) - set(SPARSE_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown sparse settings {sorted(unknown)}")
-    config = {k: copy.deepcopy(v) for k, v in base.items() if k not in ("architectures", "auto_map")}
-    config["base_model_type"] = base["model_type"]
-    config["model_type"] = SPARSE_MODEL_TYPE
-    config["architectures"] = ["EffattnSparseForCausalLM"]
-    config.update({k: settings.get(k, v) for k, v in SPARSE_DEFAULTS.items() if k != "base_model_type"})
-    config["auto_map"] = {"AutoConfig": "modeling_effattn_sparse.EffattnSparseConfig",
-                          "AutoModelForCausalLM": "modeling_effattn_sparse.EffattnSparseForCausalLM"}
-    return config
+    return wrapped_config(base, EffattnSparseConfig, settings, "EffattnSparseForCausalLM", "modeling_effattn_sparse.py")

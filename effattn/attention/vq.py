@@ -24,14 +24,12 @@ This module imports nothing from effattn but the kernels, so `effattn vq-init` c
 them into one `modeling_effattn_vq.py` that `trust_remote_code=True` loads without effattn.
 """
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from effattn.attention.wrapped import WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.vq.chunk import VQState, vq_attention_chunk
 from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.codes import nearest_codes
@@ -61,25 +59,15 @@ def far_position(config) -> int:
     return getattr(config, "vq_far_position", None) or config.vq_window
 
 
-_NOT_BASE = {"model_type", "architectures", "auto_map", "transformers_version", *VQ_DEFAULTS}
 # a ReRoPE-only model keeps every key exact: every position is a "sink" to the kernel
 _ALL_SINKS = 1 << 62
 
 
-class EffattnVQConfig(PretrainedConfig):
+class EffattnVQConfig(WrappedConfig):
     """The base model's config (every key of it, flat) plus the VQ settings of `VQ_DEFAULTS`."""
 
     model_type = VQ_MODEL_TYPE
-
-    def __init__(self, **kwargs):
-        for key, default in VQ_DEFAULTS.items():
-            setattr(self, key, kwargs.pop(key, default))
-        super().__init__(**kwargs)
-
-    def base_config(self) -> PretrainedConfig:
-        """The base family's config (e.g. a LlamaConfig) with the same settings."""
-        values = {k: v for k, v in self.to_dict().items() if k not in _NOT_BASE}
-        return AutoConfig.for_model(self.base_model_type, **values)
+    DEFAULTS = VQ_DEFAULTS
 
 
 class FullState:
@@ -309,41 +297,17 @@ class VQAttention(nn.Module):
             self.codebook.index_copy_(0, idx, torch.where(used[..., None], update, codebook))
 
 
-class EffattnVQPreTrainedModel(PreTrainedModel):
-    config_class = EffattnVQConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
-    _supports_sdpa = True
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-
-
-class EffattnVQForCausalLM(EffattnVQPreTrainedModel, GenerationMixin):
+class EffattnVQForCausalLM(WrappedCausalLM):
     """The base family's causal LM with every attention replaced by `VQAttention`."""
+
+    config_class = EffattnVQConfig
 
     def __init__(self, config: EffattnVQConfig):
         super().__init__(config)
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        base_config = config.base_config()
-        base_config._attn_implementation = "sdpa"
-        base = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)](base_config)
-        self._no_split_modules = getattr(base, "_no_split_modules", None)
-        self.model, self.lm_head = base.model, base.lm_head
+        self.build_base(config)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = VQAttention(layer.self_attn, config, i)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def set_output_embeddings(self, value):
-        self.lm_head = value
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -358,9 +322,7 @@ class EffattnVQForCausalLM(EffattnVQPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
         cache = cache if cache is not None else past_key_values
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise ValueError("EffattnVQForCausalLM does not support padding: pass sequences of equal length "
-                             "(batch=1 for generation of different prompts)")
+        self.check_no_padding(attention_mask, "EffattnVQForCausalLM")
         body = self.model
         x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
@@ -381,12 +343,7 @@ class EffattnVQForCausalLM(EffattnVQPreTrainedModel, GenerationMixin):
         for layer in body.layers:
             x = layer(x, position_embeddings=(cos, sin), position_ids=position_ids, cache=cache,
                       vq_far=(far_cos, far_sin))
-        x = body.norm(x)
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(x[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        logits, loss = self.logits_and_loss(body.norm(x), logits_to_keep, labels, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def vq_attention_modules(self) -> list[VQAttention]:
@@ -395,14 +352,4 @@ class EffattnVQForCausalLM(EffattnVQPreTrainedModel, GenerationMixin):
 
 def vq_config_from(base: dict, **settings) -> dict:
     """The config.json dict of a VQ model built on the base model's config dict."""
-    unknown = set(settings) - set(VQ_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown VQ settings {sorted(unknown)}")
-    config = {k: copy.deepcopy(v) for k, v in base.items() if k not in ("architectures", "auto_map")}
-    config["base_model_type"] = base["model_type"]
-    config["model_type"] = VQ_MODEL_TYPE
-    config["architectures"] = ["EffattnVQForCausalLM"]
-    config.update({k: settings.get(k, v) for k, v in VQ_DEFAULTS.items() if k != "base_model_type"})
-    config["auto_map"] = {"AutoConfig": "modeling_effattn_vq.EffattnVQConfig",
-                          "AutoModelForCausalLM": "modeling_effattn_vq.EffattnVQForCausalLM"}
-    return config
+    return wrapped_config(base, EffattnVQConfig, settings, "EffattnVQForCausalLM", "modeling_effattn_vq.py")

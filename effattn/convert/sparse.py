@@ -78,7 +78,8 @@ class SparseConversion:
     model = ModelSpec(
         model_type="effattn_sparse", description="sparse attention patterns (effattn_sparse, FlexAttention)",
         config_class=lambda: _sparse_classes()[0], model_class=lambda: _sparse_classes()[1],
-        modeling_file="modeling_effattn_sparse.py", modules=("kernels/patterns.py", "attention/sparse.py"))
+        modeling_file="modeling_effattn_sparse.py", modules=("kernels/patterns.py", "attention/wrapped.py",
+                                                                    "attention/sparse.py"))
     measure_contexts = (512, 2048)
 
     def targets(self, config: dict[str, Any]) -> str:

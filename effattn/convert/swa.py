@@ -133,7 +133,8 @@ class SWAConversion:
     model = ModelSpec(
         model_type="effattn_sinks", description="attention sinks + sliding window (effattn_sinks, StreamingLLM)",
         config_class=lambda: _sinks_classes()[0], model_class=lambda: _sinks_classes()[1],
-        modeling_file="modeling_effattn_sinks.py", modules=("kernels/rope.py", "kernels/sinks.py", "attention/sinks.py"))
+        modeling_file="modeling_effattn_sinks.py",
+        modules=("kernels/rope.py", "kernels/sinks.py", "attention/wrapped.py", "attention/sinks.py"))
     Options = SWAOptions
     memory_options = ("calib_tokens",)
     measure_contexts = (512, 2048)

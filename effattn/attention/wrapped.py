@@ -1,0 +1,97 @@
+"""What effattn's own model classes share: a base family's causal LM (same modules, same weight names)
+whose attention is effattn's, and a config that is the base config plus the model's own settings.
+
+Each model (vq.py, sinks.py, sparse.py) subclasses `WrappedConfig` (declaring `model_type` and its
+`DEFAULTS`) and `WrappedCausalLM` (replacing the attention modules or the attention function), and
+writes its config.json with `wrapped_config`. This module imports nothing from effattn, so it is
+bundled into each model's `modeling_*.py` for `trust_remote_code=True`.
+"""
+
+import copy
+
+from transformers import AutoConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+
+_NOT_BASE_KEYS = ("model_type", "architectures", "auto_map", "transformers_version")
+
+
+class WrappedConfig(PretrainedConfig):
+    """The base model's config (every key of it, flat) plus the settings of `DEFAULTS` (which must
+    include `base_model_type`)."""
+
+    DEFAULTS = {"base_model_type": "llama"}  # (not annotated: transformers makes annotated attributes fields)
+
+    def __init__(self, **kwargs):
+        for key, default in self.DEFAULTS.items():
+            setattr(self, key, copy.deepcopy(kwargs.pop(key, default)))
+        super().__init__(**kwargs)
+
+    def base_config(self) -> PretrainedConfig:
+        """The base family's config (e.g. a LlamaConfig) with the same settings."""
+        skip = {*_NOT_BASE_KEYS, *self.DEFAULTS}
+        values = {k: v for k, v in self.to_dict().items() if k not in skip}
+        return AutoConfig.for_model(self.base_model_type, **values)
+
+
+class WrappedCausalLM(PreTrainedModel, GenerationMixin):
+    """The base family's causal LM (`self.model`, `self.lm_head`), built from the config's base config."""
+
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def build_base(self, config: WrappedConfig, attn_implementation: str = "sdpa"):
+        """Set `self.model` and `self.lm_head` from the base family's *ForCausalLM; returns the base config."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        base_config = config.base_config()
+        base_config._attn_implementation = attn_implementation
+        base = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)](base_config)
+        self._no_split_modules = getattr(base, "_no_split_modules", None)
+        self.model, self.lm_head = base.model, base.lm_head
+        return base_config
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    @staticmethod
+    def check_no_padding(attention_mask, name: str) -> None:
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise ValueError(f"{name} does not support padding: pass sequences of equal length "
+                             "(batch=1 for generation of different prompts)")
+
+    def logits_and_loss(self, x, logits_to_keep, labels, **kwargs):
+        """The head on the last `logits_to_keep` positions (0: all), and the LM loss when labels are given."""
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(x[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return logits, loss
+
+
+def wrapped_config(base: dict, config_class, settings: dict, architecture: str, modeling_file: str) -> dict:
+    """The config.json dict of a wrapped model on the base model's config dict: the base keys, then
+    `config_class.DEFAULTS` overridden by `settings`, and the auto_map of the bundled code."""
+    unknown = set(settings) - set(config_class.DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown {config_class.model_type} settings {sorted(unknown)}")
+    config = {k: copy.deepcopy(v) for k, v in base.items() if k not in ("architectures", "auto_map")}
+    config["base_model_type"] = base["model_type"]
+    config["model_type"] = config_class.model_type
+    config["architectures"] = [architecture]
+    config.update({k: copy.deepcopy(settings.get(k, v)) for k, v in config_class.DEFAULTS.items()
+                   if k != "base_model_type"})
+    module = modeling_file.removesuffix(".py")
+    config["auto_map"] = {"AutoConfig": f"{module}.{config_class.__name__}",
+                          "AutoModelForCausalLM": f"{module}.{architecture}"}
+    return config
