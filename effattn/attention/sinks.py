@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from effattn.attention.wrapped import WrappedCausalLM, WrappedConfig, wrapped_config
+from effattn.attention.wrapped import AdoptedAttention, WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.sinks import sink_attention
 
 SINKS_MODEL_TYPE = "effattn_sinks"
@@ -74,18 +74,11 @@ class SinkCache:
         return sum(layer.nbytes() for layer in self.layers.values())
 
 
-class SinkAttention(nn.Module):
+class SinkAttention(AdoptedAttention):
     """A family's attention module (its projections and q/k norms, same names) with sinks + window."""
 
     def __init__(self, attn: nn.Module, config: EffattnSinksConfig, layer_idx: int):
-        super().__init__()
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
-            if getattr(attn, name, None) is not None:
-                setattr(self, name, getattr(attn, name))
-        self.has_qk_norm = getattr(attn, "q_norm", None) is not None
-        self.layer_idx = layer_idx
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
+        super().__init__(attn, layer_idx)
         full = {int(i) for i in config.sink_full_layers or []}
         self.window = None if layer_idx in full else int(config.attention_window)
         self.sinks = int(config.sink_tokens)
@@ -96,11 +89,7 @@ class SinkAttention(nn.Module):
             raise ValueError("SinkAttention needs sink_rope (the model's RoPE tables by position); run it inside "
                              "EffattnSinksForCausalLM")
         B, T, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)
-        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)
-        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim)
-        if self.has_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(hidden_states)
         pos = position_ids[0]
         layer = None
         if cache is not None:

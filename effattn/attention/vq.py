@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from effattn.attention.wrapped import WrappedCausalLM, WrappedConfig, wrapped_config
+from effattn.attention.wrapped import AdoptedAttention, WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.vq.chunk import VQState, vq_attention_chunk
 from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.codes import nearest_codes
@@ -138,18 +138,11 @@ class VQCache:
         return sum(state.nbytes() for state in self.states.values())
 
 
-class VQAttention(nn.Module):
+class VQAttention(AdoptedAttention):
     """A family's attention module (its projections and q/k norms, same names) with ReRoPE+VQ."""
 
     def __init__(self, attn: nn.Module, config: EffattnVQConfig, layer_idx: int):
-        super().__init__()
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
-            if getattr(attn, name, None) is not None:
-                setattr(self, name, getattr(attn, name))
-        self.has_qk_norm = getattr(attn, "q_norm", None) is not None
-        self.layer_idx = layer_idx
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
+        super().__init__(attn, layer_idx)
         self.config = config
         kv_heads = config.num_key_value_heads
         size = max(1, config.codebook_size) if config.vq_quantize else 1
@@ -176,16 +169,6 @@ class VQAttention(nn.Module):
         if any(not 0 <= g < kv_heads for g in exact):
             raise ValueError(f"vq_exact_heads names KV head {exact[-1]} of layer {self.layer_idx}, which has {kv_heads}")
         return exact
-
-    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pre-RoPE q (B, T, H, D), k and v (B, T, G, D), after the q/k norms where the family has them."""
-        B, T, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)
-        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)
-        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim)
-        if self.has_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, vq_far=None,
                 **kwargs):

@@ -9,6 +9,8 @@ bundled into each model's `modeling_*.py` for `trust_remote_code=True`.
 
 import copy
 
+import torch
+from torch import nn
 from transformers import AutoConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 
 _NOT_BASE_KEYS = ("model_type", "architectures", "auto_map", "transformers_version")
@@ -30,6 +32,31 @@ class WrappedConfig(PretrainedConfig):
         skip = {*_NOT_BASE_KEYS, *self.DEFAULTS}
         values = {k: v for k, v in self.to_dict().items() if k not in skip}
         return AutoConfig.for_model(self.base_model_type, **values)
+
+
+class AdoptedAttention(nn.Module):
+    """An attention module that adopts a family attention module's projections and q/k norms (same
+    weight names, so the checkpoint loads unchanged); subclasses compute the attention."""
+
+    def __init__(self, attn: nn.Module, layer_idx: int):
+        super().__init__()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            if getattr(attn, name, None) is not None:
+                setattr(self, name, getattr(attn, name))
+        self.has_qk_norm = getattr(attn, "q_norm", None) is not None
+        self.layer_idx = layer_idx
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-RoPE q (B, T, H, D), k and v (B, T, G, D), after the q/k norms where the family has them."""
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
 
 class WrappedCausalLM(PreTrainedModel, GenerationMixin):
