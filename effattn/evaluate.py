@@ -97,11 +97,21 @@ def logp_chunks(model, ids: torch.Tensor, chunk: int = LOGIT_CHUNK):
 PREFILL_CHUNK = 32768  # longer blocks run in chunks of this many positions through the model's cache
 
 
+def one_pass_only(model) -> bool:
+    """Whether the model must see a sequence in one forward: dynamic NTK RoPE rescales its frequencies
+    to the longest position of each forward, so keys cached by an earlier chunk were rotated at other
+    frequencies than the later ones (a chunked prefill is then not the model's own computation)."""
+    from .families import rope_settings
+
+    config = getattr(model, "config", None)
+    return config is not None and rope_settings(config.to_dict()).get("rope_type") == "dynamic"
+
+
 def final_hidden(model, ids: torch.Tensor, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
     """The model's output over ids [B, T] in one forward, or, for blocks longer than `chunk`, in chunks
     through its own cache (as generation prefills): a 32K block then holds one chunk's activations and
-    the cache, not 32K positions' activations in every layer."""
-    if ids.shape[1] <= chunk:
+    the cache, not 32K positions' activations in every layer. Dynamic-NTK models: one forward."""
+    if ids.shape[1] <= chunk or one_pass_only(model):
         return model(input_ids=ids, use_cache=False).logits
     cache, parts = None, []
     for start in range(0, ids.shape[1], chunk):

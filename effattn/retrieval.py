@@ -170,9 +170,14 @@ class PromptBuilder:
 
 @torch.no_grad()
 def greedy_answer(model, ids: list[int], new_tokens: int, chunk: int = PREFILL_CHUNK) -> list[int]:
-    """Greedy continuation of `ids` after a prefill in chunks of `chunk` tokens through the model's cache."""
+    """Greedy continuation of `ids` after a prefill in chunks of `chunk` tokens through the model's cache
+    (in one forward for a dynamic-NTK model, whose chunks would rotate keys at different frequencies)."""
+    from .evaluate import one_pass_only
+
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
+    if one_pass_only(model):
+        chunk = x.shape[1]
     cache, out = None, None
     for start in range(0, x.shape[1], chunk):
         out = model(input_ids=x[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)

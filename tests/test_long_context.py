@@ -222,3 +222,31 @@ def test_the_context_extension_recipe_trains_a_scaled_student_on_cross_entropy(c
 def test_alibi_is_refused_with_the_measured_reason(capsys, tiny, tmp_path):
     code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "alibi", "-o", tmp_path / "o")
     assert_one_line_error(code, err, "--to alibi is refused", "perplexity 32.1 -> 417", "--to rope-scaling")
+
+
+def test_a_dynamic_ntk_model_is_prefilled_in_one_forward(tiny):
+    """Dynamic NTK rescales RoPE to each forward's longest position: chunks through the cache would mix
+    keys rotated at different frequencies, so retrieval and long evaluation run it in one forward."""
+    import json as _json
+
+    from effattn.evaluate import final_hidden, one_pass_only
+
+    src = tiny("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    config = _json.loads((src / "config.json").read_text())
+    config["max_position_embeddings"] = 64  # scaling starts beyond 64 positions
+    config["rope_parameters"]["original_max_position_embeddings"] = 64
+    (src / "config.json").write_text(_json.dumps(config))
+    model, _, _ = load_model(src)
+    assert one_pass_only(model) and not one_pass_only(load_model(tiny("llama"))[0])
+    ids = torch.randint(0, 250, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # chunks through the cache on a fresh model: each chunk rescales RoPE to its own last position
+        cache, parts = None, []
+        for start in range(0, 300, 64):
+            out = model(input_ids=ids[:, start : start + 64], cache=cache, use_cache=True)
+            cache = out.cache
+            parts.append(out.logits)
+        whole = model(input_ids=ids, use_cache=False).logits
+        assert (torch.cat(parts, 1) - whole).abs().max() > 1e-3  # what the one-forward rule avoids
+        torch.testing.assert_close(final_hidden(model, ids, chunk=64), whole)
+        assert greedy_answer(model, ids[0].tolist(), 1, chunk=64)[0] == int(whole[0, -1].argmax())
