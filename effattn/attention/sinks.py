@@ -118,22 +118,11 @@ class EffattnSinksForCausalLM(WrappedCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
-        cache = cache if cache is not None else past_key_values
-        self.check_no_padding(attention_mask, "EffattnSinksForCausalLM")
+        cache, use_cache = self.own_cache(cache, past_key_values, attention_mask, use_cache, SinkCache)
         body = self.model
         x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
-        if use_cache and not isinstance(cache, SinkCache):
-            if cache is not None and cache.get_seq_length() > 0:
-                raise ValueError(f"EffattnSinksForCausalLM needs its own SinkCache, got a filled {type(cache).__name__}")
-            cache = SinkCache()  # replaces the empty DynamicCache generate() prepares
-        if not use_cache and not isinstance(cache, SinkCache):
-            cache = None
         past = cache.seen if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + x.shape[1], device=x.device)[None]
-        elif int(position_ids[0, 0]) != past:
-            raise ValueError(f"position_ids start at {int(position_ids[0, 0])} but the cache holds {past} positions")
+        position_ids = self.check_positions(position_ids, past, x.shape[1], x.device)
 
         # one RoPE table per forward for every layer: windowed layers rotate at distances within the
         # chunk, its window and the sinks; full layers at the text's positions

@@ -304,22 +304,11 @@ class EffattnVQForCausalLM(WrappedCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
-        cache = cache if cache is not None else past_key_values
-        self.check_no_padding(attention_mask, "EffattnVQForCausalLM")
+        cache, use_cache = self.own_cache(cache, past_key_values, attention_mask, use_cache, VQCache)
         body = self.model
         x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
-        if use_cache and not isinstance(cache, VQCache):
-            if cache is not None and cache.get_seq_length() > 0:
-                raise ValueError(f"EffattnVQForCausalLM needs its own VQCache, got a filled {type(cache).__name__}")
-            cache = VQCache()  # replaces the empty DynamicCache generate() prepares
-        if not use_cache and not isinstance(cache, VQCache):
-            cache = None
         past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + x.shape[1], device=x.device)[None]
-        elif int(position_ids[0, 0]) != past:
-            raise ValueError(f"position_ids start at {int(position_ids[0, 0])} but the cache holds {past} positions")
+        position_ids = self.check_positions(position_ids, past, x.shape[1], x.device)
         cos, sin = body.rotary_emb(x, position_ids)
         far = torch.tensor([[far_position(self.config)]], device=x.device)
         far_cos, far_sin = (t[0, 0] for t in body.rotary_emb(x, far))

@@ -90,6 +90,28 @@ class WrappedCausalLM(PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    def own_cache(self, cache, past_key_values, attention_mask, use_cache, cache_class):
+        """The forward's preamble shared by models with their own cache class: refuse padding, replace the
+        empty cache generate() prepares by a `cache_class()`, and return (cache or None, use_cache)."""
+        name = type(self).__name__
+        self.check_no_padding(attention_mask, name)
+        cache = cache if cache is not None else past_key_values
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        if use_cache and not isinstance(cache, cache_class):
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError(f"{name} needs its own {cache_class.__name__}, got a filled {type(cache).__name__}")
+            return cache_class(), use_cache
+        return (cache if isinstance(cache, cache_class) else None), use_cache
+
+    @staticmethod
+    def check_positions(position_ids, past: int, length: int, device):
+        """Positions past..past+length-1 (given ones must start where the cache ends)."""
+        if position_ids is None:
+            return torch.arange(past, past + length, device=device)[None]
+        if int(position_ids[0, 0]) != past:
+            raise ValueError(f"position_ids start at {int(position_ids[0, 0])} but the cache holds {past} positions")
+        return position_ids
+
     @staticmethod
     def check_no_padding(attention_mask, name: str) -> None:
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
