@@ -80,6 +80,61 @@ def test_the_compiled_kernel_agrees_with_masked_softmax():
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("stride,local,kv_len,q_len", [(64, None, 1024, 1024), (32, 80, 700, 700), (16, 5, 300, 37)])
+def test_strided_runs_as_two_block_sparse_parts_that_cover_the_pattern(stride, local, kv_len, q_len):
+    """strided is not block-sparse in text order; its two parts are, each in its own order, and merged
+    through the diagonal's copies they give the masked softmax (compiled or not, queries after a cache)."""
+    from effattn.kernels.patterns import strided_layout
+
+    pattern = Pattern("strided", stride=stride, local=local)
+    q_order, k_order, q_inverse, near, far = strided_layout(pattern, q_len, kv_len)
+    near_m = near.to_dense()[0, 0].bool().repeat_interleave(128, 0).repeat_interleave(128, 1)[:q_len, :2 * kv_len]
+    assert near_m.shape == (q_len, 2 * kv_len)
+    # evaluate both parts pair by pair and map the far part back to text order
+    q = torch.arange(q_len)[:, None]
+    kv = torch.arange(2 * kv_len)[None]
+    near_pairs = near.mask_mod(None, None, q, kv)
+    far_pairs = far.mask_mod(None, None, q, kv)
+    far_text = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    far_text[q_order[:, None], k_order[None]] = far_pairs[:, :kv_len]
+    dense = dense_mask(pattern, q_len, kv_len)
+    assert not (near_pairs[:, :kv_len] & far_text).any()  # disjoint
+    assert torch.equal(near_pairs[:, :kv_len] | far_text, dense)  # together: the pattern
+    diagonal = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    diagonal[torch.arange(q_len), torch.arange(kv_len - q_len, kv_len)] = True
+    assert torch.equal(near_pairs[:, kv_len:], diagonal)  # the copies: each query's own key only
+    far_copy = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    far_copy[q_order[:, None], k_order[None]] = far_pairs[:, kv_len:]
+    assert torch.equal(far_copy, diagonal)
+    assert not (near_pairs & ~near_m).any()  # the block mask lists every block the part reads
+    # far blocks in residue order are few: at most a few per query block, not all of them
+    if q_len == kv_len == 1024:
+        assert far.kv_num_blocks.max() <= 3 < 2 * kv_len // 128
+    g = torch.Generator().manual_seed(2)
+    qq = torch.randn(2, 4, q_len, 16, generator=g)
+    k, v = (torch.randn(2, 2, kv_len, 16, generator=g) for _ in range(2))
+    ref = naive_attention(qq, k, v, pattern, 0.25)
+    for compiled in (False, True):
+        torch.testing.assert_close(flex_attention_pattern(qq, k, v, pattern, 0.25, compiled=compiled), ref,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_strided_falls_back_to_the_reference_where_the_diagonal_weight_underflows():
+    """A query whose own score is thousands below its best gives the diagonal's copy a zero weight in
+    float32: the merge would divide by zero, so the reference runs."""
+    T, D = 256, 16
+    q = torch.zeros(1, 1, T, D)
+    q[..., 0] = 100.0
+    k = torch.zeros(1, 1, T, D)
+    k[..., 1] = 1.0
+    k[0, 0, 0, 0] = 100.0  # key 0: score 2,500 for every query; every other key (the diagonal too): 0
+    v = torch.randn(1, 1, T, D, generator=torch.Generator().manual_seed(0))
+    pattern = Pattern("strided", stride=32)
+    out = flex_attention_pattern(q, k, v, pattern, 0.25, compiled=False)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, naive_attention(q, k, v, pattern, 0.25), rtol=1e-5, atol=1e-5)
+
+
 def test_density_counts_the_causal_pairs_kept():
     assert density(Pattern("window", window=1), 100) == pytest.approx(100 / 5050)
     assert density(Pattern("strided", stride=1), 64) == 1.0

@@ -15,7 +15,8 @@ query q may read key kv. Every pattern here is causal (kv <= q) and is the union
 
 `dense_mask` evaluates a pattern on index grids: the reference every block mask is checked against.
 `naive_attention` is the readable reference (scores, mask, softmax); `flex_attention_pattern` runs the
-same through FlexAttention's block-sparse kernel (compiled: Inductor on the CPU, Triton on GPUs).
+same through FlexAttention's block-sparse kernel (compiled: Inductor on the CPU, Triton on GPUs); the
+strided pattern as two parts, each block-sparse in its own order (`strided_layout`).
 """
 
 from __future__ import annotations
@@ -165,13 +166,43 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: 
     return out
 
 
+def build_block_mask(mask_mod: Callable, q_len: int, kv_len: int, device="cpu", block_size: int = 128,
+                     chunk_elements: int = 1 << 23):
+    """FlexAttention's BlockMask of `mask_mod`, evaluated a few query blocks at a time.
+
+    `create_block_mask` evaluates the mask on the whole (q_len, kv_len) grid at once (with int64
+    temporaries: tens of GB at 32K); this reads at most `chunk_elements` pairs at a time and keeps one
+    bit per block. A block is full (the kernel skips the mask) when every pair in it is kept and it is
+    not a ragged tail block; partial when some are.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n_q, n_kv = -(-q_len // block_size), -(-kv_len // block_size)
+    partial = torch.zeros(n_q, n_kv, dtype=torch.bool, device=device)
+    full = torch.zeros_like(partial)
+    kv = torch.arange(n_kv * block_size, device=device)
+    per_chunk = max(1, chunk_elements // (block_size * n_kv * block_size))
+    for qb in range(0, n_q, per_chunk):
+        rows = torch.arange(qb * block_size, min(qb + per_chunk, n_q) * block_size, device=device)
+        inside = (rows[:, None] < q_len) & (kv[None] < kv_len)  # the tail blocks' padding reads nothing
+        kept = mask_mod(None, None, rows.clamp(max=q_len - 1)[:, None], kv.clamp(max=kv_len - 1)[None]) & inside
+        blocks = kept.view(-1, block_size, n_kv, block_size)
+        any_, all_ = blocks.any(3).any(1), blocks.all(3).all(1)
+        full[qb : qb + len(any_)] = all_
+        partial[qb : qb + len(any_)] = any_ & ~all_
+
+    def listed(table):  # (1, 1, n_q) counts and (1, 1, n_q, n_kv) block indices, the listed ones first
+        order = torch.sort(table.to(torch.int8), dim=-1, descending=True, stable=True).indices
+        return table.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
+
+
 @functools.lru_cache(maxsize=32)
 def block_mask(pattern: Pattern, q_len: int, kv_len: int, device: str = "cpu", block_size: int = 128):
-    """FlexAttention's BlockMask of the pattern for these lengths (cached: building it reads every block)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return create_block_mask(pattern.mask_mod(device, q_offset=kv_len - q_len), None, None, q_len, kv_len,
-                             device=device, BLOCK_SIZE=block_size)
+    """FlexAttention's BlockMask of the pattern for these lengths (cached: building it reads every pair)."""
+    return build_block_mask(pattern.mask_mod(device, q_offset=kv_len - q_len), q_len, kv_len, device, block_size)
 
 
 @functools.cache
@@ -183,13 +214,89 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_attention_pattern(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float,
-                           compiled: bool = True) -> torch.Tensor:
-    """The pattern through FlexAttention's block-sparse kernel: q (B, H, Tq, D), k, v (B, G, Tk, D)."""
+def _flex(q, k, v, mask, scale: float, compiled: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
-    mask = block_mask(pattern, q.shape[2], k.shape[2], str(q.device))
+    kwargs = dict(block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if not compiled:
-        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return flex_attention(q, k, v, **kwargs)
     with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
-        return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return _compiled_flex()(q, k, v, **kwargs)
+
+
+@functools.lru_cache(maxsize=32)
+def strided_layout(pattern: Pattern, q_len: int, kv_len: int, device: str = "cpu", block_size: int = 128):
+    """The strided pattern as two disjoint parts, each block-sparse in its own order (Child et al.'s
+    factorization), each with a copy of the diagonal to weigh one against the other.
+
+    In text order the "every stride-th key" part touches every key block, so a block mask over it is
+    dense. Its pairs share a residue (q = kv mod stride): with queries and keys reordered by (residue,
+    position), each residue class is one contiguous run and the part is near block-diagonal. So:
+      near: q - kv < local, in text order (a window);
+      far:  q - kv >= local and (q - kv) % stride == 0, in residue order.
+    Each part's keys are followed by a copy of every key that only its own position's query reads (the
+    diagonal again): the part's softmax then weighs the copy by w0 / (Z + w0), with w0 the diagonal's
+    weight and Z the part's normaliser, which is what merging two softmaxes needs (CPU FlexAttention
+    returns no log-sum-exp when compiled).
+    -> (q_order, k_order, q_inverse, near BlockMask, far BlockMask), over kv_len * 2 keys each.
+    Queries are the last q_len positions.
+    """
+    stride, local = pattern.stride, pattern.local or pattern.stride
+    offset = kv_len - q_len
+    q_pos = torch.arange(offset, kv_len, device=device)
+    k_pos = torch.arange(kv_len, device=device)
+    q_order = torch.argsort(q_pos % stride * kv_len + q_pos)
+    k_order = torch.argsort(k_pos % stride * kv_len + k_pos)
+    qp, kp = q_pos[q_order], k_pos[k_order]
+
+    def near(b, h, qi, ki):
+        d = qi + offset - ki
+        copy = ki - kv_len == qi + offset  # the diagonal's copy
+        return torch.where(ki < kv_len, (d >= 0) & (d < local), copy)
+
+    def far(b, h, qi, ki):
+        qi = torch.clamp(qi, max=q_len - 1)
+        real = torch.clamp(ki, max=kv_len - 1)
+        d = qp[qi] - kp[real]
+        copy = kp[torch.clamp(ki - kv_len, min=0, max=kv_len - 1)] == qp[qi]
+        return torch.where(ki < kv_len, (d >= local) & (d % stride == 0), (ki >= kv_len) & copy)
+
+    masks = [build_block_mask(m, q_len, 2 * kv_len, device, block_size) for m in (near, far)]
+    return q_order, k_order, torch.argsort(q_order), *masks
+
+
+def _strided(q, k, v, pattern: Pattern, scale: float, compiled: bool) -> torch.Tensor:
+    """Both parts of `strided_layout` through FlexAttention, merged exactly by their weights relative to
+    the diagonal. Float32 inside. Where a part gives the diagonal a weight below float32's range (a
+    query whose own score is ~87 below its best), the reference runs instead."""
+    q_order, k_order, q_inverse, near, far = strided_layout(pattern, q.shape[2], k.shape[2], str(q.device))
+    acc = torch.promote_types(q.dtype, torch.float32)
+    q32, k32, v32 = q.to(acc), k.to(acc), v.to(acc)
+    zeros, ones = v32.new_zeros(*v32.shape[:-1], 1), v32.new_ones(*v32.shape[:-1], 1)
+    values = torch.cat((torch.cat((v32, zeros), -1), torch.cat((torch.zeros_like(v32), ones), -1)), 2)
+
+    def part(qq, kk, vv, mask):  # -> (A / w0, Z / w0) of the part, where o = [A, w0] / (Z + w0)
+        o = _flex(qq, torch.cat((kk, kk), 2), vv, mask, scale, compiled)
+        w = o[..., -1:]
+        return o[..., :-1] / w, 1 / w - 1, w
+
+    a_near, z_near, w_near = part(q32, k32, values, near)
+    vo = torch.cat((values[:, :, : k.shape[2]][:, :, k_order], values[:, :, k.shape[2]:][:, :, k_order]), 2)
+    a_far, z_far, w_far = part(q32[:, :, q_order], k32[:, :, k_order], vo, far)
+    a_far, z_far, w_far = a_far[:, :, q_inverse], z_far[:, :, q_inverse], w_far[:, :, q_inverse]
+    tiny = torch.finfo(acc).tiny
+    if bool((w_near < 1e3 * tiny).any() or (w_far < 1e3 * tiny).any()):
+        return naive_attention(q, k, v, pattern, scale)
+    # the near part holds the diagonal itself (z_near counts it); the copies are not counted
+    out = (a_near + a_far) / (z_near + z_far)
+    return out.to(q.dtype)
+
+
+def flex_attention_pattern(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float,
+                           compiled: bool = True) -> torch.Tensor:
+    """The pattern through FlexAttention's block-sparse kernel: q (B, H, Tq, D), k, v (B, G, Tk, D).
+    `strided` runs as its two block-sparse parts (`strided_layout`)."""
+    if pattern.name == "strided":
+        return _strided(q, k, v, pattern, scale, compiled)
+    mask = block_mask(pattern, q.shape[2], k.shape[2], str(q.device))
+    return _flex(q, k, v, mask, scale, compiled)
