@@ -32,6 +32,10 @@ VARIANTS = {  # name: effattn arguments making it from the built-in model (None:
     "yarn2": "convert llama --to rope-scaling --rope-type yarn --factor 2 --no-eval",
     "llama3-2": "convert llama --to rope-scaling --rope-type llama3 --factor 2 --no-eval",
     "yarn4": "convert llama --to rope-scaling --rope-type yarn --factor 4 --no-eval",
+    "window": "convert llama --to swa --window 256 --no-eval",
+    "sinks4": "convert llama --to swa --window 256 --sinks 4 --no-eval",
+    "sinks4-full6": "convert llama --to swa --window 256 --sinks 4 --full-layers 6 --no-eval",
+    "window-full6": "convert llama --to swa --window 256 --full-layers 6 --no-eval",
 }
 
 

@@ -1,13 +1,14 @@
 """Windows and sinks on the built-in model: perplexity at 2K and 8K, and prefill time at 16K.
 
     python benchmarks/bench_swa.py --variants original,window,sinks4,sinks4-full6 --contexts 2048,8192
-    python benchmarks/bench_swa.py --prefill 16384 --variants original,window
+    python benchmarks/bench_swa.py --prefill 16384 --variants original,window --repeats 2
 
 Perplexity: `effattn eval MODEL --context C --max-tokens T --batch-size 1 --no-speed --json` in a fresh
 process per (variant, context), both held-out corpora, T = 4 blocks (spread over each corpus).
 Prefill: one forward over C tokens of shakespeare, timed in a fresh process after a warm-up forward at
-the same length (so FlexAttention's compilation is not counted), median of 2: the original with SDPA,
-the windowed model with SDPA (a masked dense kernel) and with `attn_implementation="flex_attention"`.
+the same length (so FlexAttention's compilation is not counted), median of the other `--repeats` - 1:
+the original with SDPA, the windowed models with SDPA (a masked dense kernel) and with
+`attn_implementation="flex_attention"`; the sinks model runs its own kernel.
 Variants (converted once into benchmarks/results/passkey-models/):
   window        --to swa --window 256
   sinks4        --to swa --window 256 --sinks 4
@@ -44,11 +45,12 @@ n = int(sys.argv[2])
 ids = tok(load_text("shakespeare")[: n * 8], return_tensors="pt")["input_ids"][:, :n]
 times = []
 with torch.inference_mode():
-    for _ in range(3):
+    for _ in range(int(sys.argv[4])):
         t0 = time.perf_counter()
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
         times.append(time.perf_counter() - t0)
-print(json.dumps({"first_s": times[0], "seconds": statistics.median(times[1:]), "tokens": ids.shape[1]}))
+print(json.dumps({"first_s": times[0], "seconds": statistics.median(times[1:] or times), "tokens": ids.shape[1],
+                  "times": times}))
 """
 
 
@@ -61,16 +63,19 @@ def main() -> None:
     parser.add_argument("--variants", default="original,window,sinks4,sinks4-full6")
     parser.add_argument("--contexts", default="2048,8192")
     parser.add_argument("--prefill", type=int, default=0, help="time one prefill of this many tokens instead")
+    parser.add_argument("--repeats", type=int, default=3, help="prefill passes; the first (compilation) is not counted")
     args = parser.parse_args()
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     for variant in args.variants.split(","):
         model = model_of(variant)
         runs = []
         if args.prefill:
-            kernels = ["-"] + (["flex_attention"] if variant in ("original", "window", "window-full6") else [])
+            # the original is full attention: SDPA is its fast path; the windows also run block-sparse
+            kernels = ["-"] + (["flex_attention"] if variant in ("window", "window-full6") else [])
             for kernel in kernels:
                 load = os.getloadavg()[0]
-                proc = subprocess.run([sys.executable, "-c", PREFILL, model, str(args.prefill), kernel],
+                proc = subprocess.run([sys.executable, "-c", PREFILL, model, str(args.prefill), kernel,
+                                       str(args.repeats)],
                                       capture_output=True, text=True, cwd=ROOT)
                 if proc.returncode:
                     raise SystemExit(proc.stderr[-2000:])
