@@ -4,6 +4,7 @@ attend exactly as the original model under a window mask, per-layer choices, bou
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -307,3 +308,29 @@ def test_eval_runs_the_window_block_sparse_with_flex_attention(tiny, tmp_path, c
     assert_one_line_error(code, err, "runs its own attention")
     code, _, err = run_cli(capsys, "eval", out, "--attn-implementation", "flash", "--no-speed")
     assert_one_line_error(code, err, "flex_attention")
+
+
+def test_the_heal_sinks_recipe_distils_a_sinks_student_that_stays_a_sinks_model(capsys, tiny, tmp_path):
+    """`effattn finetune heal-sinks`: convert to window + sinks, distil from the original, write an
+    effattn_sinks folder with its bounded cache and bundled code."""
+    from effattn.io.load import load_model
+
+    (tmp_path / "train.txt").write_text("a window and four sinks learn to do without the middle. " * 400)
+    (tmp_path / "held.txt").write_text("held out words for the evaluation. " * 100)
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "finetune", "heal-sinks", "-o", out, f"student.model={tiny('llama', layers=2)}",
+                           "student.convert.window=16", f"data.sources=[{tmp_path / 'train.txt'}]",
+                           "data.seq_len=64", "train.max_steps=2", f"eval.corpora=[{tmp_path / 'held.txt'}]",
+                           "eval.seq_len=64", "eval.tokens=128", "eval.every=2", "checkpoint.every=2")
+    assert code in (0, None), err
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "effattn_sinks" and config["attention_window"] == 16 and config["sink_tokens"] == 4
+    assert (out / "modeling_effattn_sinks.py").exists()
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if s["kind"] == "train"] == [1, 2]
+    assert all(math.isfinite(s["kl"]) and s["kl"] >= 0 for s in steps if s["kind"] == "train")
+    model, _, _ = load_model(out)
+    ids = torch.randint(0, 250, (1, 80), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).cache
+    assert max(layer.k.shape[1] for layer in cache.layers.values()) == 4 + 16 - 1  # sinks + window - 1
