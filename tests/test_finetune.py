@@ -242,6 +242,11 @@ def test_dry_run_reports_sizes_and_estimates_and_writes_nothing(heal, capsys):
     assert plan["recipe"]["output"] == str(out) and not out.exists()
     code, stdout, _ = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--dry-run")
     assert code == 0 and "tokens per step" in stdout and "nothing (dry run)" in stdout
+    # logits formed 8 tokens at a time: the estimate drops the [64 - 8, vocab] logits it no longer holds
+    code, stdout, _ = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--dry-run", "--json",
+                              "train.params=attention", "loss.chunk_tokens=8")
+    chunked = json.loads(stdout)["memory_bytes_per_process"]["activations"]
+    assert chunked < plan["memory_bytes_per_process"]["activations"]
 
 
 def test_max_tokens_rounds_up_to_whole_steps(heal):
@@ -445,3 +450,57 @@ def test_output_cannot_overwrite_the_student(heal):
     with pytest.raises(EffattnError, match="is also student.model"):
         finetune(heal(f"student.model={student}", "student.convert=null", output="mqa"), force=True)
     assert (student / "model.safetensors").exists()
+
+
+def test_chunked_logit_terms_equal_the_whole_batch_loss_and_gradients(tiny):
+    """loss.chunk_tokens: KL and CE formed a few tokens at a time from the final hidden states give the
+    same values and the same gradients as from the whole micro-batch's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from effattn.finetune.losses import FinalHidden
+
+    student = AutoModelForCausalLM.from_pretrained(tiny("llama", heads=6, kv_heads=3), dtype=torch.float64)
+    teacher = AutoModelForCausalLM.from_pretrained(tiny("llama", heads=6, kv_heads=3, seed=1), dtype=torch.float64).eval()
+    ids = torch.randint(0, 250, (3, 17), generator=torch.Generator().manual_seed(0))
+    cfg = Loss(kl=1.0, ce=0.5, temperature=2.0)
+    whole = heal_loss(cfg, student(input_ids=ids).logits, teacher(input_ids=ids).logits.detach(), ids, student)
+    whole["loss"].backward()
+    expected = {n: p.grad.clone() for n, p in student.named_parameters()}
+    student.zero_grad()
+    finals = FinalHidden(student, "student"), FinalHidden(teacher, "teacher")
+    student(input_ids=ids, logits_to_keep=1)
+    with torch.no_grad():
+        teacher(input_ids=ids, logits_to_keep=1)
+    for chunk in (7, 51, 1000):  # chunks crossing sequences, exactly the batch, larger than it
+        if chunk != 7:
+            student.zero_grad()
+            student(input_ids=ids, logits_to_keep=1)
+            with torch.no_grad():
+                teacher(input_ids=ids, logits_to_keep=1)
+        cfg_c = Loss(kl=1.0, ce=0.5, temperature=2.0, chunk_tokens=chunk)
+        chunked = (finals[0].take(), finals[0].head, finals[1].take(), finals[1].head)
+        terms = heal_loss(cfg_c, None, None, ids, student, chunked=chunked)
+        for key in ("kl", "ce", "loss"):
+            torch.testing.assert_close(terms[key], whole[key].float(), rtol=1e-6, atol=1e-9)
+        terms["loss"].backward()
+        for name, p in student.named_parameters():
+            torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_run_with_chunked_logits_matches_one_without(capsys, tiny, tmp_path):
+    """The same recipe with loss.chunk_tokens trains to the same losses (the logits are formed in
+    pieces, the arithmetic is the same)."""
+    (tmp_path / "train.txt").write_text("chunks of logits add up to the same loss. " * 400)
+    (tmp_path / "held.txt").write_text("held out words for the evaluation. " * 100)
+    runs = []
+    for chunk in (0, 40):
+        out = tmp_path / f"out{chunk}"
+        code, _, err = run_cli(capsys, "finetune", "heal-gqa", "-o", out, f"student.model={tiny('llama')}",
+                               f"data.sources=[{tmp_path / 'train.txt'}]", "data.seq_len=32", "train.batch_size=2",
+                               "train.max_steps=2", f"eval.corpora=[{tmp_path / 'held.txt'}]", "eval.seq_len=32",
+                               "eval.tokens=64", "checkpoint.every=2", "loss.ce=0.5", f"loss.chunk_tokens={chunk}")
+        assert code in (0, None), err
+        runs.append([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+                     if json.loads(line)["kind"] == "train"])
+    for a, b in zip(*runs):
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-4) and a["ce"] == pytest.approx(b["ce"], rel=1e-4)

@@ -114,6 +114,10 @@ class Loss(_Section):
     ce: float = Field(0.0, ge=0, description="weight of next-token cross-entropy")
     attn_out: float = Field(0.0, ge=0, description="weight of the per-layer attention-output error against the teacher")
     aux_weight: float = Field(1.0, ge=0, description="weight of conversion-specific terms (effattn_aux_loss)")
+    chunk_tokens: int = Field(0, ge=0, description="compute the logits, KL and CE this many tokens at a time from "
+                                                   "the final hidden states, recomputing each chunk in the backward "
+                                                   "pass, so memory does not grow with batch x seq_len x vocab (0: "
+                                                   "the whole micro-batch at once)")
 
     @model_validator(mode="after")
     def _something_to_learn(self):

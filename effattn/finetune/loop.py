@@ -49,7 +49,7 @@ from ..killpoints import kill_point
 from .config import Optimizer, Recipe, Schedule, Student, Train
 from .data import BlockStream, check_disjoint, read_sources, training_blocks
 from .heldout import evaluate_student, held_out_sets, score_teacher
-from .losses import AttentionOutputs, heal_loss
+from .losses import AttentionOutputs, FinalHidden, heal_loss
 from .params import conversion_modules, count_params, native, select_trainable
 from .report import finetune_card, plot_curves
 from .state import MetricsLog, RunFolder, decide_start, read_state, save_checkpoint
@@ -189,21 +189,36 @@ def teacher_forward(teacher, ids: torch.Tensor, *, logits: bool) -> torch.Tensor
 
 def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.Tensor],
                    recipe: Recipe, hooks: tuple[AttentionOutputs, AttentionOutputs] | None = None,
+                   finals: tuple[FinalHidden, FinalHidden | None] | None = None,
                    ) -> tuple[dict[str, torch.Tensor], float | None]:
     """One optimizer step over micro-batches [B, T] of this process: forward, loss, backward,
     (gradients all-reduced on the last one), clip, update. Returns the loss terms averaged over the
     micro-batches, and the gradient norm before clipping. hooks: (student, teacher) attention-output
-    hooks, for loss.attn_out."""
+    hooks, for loss.attn_out; finals: (student, teacher) final-norm hooks, for loss.chunk_tokens (the
+    models then project only their last position, through the wrapper so DDP sees the forward)."""
     sums: dict[str, torch.Tensor] = {}
     grad_norm = None
     for ids in batches:
         ids = ids.to(accelerator.device)
         with accelerator.accumulate(model):  # no all-reduce until the last micro-batch; loss / grad_accum
             with accelerator.autocast():
-                logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
-                teacher_logits = teacher_forward(teacher, ids, logits=recipe.loss.kl > 0)
+                chunked = None
+                if finals is not None:
+                    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                    logits = teacher_logits = None
+                    teacher_hidden = None
+                    if teacher is not None and recipe.loss.kl > 0:
+                        with torch.no_grad():
+                            teacher(input_ids=ids, use_cache=False, logits_to_keep=1)
+                        teacher_hidden = finals[1].take()
+                    elif teacher is not None:
+                        teacher_forward(teacher, ids, logits=False)
+                    chunked = (finals[0].take(), finals[0].head, teacher_hidden, finals[1] and finals[1].head)
+                else:
+                    logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+                    teacher_logits = teacher_forward(teacher, ids, logits=recipe.loss.kl > 0)
                 attention = None if hooks is None else (hooks[0].take(), hooks[1].take())
-                terms = heal_loss(recipe.loss, logits, teacher_logits, ids, model, attention)
+                terms = heal_loss(recipe.loss, logits, teacher_logits, ids, model, attention, chunked)
             accelerator.backward(terms["loss"])
             if accelerator.sync_gradients and recipe.train.max_grad_norm:
                 grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), recipe.train.max_grad_norm))
@@ -370,6 +385,10 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     hooks = None
     if recipe.loss.attn_out > 0:  # resolve_teacher gave a teacher
         hooks = (AttentionOutputs(accelerator.unwrap_model(model), "student"), AttentionOutputs(teacher, "teacher"))
+    finals = None
+    if recipe.loss.chunk_tokens and (recipe.loss.kl > 0 or recipe.loss.ce > 0):
+        finals = (FinalHidden(accelerator.unwrap_model(model), "student"),
+                  FinalHidden(teacher, "teacher") if use_teacher and recipe.loss.kl > 0 else None)
     task = progress.add_task("healing", total=steps, completed=step, loss=float("nan"), tok_s=0.0) if (progress and main) else None
     last_saved = step if start.checkpoint is not None else None
     session_t0, session_tokens = time.perf_counter(), 0
@@ -377,7 +396,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
         t0 = time.perf_counter()
         batches = [stream.take(samples + (micro * world + rank) * B, B) for micro in range(accum)]  # accum x (B, T)
         sums, grad_norm = optimizer_step(accelerator, model, teacher if use_teacher else None, optimizer, batches,
-                                         recipe, hooks)
+                                         recipe, hooks, finals)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         sync_conversion_buffers(conv_modules, accelerator)
@@ -407,7 +426,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
             last_saved = step
 
     # -- the end: evaluate, checkpoint, write the model -------------------------------------------
-    for hook in hooks or ():
+    for hook in (*(hooks or ()), *(f for f in finals or () if f is not None)):
         hook.remove()
     final_eval = None
     if main:

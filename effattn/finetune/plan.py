@@ -7,7 +7,8 @@ estimates:
   memory per process = student fp32 weights + gradients and optimizer state of the trainable
                        parameters + teacher weights + activations of one micro-batch
                        (per layer ~(12*hidden + 4*intermediate) values per token, the attention
-                       probabilities, and ~6 copies of the [B, T, vocab] logits for the KL)
+                       probabilities, and ~6 copies of the [B, T, vocab] logits for the KL, or
+                       of [loss.chunk_tokens, vocab] when the logits are formed in chunks)
   time               = matmul FLOPs per step (student forward 2N, backward 2N + 2N_trainable per
                        token; teacher forward 2N) / (this device's measured matmul FLOP/s x an
                        efficiency calibrated on SmolLM2-135M here), plus the evaluations
@@ -82,7 +83,8 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
             "gradients_and_optimizer": trainable * (4 + optimizer_bytes),
             "teacher_weights": teacher_params * DTYPES[TEACHER_DTYPE[recipe.train.precision]].itemsize,
             "activations": B * T * layers * (12 * hidden + 4 * inter) * act_bytes + B * heads * T * T * act_bytes * 2
-                           + B * T * vocab * 4 * LOGIT_COPIES,
+                           + min(B * T, recipe.loss.chunk_tokens or B * T) * vocab * 4 * LOGIT_COPIES
+                           + (B * T * hidden * 4 * 2 if recipe.loss.chunk_tokens else 0),  # the kept final states
         }
         memory["runtime"] = RUNTIME_BYTES
         memory["total"] = sum(memory.values())
