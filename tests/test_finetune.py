@@ -504,3 +504,25 @@ def test_a_run_with_chunked_logits_matches_one_without(capsys, tiny, tmp_path):
                      if json.loads(line)["kind"] == "train"])
     for a, b in zip(*runs):
         assert a["kl"] == pytest.approx(b["kl"], rel=1e-4) and a["ce"] == pytest.approx(b["ce"], rel=1e-4)
+
+
+@pytest.mark.parametrize("to,options", [("swa", {"window": 8, "sinks": 2}),
+                                        ("vq", {"window": 8, "codebook_size": 16, "calib_tokens": 1024}),
+                                        ("sparse", {"pattern": "longformer", "window": 8, "kernel": "naive"})],
+                         ids=["sinks", "vq", "sparse"])
+def test_effattn_models_give_their_final_states_for_chunked_logits(tiny, tmp_path, to, options):
+    """loss.chunk_tokens on effattn's own models: the final norm's output, projected by the output
+    embeddings, is exactly the logits of a full forward, while the forward itself projects one position."""
+    from effattn.finetune.losses import FinalHidden
+    from effattn.io.load import load_model
+
+    out = convert(tiny("llama"), tmp_path / to, to=to, options=options, measure=False).out
+    model, _, _ = load_model(out)
+    finals = FinalHidden(model, "student")
+    ids = torch.randint(0, 200, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        last = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+        hidden = finals.take()
+        full = model(input_ids=ids, use_cache=False).logits
+    assert last.shape[1] == 1 and hidden.shape[:2] == ids.shape
+    torch.testing.assert_close(finals.head(hidden), full, rtol=0, atol=0)
