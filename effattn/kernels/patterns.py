@@ -275,7 +275,7 @@ def _strided(q, k, v, pattern: Pattern, scale: float, compiled: bool) -> torch.T
     zeros, ones = v32.new_zeros(*v32.shape[:-1], 1), v32.new_ones(*v32.shape[:-1], 1)
     values = torch.cat((torch.cat((v32, zeros), -1), torch.cat((torch.zeros_like(v32), ones), -1)), 2)
 
-    def part(qq, kk, vv, mask):  # -> (A / w0, Z / w0) of the part, where o = [A, w0] / (Z + w0)
+    def part(qq, kk, vv, mask):  # o = [A, w0] / (Z + w0) -> (A / w0, Z / w0, w0 / (Z + w0)) of the part
         o = _flex(qq, torch.cat((kk, kk), 2), vv, mask, scale, compiled)
         w = o[..., -1:]
         return o[..., :-1] / w, 1 / w - 1, w
