@@ -206,13 +206,8 @@ def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.T
                 if finals is not None:
                     model(input_ids=ids, use_cache=False, logits_to_keep=1)
                     logits = teacher_logits = None
-                    teacher_hidden = None
-                    if teacher is not None and recipe.loss.kl > 0:
-                        with torch.no_grad():
-                            teacher(input_ids=ids, use_cache=False, logits_to_keep=1)
-                        teacher_hidden = finals[1].take()
-                    elif teacher is not None:
-                        teacher_forward(teacher, ids, logits=False)
+                    teacher_forward(teacher, ids, logits=False)  # its decoder alone; the final-norm hook keeps its states
+                    teacher_hidden = finals[1].take() if finals[1] is not None else None
                     chunked = (finals[0].take(), finals[0].head, teacher_hidden, finals[1] and finals[1].head)
                 else:
                     logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
