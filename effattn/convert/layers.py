@@ -7,7 +7,8 @@ checkpoint and hands them to the conversion's per-layer function, which returns 
      attention output on the same inputs),
   2. writes the layer's tensors and releases the checkpoint's pages,
   3. propagates the calibration activations through the converted layer: they are layer i+1's inputs.
-Tensors the walk did not write (embeddings, final norm, head) are copied at the end.
+A layer's tensors are exactly those its function returns (a conversion may rename or drop some);
+tensors outside the layers (embeddings, final norm, head) are copied at the end.
 
 On a calibrated run (calib given) the layer function also receives the layer's calibration inputs
 x [N, T, D] (from the converted layers below: each layer is fitted to what the converted model
@@ -82,6 +83,10 @@ class LayerOutput:
     refinable: bool = True  # whether local refinement may train this module's attention
     note: str = ""  # shown in the progress line
     after: Callable[[], None] | None = None  # called once the activations went through `module`
+    # The converted layer's own RoPE tables (cos, sin) where they differ from the original's (a conversion
+    # that changes the rotary dims, e.g. MLA's shared rotary key): propagation and refinement use them.
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    trainable: list[str] | None = None  # parameters of module.self_attn that refinement trains (default q/k/v/o)
 
 
 @torch.no_grad()
@@ -109,8 +114,10 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         tensors = {n: ckpt.get(n) for n in ckpt.names() if n.startswith(prefix)}
         original = factory.layer(layer, tensors, kv_heads) if calib is not None else None
         out = convert_layer(LayerInput(layer, prefix, tensors, factory, calib, x, cos, sin, original))
+        new_rope = out.rope or (cos, sin)
         if refine is not None and out.refinable and out.module is not None:
-            losses.append(refine_layer(out.module, original, x, cos, sin, refine, x0=x0))
+            losses.append(refine_layer(out.module, original, x, cos, sin, refine, x0=x0, trainable=out.trainable,
+                                       converted_rope=out.rope))
             state = out.module.state_dict()
             for name in out.tensors:
                 if name[len(prefix):] in state:
@@ -118,9 +125,10 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         for name, tensor in out.tensors.items():
             writer.write(name, tensor)
             written.add(name)
+        written |= set(tensors)  # the layer's tensors not returned are dropped, not copied
         ckpt.release()
         if x is not None:
-            x = torch.cat([out.module(x[sl], position_embeddings=(cos, sin), **out.forward_kwargs)
+            x = torch.cat([out.module(x[sl], position_embeddings=new_rope, **out.forward_kwargs)
                            for sl in batches(x, calib.batch_size)])
         if x0 is not None:
             x0 = torch.cat([original(x0[sl], position_embeddings=(cos, sin)) for sl in batches(x0, calib.batch_size)])

@@ -62,14 +62,17 @@ def _map(fn, x: torch.Tensor, batch: int) -> torch.Tensor:
 
 def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, settings: RefineSettings, x0: torch.Tensor | None = None,
-                 trainable: list[str] | None = None) -> dict[str, float]:
+                 trainable: list[str] | None = None,
+                 converted_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
     """Train `converted`'s attention parameters in place (see the module docstring); x [N, T, D] are its
     inputs, x0 the original model's activations at this depth (target `stream`). Returns the relative
     squared error over all of x before and after.
 
     trainable: names of `converted.self_attn`'s parameters to train (default: the q/k/v/o
     projections' weights and biases; norms stay as they are).
+    converted_rope: the converted layer's own (cos, sin) where its rotary dims differ from the original's.
     """
+    ccos, csin = converted_rope or (cos, sin)
     batch = settings.batch_size
     with torch.no_grad():
         if settings.target == "stream":
@@ -83,7 +86,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
 
     def error() -> float:
         with torch.no_grad():
-            out = _map(lambda xb: predict(converted, xb, cos, sin), x, batch)
+            out = _map(lambda xb: predict(converted, xb, ccos, csin), x, batch)
             return ((out - targets).pow(2).sum() / scale.clamp_min(1e-30)).item()
 
     before = error()
@@ -98,7 +101,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     for _ in range(settings.steps):
         pick = torch.randint(len(x), (batch,), generator=gen)
         with torch.enable_grad():
-            residual = predict(converted, x[pick], cos, sin) - targets[pick]
+            residual = predict(converted, x[pick], ccos, csin) - targets[pick]
             loss = residual.pow(2).sum(-1).mean() / energy
             loss.backward()
         optimizer.step()

@@ -1,0 +1,172 @@
+"""GQA/MHA -> MLA (native DeepseekV3) on tiny random models: exactness where nothing is approximated,
+the latent cache, cached generation, and the options' checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from effattn.convert import convert
+from effattn.errors import EffattnError
+
+from .conftest import logits_of
+
+IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+CALIB = {"calib_tokens": 1024, "refit_o": False}
+
+
+def _same_keys_in_every_group(folder, kv_heads: int, head_dim: int):
+    """Make every KV head's key projection identical (values stay distinct): the keys then have rank
+    one across heads, so merging them into one rotary key loses nothing."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for tensor in (layer.self_attn.k_proj.weight, layer.self_attn.k_proj.bias):
+                if tensor is not None:
+                    heads = tensor.view(kv_heads, head_dim, *tensor.shape[1:])
+                    heads.copy_(heads[:1].expand_as(heads))
+    model.save_pretrained(folder)
+
+
+def _close(out, src):
+    """The latent RMSNorm is linear within 5e-7 relative (mla.py): logits agree to ~1e-6 of their scale."""
+    a, b = logits_of(out, IDS, torch.float64), logits_of(src, IDS, torch.float64)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_one_kv_head_full_rank_every_frequency_rotary_is_exact(tiny, tmp_path, family):
+    src = tiny(family, heads=6, kv_heads=1, head_dim=8, rms_norm_eps=1e-6)
+    out = convert(src, tmp_path / "out", to="mla", options={"kv_size": 16, "rope_dim": 8} | CALIB, measure=False).out
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"]) == (8, 8, 0)
+    assert config["first_k_dense_replace"] == 2 and config["num_nextn_predict_layers"] == 0
+    assert config["rope_interleave"] is True and config["rms_norm_eps"] == 1e-6
+    assert config["attention_bias"] is (family == "qwen2")  # Qwen2's q/k/v biases are held exactly
+    _close(out, src)
+
+
+def test_gqa_source_with_rank_one_keys_is_exact(tiny, tmp_path):
+    """Three KV heads (distinct values, identical keys): one rotary key holds all keys, the latent (3 x 8)
+    every value head; kv_b expands it to each query head's group."""
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8, rms_norm_eps=1e-6)
+    _same_keys_in_every_group(src, 3, 8)
+    out = convert(src, tmp_path / "out", to="mla", options={"kv_size": 32, "rope_dim": 8} | CALIB, measure=False).out
+    _close(out, src)
+
+
+def test_refit_o_keeps_an_exact_conversion_exact(tiny, tmp_path):
+    src = tiny("llama", heads=6, kv_heads=1, head_dim=8, rms_norm_eps=1e-6)
+    out = convert(src, tmp_path / "out", to="mla", options={"kv_size": 16, "rope_dim": 8, "calib_tokens": 1024},
+                  measure=False).out
+    a, b = logits_of(out, IDS, torch.float64), logits_of(src, IDS, torch.float64)
+    # the ridge pulls towards the exact o_proj, and least squares on exact heads finds it again
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-3 * b.abs().max().item())
+
+
+def test_partial_rope_approximation_and_the_latent_cache(tiny, tmp_path):
+    """The lossy default split: the cache really is the latent (measured from transformers' cache), and
+    cached decoding equals the full forward."""
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=16, rms_norm_eps=1e-5, layers=2)
+    out = convert(src, tmp_path / "out", to="mla", options={"kv_size": 32, "calib_tokens": 1024}, measure=False).out
+    config = json.loads((out / "config.json").read_text())
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 32
+    assert config["qk_rope_head_dim"] == 8  # half the head's frequencies stay rotary
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    from effattn.evaluate import tensor_bytes
+
+    with torch.no_grad():
+        full = model(input_ids=IDS[:1]).logits
+        cache_out = model(input_ids=IDS[:1, :16], use_cache=True)
+        assert tensor_bytes(cache_out.cache) == 2 * 16 * 32 * 4  # layers x tokens x (latent + rotary) x fp32
+        cache, steps = cache_out.cache, [cache_out.logits]
+        for t in range(16, IDS.shape[1]):
+            step = model(input_ids=IDS[:1, t:t + 1], cache=cache, use_cache=True)
+            cache = step.cache
+            steps.append(step.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_low_frequencies_without_rotation_is_the_only_loss_at_full_rank(tiny, tmp_path):
+    """One KV head, a full-rank latent, half the frequencies rotary: what is left is the lowest
+    frequencies' rotation: with theta 1e8 the kept ones turn up to 1 rad per position, the others less
+    than 1e-4 rad per position, so over 24 positions their rotation is negligible."""
+    src = tiny("llama", heads=6, kv_heads=1, head_dim=16, rms_norm_eps=1e-6,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e8})
+    out = convert(src, tmp_path / "out", to="mla", options={"kv_size": 32, "rope_dim": 8} | CALIB, measure=False).out
+    a, b = logits_of(out, IDS), logits_of(src, IDS)
+    assert (a - b).abs().max() < 0.01 * b.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+
+
+def test_rope_frequencies_are_the_sources(tiny, tmp_path):
+    """theta' = theta^(stride*R/F) makes DeepseekV3's rotary frequencies the kept source frequencies, for
+    default and llama3-scaled RoPE."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from effattn.convert.mla import kept_frequencies, mla_rope_parameters
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    for params, stride in (({"rope_type": "default", "rope_theta": 10000.0}, 1), (llama3, 2)):
+        src_cfg = {"rope_parameters": params, "head_dim": 32}
+        rope = mla_rope_parameters(src_cfg, 32, 8, stride)
+        source = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=2, head_dim=32, rope_parameters=params,
+                                      max_position_embeddings=2048)
+        target = AutoConfig.for_model("deepseek_v3", hidden_size=64, num_attention_heads=2, qk_rope_head_dim=8,
+                                      rope_parameters=rope, max_position_embeddings=2048)
+        kind = params["rope_type"]
+        src_freq = (ROPE_INIT_FUNCTIONS[kind](source, "cpu")[0] if kind != "default"
+                    else 1.0 / (params["rope_theta"] ** (torch.arange(0, 32, 2).float() / 32)))
+        if kind == "default":
+            tgt_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 8, 2).double() / 8))
+        else:
+            tgt_freq = ROPE_INIT_FUNCTIONS[kind](target, "cpu")[0]
+        torch.testing.assert_close(tgt_freq.double(), src_freq[kept_frequencies(32, 8, stride)].double(), rtol=1e-5, atol=0)
+
+
+def test_bad_options_are_one_line_errors(tiny, tmp_path):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    bad = [({}, "--kv-size is required"),
+           ({"kv_size": 16, "kv_rank": 4, "rope_dim": 8}, "not --kv-size"),
+           ({"kv_size": 16, "rope_dim": 7}, "must be even"),
+           ({"kv_size": 8, "rope_dim": 8}, "leaves no latent"),
+           ({"kv_size": 200}, "more than the non-rotary keys and values hold"),
+           ({"kv_size": 12, "rope_dim": 8, "rope_stride": 2}, "--rope-stride 2"),
+           ({"kv_size": 16, "calib": "shakespeare"}, "evaluation corpus")]
+    for options, message in bad:
+        with pytest.raises(EffattnError, match=message):
+            convert(src, tmp_path / "out", to="mla", options=options, measure=False, dry_run=True)
+    with pytest.raises(EffattnError, match="float16"):
+        convert(src, tmp_path / "out", to="mla", options={"kv_size": 16}, dtype="float16", measure=False, dry_run=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_qwen3_per_head_norms_are_fitted_by_least_squares(tiny, tmp_path):
+    """Qwen3's q_norm/k_norm are not linear: q_proj and kv_a_proj are fitted from the layer inputs. With
+    one KV head, every frequency rotary and a full-rank latent, the fit is the only approximation."""
+    src = tiny("qwen3", heads=6, kv_heads=1, head_dim=8, rms_norm_eps=1e-6)
+    out = convert(src, tmp_path / "out", to="mla", options={"kv_size": 16, "rope_dim": 8, "calib_tokens": 8192,
+                                                              "refit_o": False}, measure=False).out
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["q_lora_rank"] is None
+    a, b = logits_of(out, IDS), logits_of(src, IDS)
+    # random 8-dim heads are far from linear under their norms; 21% agreement against 0.4% by chance
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.15
+
+
+def test_least_squares_fit_reproduces_the_composition_without_norms(tiny, tmp_path, monkeypatch):
+    """The fitting path on a family without per-head norms must find the weights the composition gives."""
+    from effattn.families import Family
+
+    src = tiny("llama", heads=6, kv_heads=1, head_dim=8, rms_norm_eps=1e-6)
+    monkeypatch.setattr(Family, "has_qk_norm", property(lambda self: True))
+    out = convert(src, tmp_path / "out", to="mla", options={"kv_size": 16, "rope_dim": 8, "calib_tokens": 8192,
+                                                              "refit_o": False}, measure=False).out
+    a, b = logits_of(out, IDS, torch.float64), logits_of(src, IDS, torch.float64)
+    assert (a - b).abs().max() < 2e-3 * b.abs().max()
