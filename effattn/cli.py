@@ -279,7 +279,9 @@ def eval_(
     attn_implementation: Optional[str] = typer.Option(None, "--attn-implementation",
                                                       help="MODEL's attention kernel in transformers: sdpa (default), "
                                                            "flex_attention (block-sparse: a sliding window skips the "
-                                                           "blocks outside it), eager; native models only"),
+                                                           "blocks outside it), eager; native models only. An MLA "
+                                                           "model runs effattn's absorbed latent attention unless "
+                                                           "one is named (sdpa: transformers' path)"),
 ):
     """Perplexity, agreement and KL against a baseline, measured KV bytes/token, prefill/decode speed;
     or (--task passkey|needle) long-context retrieval accuracy over lengths x depths."""

@@ -170,3 +170,36 @@ def test_least_squares_fit_reproduces_the_composition_without_norms(tiny, tmp_pa
                                                               "refit_o": False}, measure=False).out
     a, b = logits_of(out, IDS, torch.float64), logits_of(src, IDS, torch.float64)
     assert (a - b).abs().max() < 2e-3 * b.abs().max()
+
+
+def test_absorbed_decode_equals_transformers_path(tiny, tmp_path):
+    """effattn's absorbed attention (scores in latent space) against transformers' DeepseekV3 path:
+    one forward, a chunked prefill after a cached prefix, token-by-token decoding and generate()."""
+    from effattn.attention.mla import absorb
+    from effattn.io.load import load_model
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=16, rms_norm_eps=1e-5)
+    out = convert(src, tmp_path / "out", to="mla", options={"kv_size": 40, "calib_tokens": 1024}, measure=False).out
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        expected = model.generate(ids[:, :10], attention_mask=torch.ones(2, 10, dtype=torch.long), max_new_tokens=12,
+                                  do_sample=False)
+        assert absorb(model) == 2
+        torch.testing.assert_close(model(input_ids=ids).logits, reference, rtol=1e-10, atol=1e-10)
+        first = model(input_ids=ids[:, :20], use_cache=True)
+        chunk = model(input_ids=ids[:, 20:30], cache=first.cache, use_cache=True)
+        cache, parts = chunk.cache, [first.logits, chunk.logits]
+        for t in range(30, 40):
+            step = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
+            cache = step.cache
+            parts.append(step.logits)
+        torch.testing.assert_close(torch.cat(parts, dim=1), reference, rtol=1e-10, atol=1e-10)
+        assert torch.equal(model.generate(ids[:, :10], attention_mask=torch.ones(2, 10, dtype=torch.long),
+                                          max_new_tokens=12, do_sample=False), expected)
+    loaded, _, _ = load_model(out)  # effattn loads MLA models with the absorbed attention
+    assert loaded.model.layers[0].self_attn.forward.__func__.__name__ == "_absorbed_forward"
+    native, _, _ = load_model(out, attn_implementation="sdpa")
+    assert not hasattr(native.model.layers[0].self_attn.forward, "__func__") or \
+        native.model.layers[0].self_attn.forward.__func__.__name__ != "_absorbed_forward"

@@ -62,7 +62,9 @@ def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", t
     """(model, tokenizer, ref) for a MODEL argument, in eval mode. The tokenizer is MODEL's
     (tokenizer=True), another folder's or MODEL argument's (a path or name), or None (False).
     `attn_implementation` picks transformers' attention kernel (sdpa by default; flex_attention runs a
-    sliding window block-sparse; eager) for native architectures; effattn's own models keep theirs."""
+    sliding window block-sparse; eager) for native architectures; effattn's own models keep theirs. An
+    MLA model (DeepseekV3 with a latent cache) runs effattn's absorbed attention (attention/mla.py)
+    unless a kernel is named: `sdpa` then gives transformers' own path, which re-expands the cache."""
     from transformers import AutoModelForCausalLM
 
     import effattn.attention  # noqa: F401 - registers effattn's own model classes with transformers
@@ -98,6 +100,10 @@ def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", t
         raise EffattnError(f"transformers could not load {ref.display} ({type(exc).__name__}: {str(exc)[:200]})",
                            "check the checkpoint is complete and matches its config.json") from exc
     lm.to(device).eval()
+    from ..attention.mla import absorb, is_mla
+
+    if is_mla(lm) and attn_implementation is None:  # MLA decodes in latent space unless a kernel was asked for
+        absorb(lm)
     if tokenizer is False:
         return lm, None, ref
     return lm, load_tokenizer(ref if tokenizer is True else tokenizer, trust_remote_code=trust_remote_code), ref

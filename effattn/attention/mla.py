@@ -1,0 +1,85 @@
+"""Absorbed MLA attention for transformers' DeepseekV3: scores and values in latent space.
+
+transformers' DeepseekV3Attention caches the latent c (after kv_a_layernorm) and the rotated shared
+key k_rot, then at every step re-expands the whole cache through kv_b_proj into per-head keys and
+values: S x kv_lora_rank x H x (nope + v) multiply-adds per layer and step, growing with the context.
+Absorbing the up-projections removes that:
+
+    score_h(t, s) = q_nope_h(t) . (W_uk_h c_s) + q_rot_h(t) . k_rot_s
+                  = (W_uk_hᵀ q_nope_h(t)) . c_s + q_rot_h(t) . k_rot_s      (query absorbs W_uk)
+    out_h(t)      = sum_s p_h(t, s) W_uv_h c_s = W_uv_h sum_s p_h(t, s) c_s   (o_proj side absorbs W_uv)
+
+so attention runs as multi-query attention with one shared key [c, k_rot] (kv_lora_rank +
+qk_rope_head_dim numbers) and one shared value c, exactly the cache, and each head's latent output is
+expanded once per query token. The cache object and its contents are transformers' own (same layout),
+so `generate`, cache reuse and `effattn eval`'s measured cache bytes are unchanged.
+
+`absorb(model)` switches every DeepseekV3 attention module of a loaded model to this forward; the
+maths is transformers' up to the order of the sums (tests/test_mla.py compares them).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+def _absorbed_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
+
+    if "past_key_values" in kwargs and cache is None:  # the deprecated name
+        cache = kwargs.pop("past_key_values")
+    B, T = hidden_states.shape[:-1]
+    H, dn, dr, dv, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(B, T, H, dn + dr).transpose(1, 2)  # (B, H, T, dn + dr)
+    q_pass, q_rot = torch.split(q, [dn, dr], dim=-1)
+    kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [r, dr], dim=-1)
+    kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, T, r)
+    k_rot = k_rot.view(B, 1, T, dr)
+    cos, sin = position_embeddings
+    rope = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
+    q_rot, k_rot = rope(q_rot, k_rot, cos, sin)
+    if cache is not None:
+        kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
+    w = self.kv_b_proj.weight.view(H, dn + dv, r)
+    w_uk, w_uv = w[:, :dn], w[:, dn:]  # (H, dn, r), (H, dv, r)
+    q_lat = torch.einsum("bhtd,hdr->bhtr", q_pass, w_uk)  # the query absorbs the key up-projection
+    query = torch.cat([q_lat, q_rot], dim=-1)  # (B, H, T, r + dr)
+    key = torch.cat([kv_nope, k_rot], dim=-1)  # (B, 1, S, r + dr): the cache itself
+    S = key.shape[2]
+    mask = None
+    if attention_mask is not None and attention_mask.dim() == 4:
+        mask = attention_mask[:, :, :, :S]
+        if mask.dtype != torch.bool and mask.dtype != query.dtype:
+            mask = mask.to(query.dtype)
+    causal = mask is None and T > 1
+    if causal and S != T:  # a chunk after a cached prefix: causal with the offset
+        mask = torch.ones(T, S, dtype=torch.bool, device=query.device).tril(S - T)
+        causal = False
+    ctx = F.scaled_dot_product_attention(query, key, kv_nope, attn_mask=mask, is_causal=causal, scale=self.scaling,
+                                         enable_gqa=True)  # (B, H, T, r)
+    out = torch.einsum("bhtr,hvr->bthv", ctx, w_uv).reshape(B, T, H * dv)  # o_proj side absorbs W_uv
+    return self.o_proj(out), None
+
+
+def is_mla(model) -> bool:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) in ("deepseek_v3", "deepseek_v2") and bool(getattr(config, "kv_lora_rank", None))
+
+
+def absorb(model) -> int:
+    """Switch every DeepseekV3 attention module of `model` to the absorbed forward; returns how many."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, DeepseekV3Attention):
+            module.forward = types.MethodType(_absorbed_forward, module)
+            count += 1
+    return count
