@@ -10,7 +10,7 @@ with `effattn eval MODEL --baseline llama --corpus shakespeare,britannica,python
   k192         --kv-size 192 (latent 160 + rotary 32), half the cache
   k128-rN      --kv-size 128 --rope-dim N (other splits)
   k128-s2      --kv-size 128 --rope-stride 2
-  k128-bal     --kv-size 128 --latent-fit balanced (TransMLA's K/V-balanced PCA)
+  k128-weighted --kv-size 128 --latent-fit weighted (instead of the default, balanced)
   k128-norefit --kv-size 128 --no-refit-o
   k128-ref30   --kv-size 128 --refine-steps 30 --refine-lr 3e-4 --refine-target stream
   ... or any "name=convert options" given as NAME=--kv-size 128 --rope-dim 24
@@ -38,7 +38,7 @@ from benchmarks._util import ROOT, converted, effattn_cmd, machine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "mla.json"
 VARIANTS = {"k128": "--kv-size 128", "k192": "--kv-size 192", "k128-s2": "--kv-size 128 --rope-stride 2",
-            "k128-bal": "--kv-size 128 --latent-fit balanced", "k128-norefit": "--kv-size 128 --no-refit-o",
+            "k128-weighted": "--kv-size 128 --latent-fit weighted", "k128-norefit": "--kv-size 128 --no-refit-o",
             "k128-ref30": "--kv-size 128 --refine-steps 30 --refine-lr 3e-4 --refine-target stream",
             "k192-ref30": "--kv-size 192 --refine-steps 30 --refine-lr 3e-4 --refine-target stream"}
 

@@ -203,3 +203,34 @@ def test_absorbed_decode_equals_transformers_path(tiny, tmp_path):
     native, _, _ = load_model(out, attn_implementation="sdpa")
     assert not hasattr(native.model.layers[0].self_attn.forward, "__func__") or \
         native.model.layers[0].self_attn.forward.__func__.__name__ != "_absorbed_forward"
+
+
+def test_the_heal_mla_recipe_trains_around_a_frozen_latent_projection(capsys, tiny, tmp_path):
+    """`effattn finetune heal-mla`: convert, distil, write a native DeepseekV3 whose kv_a_proj (scaled for
+    the linear latent norm) did not move while q/kv_b/o and the MLPs trained."""
+    from safetensors.torch import load_file
+
+    from .test_cli_errors import run_cli
+
+    (tmp_path / "train.txt").write_text("a latent cache learns what the heads need to keep. " * 400)
+    (tmp_path / "held.txt").write_text("held out words for the evaluation. " * 100)
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=16, layers=2)
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "finetune", "heal-mla", "-o", out, f"student.model={src}",
+                           "student.convert.kv_size=32", "student.convert.calib_tokens=1024",
+                           f"data.sources=[{tmp_path / 'train.txt'}]", "data.seq_len=64", "train.max_steps=2",
+                           f"eval.corpora=[{tmp_path / 'held.txt'}]", "eval.seq_len=64", "eval.tokens=128",
+                           "eval.every=2", "checkpoint.every=2")
+    assert code in (0, None), err
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["kv_lora_rank"] + config["qk_rope_head_dim"] == 32
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if s["kind"] == "train"] == [1, 2]
+    student = convert(src, tmp_path / "student", to="mla", options={"kv_size": 32, "calib_tokens": 1024},
+                      measure=False).out  # the conversion is deterministic: the student as it started
+    before = {k: v for f in student.glob("*.safetensors") for k, v in load_file(f).items()}
+    after = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    for name in before:
+        if "kv_a_" in name:
+            assert torch.equal(before[name], after[name]), name
+    assert any(not torch.equal(before[n], after[n]) for n in before if "kv_b_proj" in n)

@@ -68,6 +68,16 @@ def _absorbed_forward(self, hidden_states, position_embeddings, attention_mask=N
     return self.o_proj(out), None
 
 
+# Parameters of an effattn MLA model that training must not move: kv_a_proj's latent rows (and the low-rank
+# query path's q_a_proj) are scaled down so far that their RMSNorm stays linear (convert/mla.py); an
+# optimizer step of any usual learning rate is orders of magnitude larger than those weights.
+FROZEN_IN_TRAINING = ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj", "q_a_layernorm")
+
+
+def frozen_in_training(name: str) -> bool:
+    return any(f".{part}." in f".{name}" for part in FROZEN_IN_TRAINING)
+
+
 def is_mla(model) -> bool:
     config = getattr(model, "config", None)
     return getattr(config, "model_type", None) in ("deepseek_v3", "deepseek_v2") and bool(getattr(config, "kv_lora_rank", None))

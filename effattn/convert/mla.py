@@ -23,10 +23,10 @@ headmerge.py), hidden size D.
 2. **Latent.** The other frequencies' key dims of every KV head (used without rotation: they are the
    lowest frequencies, whose rotation over the distances that matter is small) and every value head
    are stacked, x_nr = [k_nope(g) ..., v(g) ...], and compressed jointly to `kv_rank` numbers by PCA
-   of calibration activations, layer by layer. `--latent-fit weighted` (default) weighs each part by
-   what its error costs downstream -- key dims by the energy of the queries that read them (logit
-   error), value dims by o_proj (output error) -- and balances the two parts' energies;
-   `balanced` is TransMLA's plain PCA with K/V norms balanced.
+   of calibration activations, layer by layer. `--latent-fit balanced` (default) is TransMLA's plain
+   PCA with the K and V parts' energies balanced; `weighted` weighs each part by what its error costs
+   downstream -- key dims by the energy of the queries that read them (logit error), value dims by
+   o_proj (output error) -- then balances; measured worse on held-out code (BENCHMARKS.md).
 3. **The latent RMSNorm.** DeepseekV3 always normalises the latent (`kv_a_layernorm`) before caching
    it. An RMSNorm whose eps dominates the mean square of its input is linear:
    w * x / sqrt(ms(x) + eps) ~ w * x / sqrt(eps). kv_a_proj's latent rows are scaled down by s so
@@ -93,9 +93,9 @@ class MLAOptions(ConversionOptions):
                                                          "default: half of head_dim, or what kv_size leaves")
     rope_stride: int = Field(1, ge=1, description="keep every k-th RoPE frequency rotary, from the highest (1: the "
                                                   "rope_dim/2 highest; DeepseekV3 needs a geometric progression)")
-    latent_fit: Literal["weighted", "balanced"] = Field(
-        "weighted", description="latent PCA: weighted (key dims by query energy, values by o_proj, parts balanced) "
-                                "or balanced (TransMLA: K/V norms balanced)")
+    latent_fit: Literal["balanced", "weighted"] = Field(
+        "balanced", description="latent PCA: balanced (TransMLA: K/V norms balanced; measured best) or weighted "
+                                "(key dims by query energy, values by o_proj, parts balanced)")
     calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file")
     calib_tokens: int = Field(16384, ge=1, description="calibration tokens")
     refit_o: bool = Field(True, description="refit o_proj by ridge least squares on calibration activations (the "
@@ -539,6 +539,8 @@ class MLAConversion:
             tensors[name] = refit_o(module, layer.original, layer.x, layer.cos, layer.sin, plan.state["target_rope"], calib)
             module.self_attn.o_proj.weight.data = tensors[name]
         return LayerOutput(tensors, module=module, rope=plan.state["target_rope"],
-                           trainable=[n for n in ("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
-                                                  "kv_b_proj.weight", "o_proj.weight") if n in dict(module.self_attn.named_parameters())],
+                           # kv_a_proj's latent rows are scaled to ~1e-9 (the linear-regime norm): an Adam step of
+                           # lr would wreck them, so refinement trains the maps around the cache (frozen_in_training)
+                           trainable=[n for n in ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")
+                                      if n in dict(module.self_attn.named_parameters())],
                            note=f"latent {kv_rank} + rotary {rope_dim}")

@@ -1,6 +1,6 @@
 """What trains (recipe `train.params`): everything, the attention only, or LoRA adapters.
 
-  all        every parameter
+  all        every parameter (an MLA model's latent projection excepted: attention/mla.py)
   attention  each layer's attention module (the family's q/k/v/o projections, norms, and whatever a
              conversion put there), plus every module that exposes `effattn_aux_loss`
   lora       peft LoRA adapters on `train.lora.target_modules` (+ the conversion modules as above);
@@ -26,7 +26,12 @@ def conversion_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _attention_pattern(model: torch.nn.Module) -> re.Pattern:
     """Matches parameter names inside any layer's attention module, e.g. model.layers.3.self_attn."""
-    family = family_for(model.config.to_dict())
+    try:
+        family = family_for(model.config.to_dict())
+    except EffattnError:  # a native output of a conversion (e.g. MLA's DeepseekV3) keeps the Llama-style layout
+        from ..families import Family
+
+        family = Family("native", ())
     attn_module = family.q_proj.rsplit(".", 1)[0]  # "self_attn.q_proj" -> "self_attn"
     layer = re.escape(family.layer).replace(r"\{layer\}", r"\d+")
     return re.compile(rf"(^|\.){layer}{re.escape(attn_module)}\.")
@@ -34,10 +39,18 @@ def _attention_pattern(model: torch.nn.Module) -> re.Pattern:
 
 def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
     """Set requires_grad per `train.params`; returns the model to train (peft-wrapped for lora)."""
+    from ..attention.mla import FROZEN_IN_TRAINING, is_mla
+
+    mla = is_mla(model)
     if train.params == "all":
         model.requires_grad_(True)
+        _freeze_mla(model, mla)
         return model
     if train.params == "lora":
+        if mla and set(train.lora.target_modules) & set(FROZEN_IN_TRAINING):
+            raise EffattnError(f"train.lora.target_modules includes {sorted(set(train.lora.target_modules) & set(FROZEN_IN_TRAINING))}, "
+                               "which an MLA model keeps frozen (its latent projection is scaled to keep the latent "
+                               "norm linear)", "target q_proj, kv_b_proj, o_proj and the MLP instead")
         model = _with_lora(model, train)
     else:
         pattern = _attention_pattern(model)
@@ -45,10 +58,22 @@ def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
             p.requires_grad_(bool(pattern.search(name)))
     for module in conversion_modules(model):
         module.requires_grad_(True)
+    _freeze_mla(model, mla)
     if not any(p.requires_grad for p in model.parameters()):
         raise EffattnError(f"train.params={train.params} selects no parameters of this model",
                            "use train.params=all, or check train.lora.target_modules")
     return model
+
+
+def _freeze_mla(model: torch.nn.Module, mla: bool) -> None:
+    """An MLA model's latent projection stays as converted (attention/mla.py: FROZEN_IN_TRAINING)."""
+    if not mla:
+        return
+    from ..attention.mla import frozen_in_training
+
+    for name, p in model.named_parameters():
+        if frozen_in_training(name):
+            p.requires_grad_(False)
 
 
 def _with_lora(model: torch.nn.Module, train: Train) -> torch.nn.Module:
