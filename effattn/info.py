@@ -17,14 +17,15 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)
     verify_checkpoint(ckpt)
-    family = family_for(ckpt.config)
+    mla = bool(ckpt.config.get("kv_lora_rank"))
+    family = family_for(ckpt.config) if not mla else None
     shape = AttentionShape.of(ckpt.config)
     dtype = ckpt.dtype
     per_token = kv_bytes_per_token(ckpt.config, dtype)
     info = {
         "model": ref.display,
         "path": str(ref.path),
-        "family": family.name,
+        "family": family.name if family else ckpt.config.get("model_type"),
         "architecture": (ckpt.config.get("architectures") or ["?"])[0],
         "layers": shape.layers,
         "hidden_size": shape.hidden,
@@ -32,7 +33,7 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
         "kv_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
         "attention": "MHA" if shape.kv_heads == shape.heads else ("MQA" if shape.kv_heads == 1 else f"GQA (group {shape.group})"),
-        "qk_norm": family.has_qk_norm,
+        "qk_norm": family.has_qk_norm if family else False,
         "rope": rope_settings(ckpt.config),
         "max_position_embeddings": ckpt.config.get("max_position_embeddings"),
         "trained_length": trained_length(ckpt.config),
@@ -52,7 +53,15 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
                                     f"{shape.layers} layers: those layers' cache stops growing there")
     from .models import model_spec
 
-    if model_spec(ckpt.config.get("model_type")):
+    if mla:
+        c = ckpt.config
+        info["attention"] = (f"MLA: latent {c['kv_lora_rank']} + shared rotary key {c['qk_rope_head_dim']} per token and "
+                             f"layer; per-head keys {c.get('qk_nope_head_dim', 0)} + {c['qk_rope_head_dim']}, values "
+                             f"{c.get('v_head_dim')}")
+        info["kv_heads"] = "latent"
+        info["conversions"] = {"-": "an MLA model: effattn converts from GQA/MHA families; convert the model it came "
+                                    "from (see its effattn.json)"}
+    elif model_spec(ckpt.config.get("model_type")):
         info["conversions"] = {"-": "an effattn model: convert the model it came from (see its effattn.json)"}
     if context:
         info["context"] = context

@@ -89,6 +89,10 @@ def test_partial_rope_approximation_and_the_latent_cache(tiny, tmp_path):
             cache = step.cache
             steps.append(step.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+    from effattn.info import inspect_model
+
+    info = inspect_model(str(out))  # inspect reads the latent cache from the config
+    assert info["kv_bytes_per_token"] == 2 * 32 * 4 and info["attention"].startswith("MLA: latent 24 + shared rotary key 8")
 
 
 def test_low_frequencies_without_rotation_is_the_only_loss_at_full_rank(tiny, tmp_path):

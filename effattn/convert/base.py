@@ -116,7 +116,10 @@ def layer_bytes(ckpt: Checkpoint, family: Family) -> int:
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype: torch.dtype) -> float:
-    """KV bytes per token a standard cache needs for this config (keys + values, every layer)."""
+    """KV bytes per token a standard cache needs for this config (keys + values, every layer); an MLA
+    config (kv_lora_rank) caches its latent and its shared rotary key."""
+    if config.get("kv_lora_rank"):
+        return config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * dtype.itemsize
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
