@@ -1,4 +1,4 @@
-"""Absorbed MLA attention for transformers' DeepseekV3: scores and values in latent space.
+"""Absorbed MLA decoding for transformers' DeepseekV3: scores and values in latent space.
 
 transformers' DeepseekV3Attention caches the latent c (after kv_a_layernorm) and the rotated shared
 key k_rot, then at every step re-expands the whole cache through kv_b_proj into per-head keys and
@@ -9,10 +9,12 @@ Absorbing the up-projections removes that:
                   = (W_uk_hᵀ q_nope_h(t)) . c_s + q_rot_h(t) . k_rot_s      (query absorbs W_uk)
     out_h(t)      = sum_s p_h(t, s) W_uv_h c_s = W_uv_h sum_s p_h(t, s) c_s   (o_proj side absorbs W_uv)
 
-so attention runs as multi-query attention with one shared key [c, k_rot] (kv_lora_rank +
+so decoding runs as multi-query attention with one shared key [c, k_rot] (kv_lora_rank +
 qk_rope_head_dim numbers) and one shared value c, exactly the cache, and each head's latent output is
-expanded once per query token. The cache object and its contents are transformers' own (same layout),
-so `generate`, cache reuse and `effattn eval`'s measured cache bytes are unchanged.
+expanded once per query token. A prefill (more than one new token) keeps transformers' path: there,
+expanding the latent once costs less than attention at the latent's width. The cache object and its
+contents are transformers' own (same layout), so `generate`, cache reuse and `effattn eval`'s
+measured cache bytes are unchanged.
 
 `absorb(model)` switches every DeepseekV3 attention module of a loaded model to this forward; the
 maths is transformers' up to the order of the sums (tests/test_mla.py compares them).
@@ -27,17 +29,22 @@ import torch.nn.functional as F
 
 
 def _absorbed_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb, apply_rotary_pos_emb_interleave
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention, apply_rotary_pos_emb,
+                                                                      apply_rotary_pos_emb_interleave)
 
     if "past_key_values" in kwargs and cache is None:  # the deprecated name
         cache = kwargs.pop("past_key_values")
     B, T = hidden_states.shape[:-1]
+    if T > 1:
+        # Prefill: expanding the latent once is cheaper than attention at the latent's width (per-head
+        # score dims qk_head_dim vs kv_lora_rank + qk_rope_head_dim): transformers' own path.
+        return DeepseekV3Attention.forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
     H, dn, dr, dv, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
     if self.q_lora_rank is None:
         q = self.q_proj(hidden_states)
     else:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-    q = q.view(B, T, H, dn + dr).transpose(1, 2)  # (B, H, T, dn + dr)
+    q = q.view(B, T, H, dn + dr).transpose(1, 2)  # (B, H, 1, dn + dr)
     q_pass, q_rot = torch.split(q, [dn, dr], dim=-1)
     kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [r, dr], dim=-1)
     kv_nope = self.kv_a_layernorm(kv_nope).view(B, 1, T, r)
@@ -50,21 +57,19 @@ def _absorbed_forward(self, hidden_states, position_embeddings, attention_mask=N
     w = self.kv_b_proj.weight.view(H, dn + dv, r)
     w_uk, w_uv = w[:, :dn], w[:, dn:]  # (H, dn, r), (H, dv, r)
     q_lat = torch.einsum("bhtd,hdr->bhtr", q_pass, w_uk)  # the query absorbs the key up-projection
-    query = torch.cat([q_lat, q_rot], dim=-1)  # (B, H, T, r + dr)
+    # The H heads fold into the query axis against the one shared key head [c, k_rot]: multi-query
+    # attention as one product. The value is the key itself, its first r numbers the latent (the rotary
+    # tail of the output is dropped): equal q/k/v sizes keep SDPA on its fused CPU kernel (a 96-wide
+    # value beside 128-wide keys fell back to the unfused one, ~6x slower).
+    query = torch.cat([q_lat, q_rot], dim=-1).reshape(B, 1, H, r + dr)
     key = torch.cat([kv_nope, k_rot], dim=-1)  # (B, 1, S, r + dr): the cache itself
-    S = key.shape[2]
     mask = None
     if attention_mask is not None and attention_mask.dim() == 4:
-        mask = attention_mask[:, :, :, :S]
+        mask = attention_mask[:, :, -1:, : key.shape[2]]  # (B, 1, 1, S): padding only, one query position
         if mask.dtype != torch.bool and mask.dtype != query.dtype:
             mask = mask.to(query.dtype)
-    causal = mask is None and T > 1
-    if causal and S != T:  # a chunk after a cached prefix: causal with the offset
-        mask = torch.ones(T, S, dtype=torch.bool, device=query.device).tril(S - T)
-        causal = False
-    ctx = F.scaled_dot_product_attention(query, key, kv_nope, attn_mask=mask, is_causal=causal, scale=self.scaling,
-                                         enable_gqa=True)  # (B, H, T, r)
-    out = torch.einsum("bhtr,hvr->bthv", ctx, w_uv).reshape(B, T, H * dv)  # o_proj side absorbs W_uv
+    ctx = F.scaled_dot_product_attention(query, key, key, attn_mask=mask, scale=self.scaling)[..., :r]  # (B, 1, H, r)
+    out = torch.einsum("bhr,hvr->bhv", ctx[:, 0], w_uv).reshape(B, 1, H * dv)  # o_proj side absorbs W_uv
     return self.o_proj(out), None
 
 

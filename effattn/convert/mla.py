@@ -108,8 +108,8 @@ class MLAOptions(ConversionOptions):
 
 def default_split(kv_size: int, head_dim: int, kv_rank: int | None, rope_dim: int | None) -> tuple[int, int]:
     """(kv_rank, rope_dim) for a cache of kv_size numbers: the given ones, else half the head's
-    frequencies rotary (measured best at SmolLM2's 128 and 192: BENCHMARKS.md), capped so the
-    latent keeps at least half of kv_size."""
+    frequencies rotary (on SmolLM2 at kv_size 128, rope_dim 32 beat 16, 24, 40 and 64: BENCHMARKS.md),
+    capped so the latent keeps at least half of kv_size."""
     if rope_dim is None:
         rope_dim = kv_size - kv_rank if kv_rank is not None else min(head_dim // 2, 2 * (kv_size // 4))
     if kv_rank is None:
