@@ -6,13 +6,13 @@
 quality: each variant is converted once (benchmarks/results/passkey-models/mla-VARIANT) and measured
 with `effattn eval MODEL --baseline llama --corpus shakespeare,britannica,python --max-tokens T
 --no-speed --json` (the GQA table's corpora and 512-token blocks) in a fresh process. Variants:
-  k128         --kv-size 128 (the default split: latent 96 + rotary 32), MQA's cache
-  k192         --kv-size 192 (latent 160 + rotary 32), half the cache
-  k128-rN      --kv-size 128 --rope-dim N (other splits)
-  k128-s2      --kv-size 128 --rope-stride 2
-  k128-weighted --kv-size 128 --latent-fit weighted (instead of the default, balanced)
-  k128-norefit --kv-size 128 --no-refit-o
-  k128-ref30   --kv-size 128 --refine-steps 30 --refine-lr 3e-4 --refine-target stream
+  k128         --kv-size 128 --refine-steps 0 (the default split: latent 96 + rotary 32), MQA's cache
+  k192         --kv-size 192 --refine-steps 0 (latent 160 + rotary 32), half the cache
+  k128-rN      --kv-size 128 --rope-dim N --refine-steps 0 (other splits)
+  k128-s2      --kv-size 128 --rope-stride 2 --refine-steps 0
+  k128-weighted --kv-size 128 --latent-fit weighted --refine-steps 0 (instead of the default, balanced)
+  k128-norefit --kv-size 128 --no-refit-o --refine-steps 0
+  k128-ref30   --kv-size 128 --refine-steps 30 --refine-lr 3e-4 --refine-target stream (the defaults now)
   ... or any "name=convert options" given as NAME=--kv-size 128 --rope-dim 24
 decode: the context (shakespeare, repeated as needed) is prefilled once per model; then `--tokens`
 greedy steps are timed, one token each through the model's cache: the original (SDPA), the MLA model
@@ -37,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._util import ROOT, converted, effattn_cmd, machine  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "mla.json"
-VARIANTS = {"k128": "--kv-size 128", "k192": "--kv-size 192", "k128-s2": "--kv-size 128 --rope-stride 2",
-            "k128-weighted": "--kv-size 128 --latent-fit weighted", "k128-norefit": "--kv-size 128 --no-refit-o",
+VARIANTS = {"k128": "--kv-size 128 --refine-steps 0", "k192": "--kv-size 192 --refine-steps 0", 
+            "k128-s2": "--kv-size 128 --rope-stride 2 --refine-steps 0",
+            "k128-weighted": "--kv-size 128 --latent-fit weighted --refine-steps 0",
+            "k128-norefit": "--kv-size 128 --no-refit-o --refine-steps 0",
             "k128-ref30": "--kv-size 128 --refine-steps 30 --refine-lr 3e-4 --refine-target stream",
             "k192-ref30": "--kv-size 192 --refine-steps 30 --refine-lr 3e-4 --refine-target stream"}
 
@@ -49,7 +51,7 @@ def options_of(variant: str) -> str:
     if variant in VARIANTS:
         return VARIANTS[variant]
     if variant.startswith("k128-r"):
-        return f"--kv-size 128 --rope-dim {int(variant[6:])}"
+        return f"--kv-size 128 --rope-dim {int(variant[6:])} --refine-steps 0"
     raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}, k128-rN, or NAME=OPTIONS")
 
 
