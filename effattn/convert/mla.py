@@ -225,7 +225,6 @@ def convert_attention(attn: LayerAttention, shape: AttentionShape, *, kv_rank: i
     statistics (`stats`: _LatentMoments over the layer's calibration inputs), and the maps from source
     activations to the new ones (for `fit_projections`). Float64 throughout."""
     H, G, d, D = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden
-    F, R = d // 2, rope_dim // 2
     per = H // G
     kept = torch.tensor(kept_frequencies(d, rope_dim, stride))
     nope = stats.nope_dims
@@ -262,10 +261,9 @@ def convert_attention(attn: LayerAttention, shape: AttentionShape, *, kv_rank: i
         lk = lk * (ev / ek).sqrt()
     L = torch.block_diag(lk, lv)  # (n, n)
     evals, evecs = torch.linalg.eigh(L @ cov @ L)
-    P = evecs[:, -kv_rank:].flip(-1) if kv_rank <= evecs.shape[1] else torch.cat(
-        [evecs.flip(-1), torch.zeros(evecs.shape[0], kv_rank - evecs.shape[1], dtype=torch.float64)], dim=1)
+    P = evecs[:, -kv_rank:].flip(-1)  # top kv_rank principal directions (the plan caps kv_rank at n)
     A = P.T @ L @ w_nr  # (r, D): latent c = A h
-    recon = _pinv_block(L) @ P  # (n, r): x_nr ~ recon c
+    recon = torch.linalg.pinv(L, hermitian=True, rtol=1e-10) @ P  # (n, r): x_nr ~ recon c
     # -- 3. the latent RMSNorm in its linear regime, for every input: |h| <= max|gain| sqrt(D)
     bound = (torch.linalg.matrix_norm(A, ord=2) * input_gain.double().abs().max()) ** 2 * D / max(kv_rank, 1)
     s = math.sqrt(LINEAR_MARGIN * LATENT_EPS / max(float(bound), 1e-300))
@@ -350,11 +348,6 @@ def fit_projections(out: dict[str, torch.Tensor], maps: dict, attn: LayerAttenti
     s = math.sqrt(LINEAR_MARGIN * LATENT_EPS / max(float(bound), 1e-300))
     return out | {"q_proj.weight": q_w, "kv_a_proj_with_mqa.weight": torch.cat([s * A, kv_w[r:]]),
                   "kv_a_layernorm.weight": torch.full((r,), math.sqrt(LATENT_EPS) / s, dtype=torch.float64)}
-
-
-def _pinv_block(L: torch.Tensor) -> torch.Tensor:
-    """Pseudo-inverse of the symmetric block metric (each block's eigenvalues floored as in _sqrtm)."""
-    return torch.linalg.pinv(L, hermitian=True, rtol=1e-10)
 
 
 @torch.no_grad()
