@@ -47,6 +47,12 @@ def test_one_kv_head_full_rank_every_frequency_rotary_is_exact(tiny, tmp_path, f
     assert config["first_k_dense_replace"] == 2 and config["num_nextn_predict_layers"] == 0
     assert config["rope_interleave"] is True and config["rms_norm_eps"] == 1e-6
     assert config["attention_bias"] is (family == "qwen2")  # Qwen2's q/k/v biases are held exactly
+    # the tied source's head is written out (vLLM's DeepSeek model loads lm_head, it never ties)
+    assert config["tie_word_embeddings"] is False
+    from safetensors import safe_open
+
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight"))
     _close(out, src)
 
 

@@ -150,8 +150,11 @@ def mla_config(config: dict[str, Any], shape: AttentionShape, kv_rank: int, rope
     """The output config.json: a dense DeepseekV3 (every field set is listed in the README)."""
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "hidden_act",
             "max_position_embeddings", "initializer_range", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
-            "tie_word_embeddings", "dtype", "torch_dtype")
+            "dtype", "torch_dtype")
     new = {k: config[k] for k in keep if k in config}
+    # vLLM's DeepSeek model has no tied head (its lm_head is always loaded from the checkpoint): a tied
+    # source's head is written out as its own tensor (run), so every engine reads the same weights
+    new["tie_word_embeddings"] = False
     new |= {
         "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
         "num_key_value_heads": shape.heads,  # DeepseekV3 expands the latent to every query head
@@ -449,6 +452,10 @@ class MLAConversion:
         source_attn = {family.attn(i, p, k) for i in range(shape.layers) for p in parts for k in ("weight", "bias")}
         specs = [TensorSpec(name, ckpt.meta(name)[0], out_dtype(ckpt.meta(name)[1], target))
                  for name in ckpt.names() if name not in source_attn]
+        untie = family.lm_head not in set(ckpt.names())  # tied: the head is the embedding, written as lm_head
+        if untie:
+            shape_, dt = ckpt.meta(family.embed)
+            specs.append(TensorSpec(family.lm_head, shape_, out_dtype(dt, target)))
         float_dtype = out_dtype(ckpt.meta(family.attn(0, "q_proj"))[1], target)
         for i in range(shape.layers):
             for suffix, shp in attention_specs(shape, kv_rank, rope_dim, bias).items():
@@ -476,7 +483,7 @@ class MLAConversion:
                     "refine_lr": refine.lr if refine.steps else None,
                     "refine_target": refine.target if refine.steps else None}
         state = {"shape": shape, "kv_rank": kv_rank, "rope_dim": rope_dim, "stride": opts.rope_stride,
-                 "latent_fit": opts.latent_fit, "refit_o": opts.refit_o, "bias": bias, "target": target, "calib": calib, "refine": refine}
+                 "latent_fit": opts.latent_fit, "refit_o": opts.refit_o, "untie": untie, "bias": bias, "target": target, "calib": calib, "refine": refine}
         return Plan(conversion=self.name, settings=settings, config=new, specs=specs, summary=summary,
                     kv_bytes_per_token=(before, after), est_seconds=read_time(ckpt) + compute_seconds(shape.layers * per_layer),
                     est_peak_bytes=calibrated_bytes(ckpt, family, calib, refine), state=state)
@@ -502,6 +509,9 @@ class MLAConversion:
             ckpt, family, writer, lambda layer: self.convert_layer(plan, family, layer), layers=plan.state["shape"].layers,
             target=plan.state["target"], calib=plan.state["calib"], refine=plan.state["refine"], progress=progress,
             description="calibrating layers")
+        if plan.state.get("untie"):
+            writer.write(family.lm_head, ckpt.get(family.embed))
+            ckpt.release()
 
     @staticmethod
     def convert_layer(plan: Plan, family: Family, layer: LayerInput) -> LayerOutput:
