@@ -126,6 +126,17 @@ def kv_bytes_per_token(config: dict[str, Any], dtype: torch.dtype) -> float:
     return 2 * config["num_hidden_layers"] * kv * head_dim * dtype.itemsize
 
 
+def build_native(config: dict[str, Any], what: str, fix: str):
+    """The transformers config object for an output config.json, built as loading will; whatever
+    transformers rejects is refused here, in one line (`what` names the config, `fix` says what to do)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    except Exception as exc:  # noqa: BLE001 - transformers' own checks, said in one line
+        raise EffattnError(f"transformers rejects {what} ({' '.join(str(exc).split())[:200]})", fix) from None
+
+
 def convert(
     model: str | Path | ModelRef,
     out: str | Path | None,

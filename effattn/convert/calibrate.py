@@ -103,7 +103,12 @@ def refit_o_proj(new: LayerAttention, old: LayerAttention, h: torch.Tensor, cos,
         y = (output_projection(heads, old) - (0 if old.o_bias is None else old.o_bias)).flatten(0, 1)  # (S, D)
         gram += (o_new.T @ o_new).double()  # per-batch products in float32, accumulated in float64
         cross += (o_new.T @ y).double()
-    lam = settings.ridge * gram.diagonal().mean().clamp_min(1e-12)
-    w0 = new.o.double().T  # (H*d, D)
+    return ridge_solve(gram, cross, new.o.double().T, settings.ridge).T.to(new.o.dtype)  # (D, H*d)
+
+
+def ridge_solve(gram: torch.Tensor, cross: torch.Tensor, w0: torch.Tensor, ridge: float) -> torch.Tensor:
+    """argmin_W ‖Y − X W‖² + λ‖W − W₀‖² from XᵀX (`gram`) and XᵀY (`cross`), λ = `ridge` times the mean
+    diagonal of XᵀX (float64)."""
+    lam = ridge * gram.diagonal().mean().clamp_min(1e-12)
     eye = torch.eye(gram.shape[0], dtype=torch.float64)
-    return torch.linalg.solve(gram + lam * eye, cross + lam * w0).T.to(new.o.dtype)  # (D, H*d)
+    return torch.linalg.solve(gram + lam * eye, cross + lam * w0)

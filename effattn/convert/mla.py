@@ -64,14 +64,15 @@ import torch
 from pydantic import Field
 
 from ..attention.functional import project_qkv
+from ..attention.mla import frozen_in_training
 from ..data.corpora import DEFAULT_CALIB
 from ..errors import EffattnError
 from ..families import AttentionShape, Family, rope_settings
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
 from ..resources import Dims, compute_seconds
-from .base import Plan, kv_bytes_per_token, out_dtype, read_time
-from .calibrate import CalibSettings, batches
+from .base import Plan, build_native, kv_bytes_per_token, out_dtype, read_time
+from .calibrate import CalibSettings, batches, ridge_solve
 from .gqa import LayerAttention, _Moments
 from .headmerge import complex_rows, merge_keys, merged_key_rows
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers
@@ -198,9 +199,21 @@ def _sqrtm(m: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return (evecs * evals.pow(power)) @ evecs.T
 
 
-def interleave(z: torch.Tensor) -> torch.Tensor:
-    """Complex rows [R, ...] -> real rows [2R, ...] in DeepSeek's interleaved layout (Re_0, Im_0, Re_1, ...)."""
-    return torch.stack([z.real, z.imag], dim=1).reshape(2 * z.shape[0], *z.shape[1:])
+def linear_regime(A: torch.Tensor, input_gain: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s * A, the RMSNorm weight sqrt(eps) / s) for latent rows A [r, D]: s makes ms(s A h) <= LINEAR_MARGIN
+    * eps for every input h of the layer (|h| <= max|input norm gain| * sqrt(D)), so the latent norm is
+    linear and its weight gives back A h."""
+    r = A.shape[0]
+    bound = (torch.linalg.matrix_norm(A, ord=2) * input_gain.double().abs().max()) ** 2 * hidden / max(r, 1)
+    s = math.sqrt(LINEAR_MARGIN * LATENT_EPS / max(float(bound), 1e-300))
+    return s * A, torch.full((r,), math.sqrt(LATENT_EPS) / s, dtype=torch.float64)
+
+
+def interleave(z: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Complex [..., R, ...] -> real [..., 2R, ...] along `dim`, in DeepSeek's interleaved layout (Re_0, Im_0,
+    Re_1, ...): rows of a weight (dim 0) or the last axis of activations (dim -1)."""
+    dim = dim % z.dim()
+    return torch.stack([z.real, z.imag], dim=dim + 1).flatten(dim, dim + 1)
 
 
 class _LatentMoments(_Moments):
@@ -267,11 +280,9 @@ def convert_attention(attn: LayerAttention, shape: AttentionShape, *, kv_rank: i
     P = evecs[:, -kv_rank:].flip(-1)  # top kv_rank principal directions (the plan caps kv_rank at n)
     A = P.T @ L @ w_nr  # (r, D): latent c = A h
     recon = torch.linalg.pinv(L, hermitian=True, rtol=1e-10) @ P  # (n, r): x_nr ~ recon c
-    # -- 3. the latent RMSNorm in its linear regime, for every input: |h| <= max|gain| sqrt(D)
-    bound = (torch.linalg.matrix_norm(A, ord=2) * input_gain.double().abs().max()) ** 2 * D / max(kv_rank, 1)
-    s = math.sqrt(LINEAR_MARGIN * LATENT_EPS / max(float(bound), 1e-300))
-    kv_a = torch.cat([s * A, rot_key])  # (r + 2R, D)
-    norm_weight = torch.full((kv_rank,), math.sqrt(LATENT_EPS) / s, dtype=torch.float64)
+    # -- 3. the latent RMSNorm in its linear regime, for every input
+    latent, norm_weight = linear_regime(A, input_gain, D)
+    kv_a = torch.cat([latent, rot_key])  # (r + 2R, D)
     # -- kv_b: per query head [its group's non-rotary key dims ; its group's value]
     rk, rv = recon[:nk].reshape(G, dn, kv_rank), recon[nk:].reshape(G, d, kv_rank)
     kv_b = torch.cat([torch.cat([rk[i // per], rv[i // per]]) for i in range(H)])  # (H*(dn+d), r)
@@ -310,11 +321,6 @@ def convert_attention(attn: LayerAttention, shape: AttentionShape, *, kv_rank: i
     return out, {"merge": km, "latent": P.T @ L, "kept": kept, "nope": nope, "per": per}
 
 
-def _interleave_last(z: torch.Tensor) -> torch.Tensor:
-    """Complex [..., R] -> real [..., 2R], interleaved (Re_0, Im_0, Re_1, ...)."""
-    return torch.stack([z.real, z.imag], dim=-1).flatten(-2)
-
-
 @torch.no_grad()
 def fit_projections(out: dict[str, torch.Tensor], maps: dict, attn: LayerAttention, shape: AttentionShape, hs,
                     eps: float, input_gain: torch.Tensor, ridge: float = 1e-6) -> dict[str, torch.Tensor]:
@@ -338,19 +344,16 @@ def fit_projections(out: dict[str, torch.Tensor], maps: dict, attn: LayerAttenti
         x_nr = torch.cat([k[..., nope].flatten(2), v.flatten(2)], dim=-1).flatten(0, 1).double()
         rot = (km.a * to_complex(k)[..., kept]).sum(-2)  # (B, T, R): z' = sum_g a_g z_g
         q_rot = to_complex(q)[..., kept] * conj_b  # (B, T, H, R)
-        q_new = torch.cat([q[..., nope].double(), _interleave_last(q_rot)], dim=-1).flatten(2).flatten(0, 1)
-        kv_new = torch.cat([x_nr @ maps["latent"].T, _interleave_last(rot).flatten(0, 1)], dim=-1)
+        q_new = torch.cat([q[..., nope].double(), interleave(q_rot, -1)], dim=-1).flatten(2).flatten(0, 1)
+        kv_new = torch.cat([x_nr @ maps["latent"].T, interleave(rot, -1).flatten(0, 1)], dim=-1)
         gram += x.T @ x
         cross_q += x.T @ q_new
         cross_kv += x.T @ kv_new
-    lam = ridge * gram.diagonal().mean().clamp_min(1e-12) * torch.eye(D, dtype=torch.float64)
-    q_w = torch.linalg.solve(gram + lam, cross_q).T  # (H*d, D)
-    kv_w = torch.linalg.solve(gram + lam, cross_kv).T  # (r + 2R, D)
-    A = kv_w[:r]
-    bound = (torch.linalg.matrix_norm(A, ord=2) * input_gain.double().abs().max()) ** 2 * D / max(r, 1)
-    s = math.sqrt(LINEAR_MARGIN * LATENT_EPS / max(float(bound), 1e-300))
-    return out | {"q_proj.weight": q_w, "kv_a_proj_with_mqa.weight": torch.cat([s * A, kv_w[r:]]),
-                  "kv_a_layernorm.weight": torch.full((r,), math.sqrt(LATENT_EPS) / s, dtype=torch.float64)}
+    q_w = ridge_solve(gram, cross_q, torch.zeros_like(cross_q), ridge).T  # (H*d, D)
+    kv_w = ridge_solve(gram, cross_kv, torch.zeros_like(cross_kv), ridge).T  # (r + 2R, D)
+    latent, norm_weight = linear_regime(kv_w[:r], input_gain, D)
+    return out | {"q_proj.weight": q_w, "kv_a_proj_with_mqa.weight": torch.cat([latent, kv_w[r:]]),
+                  "kv_a_layernorm.weight": norm_weight}
 
 
 @torch.no_grad()
@@ -381,10 +384,7 @@ def refit_o(module, original, x: torch.Tensor, cos, sin, rope, calib: CalibSetti
             cross += (heads.T @ y).double()
     finally:
         hook.remove()
-    lam = calib.ridge * gram.diagonal().mean().clamp_min(1e-12)
-    w0 = attn.o_proj.weight.double().T
-    eye = torch.eye(n, dtype=torch.float64)
-    return torch.linalg.solve(gram + lam * eye, cross + lam * w0).T.float()
+    return ridge_solve(gram, cross, attn.o_proj.weight.double().T, calib.ridge).T.float()
 
 
 class MLAConversion:
@@ -444,7 +444,7 @@ class MLAConversion:
                                "the fitted projections do not hold together", "convert a model without attention biases")
         rope = mla_rope_parameters(config, d, rope_dim, opts.rope_stride)
         new = mla_config(config, shape, kv_rank, rope_dim, rope, bias, target)
-        self._check_native(new)
+        build_native(new, "the DeepseekV3 config", "report this with the command you ran")
         dtype = target or ckpt.dtype
         before = kv_bytes_per_token(config, dtype)
         after = float(shape.layers * opts.kv_size * dtype.itemsize)
@@ -487,16 +487,6 @@ class MLAConversion:
         return Plan(conversion=self.name, settings=settings, config=new, specs=specs, summary=summary,
                     kv_bytes_per_token=(before, after), est_seconds=read_time(ckpt) + compute_seconds(shape.layers * per_layer),
                     est_peak_bytes=calibrated_bytes(ckpt, family, calib, refine), state=state)
-
-    @staticmethod
-    def _check_native(config: dict[str, Any]) -> None:
-        from transformers import CONFIG_MAPPING
-
-        try:
-            CONFIG_MAPPING["deepseek_v3"].from_dict(config)
-        except Exception as exc:  # noqa: BLE001 - transformers' own check, said in one line
-            raise EffattnError(f"transformers rejects the DeepseekV3 config ({' '.join(str(exc).split())[:200]})",
-                               "report this with the command you ran") from None
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
         from ..attention.layerwise import LayerFactory
@@ -546,8 +536,7 @@ class MLAConversion:
             tensors[name] = refit_o(module, layer.original, layer.x, layer.cos, layer.sin, plan.state["target_rope"], calib)
             module.self_attn.o_proj.weight.data = tensors[name]
         return LayerOutput(tensors, module=module, rope=plan.state["target_rope"],
-                           # kv_a_proj's latent rows are scaled to ~1e-9 (the linear-regime norm): an Adam step of
-                           # lr would wreck them, so refinement trains the maps around the cache (frozen_in_training)
-                           trainable=[n for n in ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")
-                                      if n in dict(module.self_attn.named_parameters())],
+                           # the projections, except what training must not move (attention/mla.py)
+                           trainable=[n for n, _ in module.self_attn.named_parameters()
+                                      if n.endswith("proj.weight") and not frozen_in_training(n)],
                            note=f"latent {kv_rank} + rotary {rope_dim}")

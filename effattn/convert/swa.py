@@ -32,7 +32,7 @@ from ..families import AttentionShape, Family, rope_settings, trained_length
 from ..models import ModelSpec
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
-from .base import Plan, passthrough, read_time, same_specs
+from .base import Plan, build_native, passthrough, read_time, same_specs
 from .calibrate import CalibSettings, batches
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from ..kernels.sinks import sink_attention
@@ -266,13 +266,7 @@ class SWAConversion:
 
 def check_native(config: dict[str, Any]) -> None:
     """Build the output config with transformers, as loading will; whatever it rejects is refused here."""
-    from transformers import CONFIG_MAPPING
-
-    try:
-        cfg = CONFIG_MAPPING[config["model_type"]].from_dict(config)
-    except Exception as exc:  # noqa: BLE001 - transformers' own checks, said in one line
-        raise EffattnError(f"transformers rejects the windowed config ({' '.join(str(exc).split())[:200]})",
-                           "see `effattn convert --to swa --help`") from None
+    cfg = build_native(config, "the windowed config", "see `effattn convert --to swa --help`")
     if getattr(cfg, "sliding_window", None) != config["sliding_window"]:
         raise EffattnError(f"transformers drops the window from a {config['model_type']} config",
                            "report this: effattn expected the architecture to keep sliding_window")
