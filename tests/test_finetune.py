@@ -272,9 +272,13 @@ def stop_after_checkpoint(monkeypatch, at_step: int):
     monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)
 
 
-@pytest.mark.parametrize("params", ["all", "lora"])
-def test_stopped_run_resumes_to_exactly_the_uninterrupted_result(heal, monkeypatch, params):
-    recipe = ["train.grad_accum=2", "loss.ce=0.5", f"train.params={params}", "train.lora.dropout=0.1"]
+MLA_STUDENT = ["student.convert.to=mla", "student.convert.kv_size=32", "student.convert.calib_tokens=1024",
+               "student.convert.refine_steps=0"]  # its latent rows train through a row-scale parametrization
+
+
+@pytest.mark.parametrize("params,student", [("all", []), ("lora", []), ("all", MLA_STUDENT)], ids=["all", "lora", "mla"])
+def test_stopped_run_resumes_to_exactly_the_uninterrupted_result(heal, monkeypatch, params, student):
+    recipe = ["train.grad_accum=2", "loss.ce=0.5", f"train.params={params}", "train.lora.dropout=0.1", *student]
     reference = finetune(heal(*recipe, output="reference"))
     stop_after_checkpoint(monkeypatch, at_step=8)
     with pytest.raises(Stop):

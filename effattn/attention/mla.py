@@ -73,14 +73,82 @@ def _absorbed_forward(self, hidden_states, position_embeddings, attention_mask=N
     return self.o_proj(out), None
 
 
-# Parameters of an effattn MLA model that training must not move: kv_a_proj's latent rows (and the low-rank
-# query path's q_a_proj) are scaled down so far that their RMSNorm stays linear (convert/mla.py); an
-# optimizer step of any usual learning rate is orders of magnitude larger than those weights.
-FROZEN_IN_TRAINING = ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj", "q_a_layernorm")
+# What training does with an effattn MLA model's latent path (convert/mla.py). kv_a_proj's latent rows are
+# scaled down ~1e9 so that kv_a_layernorm stays linear: an optimizer step of any usual learning rate is
+# orders of magnitude larger than those weights. Training moves them through a row-scale parametrization
+# (scale_latent_rows: the optimizer sees the rows at the rotary rows' scale, the forward is unchanged); the
+# norm's weight and the low-rank query path's q_a (qwen2 biases, scaled the same way) stay as converted,
+# and LoRA adapters are refused on all of them (an adapter's product is not scaled).
+SCALED_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj", "q_a_layernorm")  # never trained directly
+FROZEN_IN_TRAINING = SCALED_MODULES[1:]
+SCALED_BELOW = 1e-3  # latent rows this much smaller than the rotary rows are effattn's linear-regime scaling
 
 
 def frozen_in_training(name: str) -> bool:
     return any(f".{part}." in f".{name}" for part in FROZEN_IN_TRAINING)
+
+
+def scaled_module(name: str) -> bool:
+    """Whether parameter `name` belongs to a module kept at the linear-regime scale (no direct training)."""
+    return any(f".{part}." in f".{name}" for part in SCALED_MODULES)
+
+
+class RowScale(torch.nn.Module):
+    """weight = original * scale (per output row): the optimizer moves `original`, whose rows all have the
+    scale of ordinary weights, so each step changes the scaled rows by the same relative amount as the rest."""
+
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale)  # (rows,)
+
+    def forward(self, original: torch.Tensor) -> torch.Tensor:
+        return original * self.scale[:, None].to(original.dtype)
+
+    def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight / self.scale[:, None].to(weight.dtype)
+
+
+def latent_row_scale(weight: torch.Tensor, kv_rank: int) -> float:
+    """rms(latent rows) / rms(rotary rows) of kv_a_proj_with_mqa.weight [kv_rank + rope, hidden]."""
+    latent, rotary = weight[:kv_rank].double(), weight[kv_rank:].double()
+    ref = rotary.pow(2).mean().sqrt().item() if rotary.numel() else 1.0
+    return latent.pow(2).mean().sqrt().item() / ref if ref > 0 else 1.0
+
+
+def scale_latent_rows(model) -> int:
+    """Give every DeepseekV3 attention whose latent rows are in effattn's scaled form a RowScale
+    parametrization on kv_a_proj_with_mqa.weight; returns how many. Undone by `unscale_latent_rows`."""
+    from torch.nn.utils import parametrize
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, DeepseekV3Attention) or parametrize.is_parametrized(module.kv_a_proj_with_mqa):
+            continue
+        weight = module.kv_a_proj_with_mqa.weight
+        if weight.is_meta:  # a plan's model: no values to scale (it trains the same parameters)
+            continue
+        kv_rank = module.config.kv_lora_rank
+        c = latent_row_scale(weight.detach(), kv_rank)
+        if not 0 < c < SCALED_BELOW:
+            continue
+        scale = torch.ones(weight.shape[0], dtype=weight.dtype, device=weight.device)
+        scale[:kv_rank] = c
+        parametrize.register_parametrization(module.kv_a_proj_with_mqa, "weight", RowScale(scale))
+        count += 1
+    return count
+
+
+def unscale_latent_rows(model) -> int:
+    """Remove scale_latent_rows' parametrizations, keeping the weights they produce; returns how many."""
+    from torch.nn.utils import parametrize
+
+    count = 0
+    for module in model.modules():
+        if parametrize.is_parametrized(module, "weight") and isinstance(module.parametrizations.weight[0], RowScale):
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+            count += 1
+    return count
 
 
 def is_mla(model) -> bool:

@@ -64,7 +64,7 @@ import torch
 from pydantic import Field
 
 from ..attention.functional import project_qkv
-from ..attention.mla import frozen_in_training
+from ..attention.mla import scaled_module
 from ..data.corpora import DEFAULT_CALIB
 from ..errors import EffattnError
 from ..families import AttentionShape, Family, rope_settings
@@ -536,7 +536,7 @@ class MLAConversion:
             tensors[name] = refit_o(module, layer.original, layer.x, layer.cos, layer.sin, plan.state["target_rope"], calib)
             module.self_attn.o_proj.weight.data = tensors[name]
         return LayerOutput(tensors, module=module, rope=plan.state["target_rope"],
-                           # the projections, except what training must not move (attention/mla.py)
+                           # the projections, except those kept at the latent norm's linear-regime scale
                            trainable=[n for n, _ in module.self_attn.named_parameters()
-                                      if n.endswith("proj.weight") and not frozen_in_training(n)],
+                                      if n.endswith("proj.weight") and not scaled_module(n)],
                            note=f"latent {kv_rank} + rotary {rope_dim}")

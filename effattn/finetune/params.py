@@ -1,6 +1,7 @@
 """What trains (recipe `train.params`): everything, the attention only, or LoRA adapters.
 
-  all        every parameter (an MLA model's latent projection excepted: attention/mla.py)
+  all        every parameter (an MLA model's latent rows through a row-scale parametrization, its
+             latent norm and low-rank query path frozen: attention/mla.py)
   attention  each layer's attention module (the family's q/k/v/o projections, norms, and whatever a
              conversion put there), plus every module that exposes `effattn_aux_loss`
   lora       peft LoRA adapters on `train.lora.target_modules` (+ the conversion modules as above);
@@ -39,18 +40,18 @@ def _attention_pattern(model: torch.nn.Module) -> re.Pattern:
 
 def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
     """Set requires_grad per `train.params`; returns the model to train (peft-wrapped for lora)."""
-    from ..attention.mla import FROZEN_IN_TRAINING, is_mla
+    from ..attention.mla import SCALED_MODULES, is_mla
 
     mla = is_mla(model)
     if train.params == "all":
         model.requires_grad_(True)
-        _freeze_mla(model, mla)
+        _freeze_mla(model, mla, scale_latent=True)
         return model
     if train.params == "lora":
-        if mla and set(train.lora.target_modules) & set(FROZEN_IN_TRAINING):
-            raise EffattnError(f"train.lora.target_modules includes {sorted(set(train.lora.target_modules) & set(FROZEN_IN_TRAINING))}, "
-                               "which an MLA model keeps frozen (its latent projection is scaled to keep the latent "
-                               "norm linear)", "target q_proj, kv_b_proj, o_proj and the MLP instead")
+        if mla and set(train.lora.target_modules) & set(SCALED_MODULES):
+            raise EffattnError(f"train.lora.target_modules includes {sorted(set(train.lora.target_modules) & set(SCALED_MODULES))}, "
+                               "which an MLA model keeps at the scale that holds its latent norm linear (an adapter "
+                               "would not be)", "target q_proj, kv_b_proj, o_proj and the MLP instead")
         model = _with_lora(model, train)
     else:
         pattern = _attention_pattern(model)
@@ -58,21 +59,24 @@ def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
             p.requires_grad_(bool(pattern.search(name)))
     for module in conversion_modules(model):
         module.requires_grad_(True)
-    _freeze_mla(model, mla)
+    _freeze_mla(model, mla, scale_latent=train.params == "attention")
     if not any(p.requires_grad for p in model.parameters()):
         raise EffattnError(f"train.params={train.params} selects no parameters of this model",
                            "use train.params=all, or check train.lora.target_modules")
     return model
 
 
-def _freeze_mla(model: torch.nn.Module, mla: bool) -> None:
-    """An MLA model's latent projection stays as converted (attention/mla.py: FROZEN_IN_TRAINING)."""
+def _freeze_mla(model: torch.nn.Module, mla: bool, scale_latent: bool) -> None:
+    """An MLA model's latent norm and low-rank query path stay as converted; its latent projection trains
+    (`scale_latent`: scaled latent rows through a row-scale parametrization) or stays too (attention/mla.py)."""
     if not mla:
         return
-    from ..attention.mla import frozen_in_training
+    from ..attention.mla import frozen_in_training, scale_latent_rows, scaled_module
 
+    if scale_latent:
+        scale_latent_rows(model)
     for name, p in model.named_parameters():
-        if frozen_in_training(name):
+        if frozen_in_training(name) or (scaled_module(name) and not scale_latent):
             p.requires_grad_(False)
 
 
@@ -93,10 +97,15 @@ def _with_lora(model: torch.nn.Module, train: Train) -> torch.nn.Module:
 
 
 def native(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain transformers model to save: LoRA adapters merged into the weights."""
+    """The plain transformers model to save: LoRA adapters merged into the weights, an MLA model's
+    row-scale parametrizations folded back into its weights."""
     from peft import PeftModel
 
-    return model.merge_and_unload() if isinstance(model, PeftModel) else model
+    from ..attention.mla import unscale_latent_rows
+
+    model = model.merge_and_unload() if isinstance(model, PeftModel) else model
+    unscale_latent_rows(model)
+    return model
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:
