@@ -1,0 +1,313 @@
+"""Hybrid sliding-window softmax + linear attention kernels (issue 17): the chunked kernel and the
+recurrent step against the naive reference (outputs and gradients), all of them against independent
+references (causal linear attention, causal softmax attention), and the feature maps."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from effattn.kernels.linear import (
+    FEATURE_MAPS,
+    HybridState,
+    feature_map,
+    hybrid_attention_chunk,
+    hybrid_attention_naive,
+    hybrid_attention_step,
+    init_state,
+    state_from_prefill,
+)
+
+
+def make_inputs(B, T, H, D, Dv, Fd, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        q=torch.randn(B, T, H, D, generator=g, dtype=dtype),
+        k=torch.randn(B, T, H, D, generator=g, dtype=dtype),
+        v=torch.randn(B, T, H, Dv, generator=g, dtype=dtype),
+        fq=torch.rand(B, T, H, Fd, generator=g, dtype=dtype),  # non-negative features
+        fk=torch.rand(B, T, H, Fd, generator=g, dtype=dtype),
+    )
+
+
+def factors(H, dtype=torch.float64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        window_factor=torch.rand(H, generator=g, dtype=dtype) + 0.5,
+        linear_factor=torch.rand(H, generator=g, dtype=dtype) + 0.5,
+    )
+
+
+def assert_close(name, ref, out, ratio):
+    """Relative RMS error of ``out`` against ``ref``; fails on any NaN or inf."""
+    assert torch.isfinite(out).all(), f"{name} has non-finite values"
+    ref, out = ref.double(), out.double()
+    err = ((ref - out).square().mean().sqrt() / ref.square().mean().sqrt().clamp_min(1e-30)).item()
+    assert err <= ratio, f"{name}: relative error {err:.3e} > {ratio:.0e}"
+
+
+LEAVES = ("q", "k", "v", "fq", "fk", "window_factor", "linear_factor")
+
+
+def run_with_grads(fn, inputs, grad_out, **kwargs):
+    """Output and gradients of every input (factors included) for the loss ``<fn(...), grad_out>``."""
+    leaves = {name: inputs[name].clone().requires_grad_(True) for name in LEAVES}
+    out = fn(**{**inputs, **leaves}, **kwargs)
+    (out * grad_out).sum().backward()
+    # an input the result does not depend on (q, k, window_factor at window 0) may get no gradient at all
+    return out, {name: torch.zeros_like(x) if x.grad is None else x.grad for name, x in leaves.items()}
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("window", [0, 1, 7, 64, 100])
+def test_chunk_matches_naive_outputs_and_gradients(window, chunk_size):
+    B, T, H, D, Dv, Fd = 2, 63, 3, 12, 10, 20
+    inputs = {**make_inputs(B, T, H, D, Dv, Fd), **factors(H)}
+    grad_out = torch.randn(B, T, H, Dv, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    kwargs = dict(window=window, scale=D**-0.5)
+    ref, ref_grads = run_with_grads(hybrid_attention_naive, inputs, grad_out, **kwargs)
+    out, grads = run_with_grads(hybrid_attention_chunk, inputs, grad_out, **kwargs, chunk_size=chunk_size)
+    assert_close("output", ref, out, 1e-12)
+    # with one kind of term absent (window 0: no softmax, window >= T: no linear), the other kind's factor
+    # cancels between numerator and denominator: its gradient is O(eps), a difference of O(1) terms
+    lone = {"linear_factor"} if window == 0 else {"window_factor"} if window >= T else set()
+    for name in LEAVES:
+        if name in lone:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-13)
+            assert ref_grads[name].abs().max() < 1e-4
+        else:
+            assert_close(f"grad of {name}", ref_grads[name], grads[name], 1e-11)
+
+
+@pytest.mark.parametrize(
+    "T, window, chunk_size", [(1, 0, 64), (1, 3, 64), (5, 3, 1), (9, 2, 4), (9, 9, 4), (17, 5, 3)]
+)
+def test_chunk_matches_naive_at_edge_sizes(T, window, chunk_size):
+    """One position, chunks of one position, T a multiple of the chunk, window == T."""
+    inputs = {**make_inputs(1, T, 2, 4, 3, 5, seed=T), **factors(2)}
+    kwargs = dict(window=window, scale=0.5)
+    assert_close("output", hybrid_attention_naive(**inputs, **kwargs),
+                 hybrid_attention_chunk(**inputs, **kwargs, chunk_size=chunk_size), 1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", [hybrid_attention_naive, hybrid_attention_chunk])
+def test_window_zero_is_causal_linear_attention(kernel):
+    T, H = 20, 2
+    inputs = make_inputs(2, T, H, 4, 3, 5)
+    lf = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    out = kernel(**inputs, window=0, window_factor=7.0, linear_factor=lf, scale=1.0, eps=1e-6)
+    fq, fk, v = inputs["fq"], inputs["fk"], inputs["v"]
+    ref = torch.empty_like(out)
+    for t in range(T):  # out_t = lf sum_{s<=t} (fq_t.fk_s) v_s / (lf sum_{s<=t} fq_t.fk_s + eps)
+        w = torch.einsum("bhf,bshf->bsh", fq[:, t], fk[:, : t + 1])  # [B, t+1, H]
+        num = lf[:, None] * torch.einsum("bsh,bshe->bhe", w, v[:, : t + 1])
+        ref[:, t] = num / (lf * w.sum(1) + 1e-6)[..., None]
+    assert_close("output", ref, out, 1e-13)
+
+
+@pytest.mark.parametrize("kernel", [hybrid_attention_naive, hybrid_attention_chunk])
+@pytest.mark.parametrize("window", [30, 31, 1000])
+def test_window_covering_the_sequence_is_causal_softmax_attention(kernel, window):
+    B, T, H, D = 2, 30, 3, 8
+    inputs = make_inputs(B, T, H, D, 6, 5)
+    out = kernel(**inputs, window=window, window_factor=torch.full((H,), 0.3, dtype=torch.float64),
+                 linear_factor=5.0, scale=D**-0.5, eps=0.0)  # fmt: skip
+    q, k, v = (inputs[n].transpose(1, 2) for n in ("q", "k", "v"))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    assert_close("output", ref, out, 1e-13)
+
+
+def run_steps(inputs, state, start, **kwargs):
+    """Feed positions ``start ..`` one by one through the recurrent step; returns outputs and states."""
+    outs, states = [], []
+    for t in range(start, inputs["q"].shape[1]):
+        token = {name: inputs[name][:, t : t + 1] for name in ("q", "k", "v", "fq", "fk")}
+        out, state = hybrid_attention_step(**token, state=state, **kwargs)
+        outs.append(out)
+        states.append(state)
+    return torch.cat(outs, dim=1), states
+
+
+@pytest.mark.parametrize("window", [0, 1, 7, 100])
+def test_steps_token_by_token_match_naive(window):
+    B, T, H, D = 2, 30, 3, 6
+    inputs = make_inputs(B, T, H, D, 5, 7)
+    kwargs = dict(window=window, scale=D**-0.5, **factors(H))
+    ref = hybrid_attention_naive(**inputs, **kwargs)
+    out, states = run_steps(inputs, None, 0, **kwargs)
+    assert out.shape == ref.shape
+    assert_close("token-by-token output", ref, out, 1e-13)
+    assert states[-1].seen == T
+
+
+@pytest.mark.parametrize("window, prefill", [(7, 1), (7, 3), (7, 20), (0, 10), (100, 20), (1, 29)])
+def test_prefill_state_then_steps_match_naive(window, prefill):
+    B, T, H, D = 2, 30, 3, 6
+    inputs = make_inputs(B, T, H, D, 5, 7, seed=3)
+    kwargs = dict(window=window, scale=D**-0.5, **factors(H))
+    ref = hybrid_attention_naive(**inputs, **kwargs)
+    state = state_from_prefill(inputs["k"][:, :prefill], inputs["v"][:, :prefill], inputs["fk"][:, :prefill], window)
+    assert isinstance(state, HybridState) and state.seen == prefill
+    out, _ = run_steps(inputs, state, prefill, **kwargs)
+    assert_close("output after the prefill", ref[:, prefill:], out, 1e-13)
+    # the prefill's own outputs come from the chunk kernel, which agrees with the step on the same positions
+    head = hybrid_attention_chunk(**{n: x[:, :prefill] for n, x in inputs.items()}, **kwargs, chunk_size=4)
+    assert_close("prefill output", ref[:, :prefill], head, 1e-12)
+
+
+def test_state_size_stops_growing_after_the_window():
+    window, T = 5, 16
+    inputs = make_inputs(1, T, 2, 4, 3, 6)
+    kwargs = dict(window=window, scale=0.5, window_factor=1.0, linear_factor=1.0)
+    _, states = run_steps(inputs, None, 0, **kwargs)
+    sizes = [s.nbytes() for s in states]  # after 1, 2, ..., T positions
+    assert all(a < b for a, b in zip(sizes[:window], sizes[1:window])), "the window cache fills one key a step"
+    assert len(set(sizes[window - 1 :])) == 1, f"state grew after the window: {sizes}"
+    assert states[-1].k.shape[1] == window and states[-1].S.shape == (1, 2, 6, 3)
+    prefilled = state_from_prefill(inputs["k"], inputs["v"], inputs["fk"], window)
+    assert prefilled.nbytes() == sizes[-1]
+    torch.testing.assert_close(prefilled.S, states[-1].S, rtol=1e-13, atol=1e-13)
+    # window 0: no key is ever cached, the state is S and z only
+    empty = init_state(1, 2, 4, 3, 6, window=0, dtype=torch.float64)
+    _, states = run_steps(inputs, empty, 0, **{**kwargs, "window": 0})
+    assert {s.nbytes() for s in states} == {empty.nbytes()} and states[-1].k.shape[1] == 0
+
+
+def test_low_precision_inputs_accumulate_in_float32():
+    inputs = make_inputs(1, 40, 2, 8, 4, 6, dtype=torch.bfloat16)
+    kwargs = dict(window=5, scale=8**-0.5, window_factor=1.0, linear_factor=1.0)
+    ref = hybrid_attention_naive(**{n: x.float() for n, x in inputs.items()}, **kwargs)
+    for kernel in (hybrid_attention_naive, hybrid_attention_chunk):
+        out = kernel(**inputs, **kwargs)
+        assert out.dtype == torch.bfloat16
+        assert_close(f"{kernel.__name__} bfloat16 output", ref, out, 4e-3)  # bf16 rounding of the result only
+
+
+def test_taylor_features_give_the_second_order_expansion_exactly():
+    D = 6
+    phi = feature_map("taylor", D, 2)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 2, 5, 2, D, generator=g, dtype=torch.float64)  # [B, T, H, D] each
+    fq, fk = phi(q), phi(k)
+    assert fq.shape == (2, 5, 2, 1 + D + D * D) and phi.feature_dim == 1 + D + D * D
+    s = torch.einsum("bthd,bshd->bhts", q, k) / D**0.5
+    torch.testing.assert_close(torch.einsum("bthf,bshf->bhts", fq, fk), 1 + s + s**2 / 2, rtol=1e-12, atol=1e-12)
+
+
+def test_performer_features_estimate_the_softmax_kernel():
+    D, H, m = 16, 2, 4096
+    phi = feature_map("performer", D, H, num_features=m, seed=7)
+    g = torch.Generator().manual_seed(1)
+    q, k = 0.5 * torch.randn(2, 1, 64, H, D, generator=g, dtype=torch.float64)
+    estimate = torch.einsum("bthf,bshf->bhts", phi(q), phi(k))  # [1, H, 64, 64]
+    exact = torch.exp(torch.einsum("bthd,bshd->bhts", q, k) / D**0.5)
+    ratio = estimate / exact
+    assert (estimate > 0).all()
+    assert abs(ratio.mean().item() - 1) < 0.02, f"mean ratio {ratio.mean().item():.4f}"
+    assert (ratio - 1).abs().median() < 0.05, f"median relative error {(ratio - 1).abs().median().item():.4f}"
+    # seeded: the same seed gives the same projections, another seed others
+    same = feature_map("performer", D, H, num_features=m, seed=7)
+    assert torch.equal(phi.projection, same.projection)
+    assert not torch.equal(phi.projection, feature_map("performer", D, H, num_features=m, seed=8).projection)
+    # each block of D projections is orthogonal
+    block = phi.projection[0, :, :D].double()
+    gram = block.T @ block
+    assert (gram - torch.diag(gram.diagonal())).abs().max() < 1e-4
+
+
+def test_performer_stabilize_bounds_features_by_a_per_token_factor():
+    D, H, m = 8, 2, 64
+    x = 3 * torch.randn(2, 5, H, D, generator=torch.Generator().manual_seed(0))
+    plain = feature_map("performer", D, H, num_features=m)(x.double())
+    stable = feature_map("performer", D, H, num_features=m, stabilize=True)(x.double())
+    assert stable.max() <= m**-0.5 + 1e-12 and stable.amax(-1).sub(m**-0.5).abs().max() < 1e-12
+    factor = plain / stable  # one constant per token
+    torch.testing.assert_close(factor, factor[..., :1].expand_as(factor), rtol=1e-10, atol=0)
+
+
+def test_hedgehog_features_are_two_distributions_per_head():
+    D, H = 8, 3
+    x = torch.randn(2, 5, H, D, generator=torch.Generator().manual_seed(0))
+    for projection_dim, bias in ((64, False), (D, True)):
+        phi = feature_map("hedgehog", D, H, projection_dim=projection_dim, bias=bias)
+        out = phi(x)
+        assert out.shape == (2, 5, H, 2 * projection_dim) == (*x.shape[:3], phi.feature_dim)
+        assert (out >= 0).all()
+        torch.testing.assert_close(out.sum(-1), torch.full((2, 5, H), 2.0))
+        torch.testing.assert_close(out[..., :projection_dim].sum(-1), torch.ones(2, 5, H))
+    # P == D starts at the identity: the first half is softmax(x) itself
+    torch.testing.assert_close(out[..., :D], x.softmax(-1))
+    torch.testing.assert_close(out[..., D:], (-x).softmax(-1))
+    out.sum().backward()
+    assert phi.weight.grad is not None and phi.weight.grad.shape == (H, D, D)
+
+
+def test_elu_features_are_elu_plus_one():
+    x = torch.linspace(-3, 3, 24).reshape(1, 2, 3, 4)
+    torch.testing.assert_close(feature_map("elu", 4, 3)(x), torch.where(x > 0, x + 1, torch.exp(x)))
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
+def test_every_feature_map_gives_positive_weights_and_its_feature_dim(name):
+    D, H = 4, 2
+    phi = feature_map(name, D, H)
+    out = phi(torch.randn(1, 3, H, D))
+    assert out.shape == (1, 3, H, phi.feature_dim)
+    if name == "taylor":  # its linear block takes both signs; its dot products 1 + s + s^2/2 >= 1/2 do not
+        assert (torch.einsum("bthf,bshf->bhts", out, out) >= 0.5 - 1e-6).all()
+    else:
+        assert (out >= 0).all()
+    with pytest.raises(ValueError, match=r"expects \[batch, time, heads=2, head_dim=4\], got \(1, 3, 2, 5\)"):
+        phi(torch.randn(1, 3, H, 5))
+
+
+def test_unknown_feature_map_is_rejected():
+    with pytest.raises(ValueError, match=r"Unknown feature map 'cosformer'; use one of \['elu', 'hedgehog'"):
+        feature_map("cosformer", 8, 2)
+
+
+def bad(**changes):
+    return {**make_inputs(1, 8, 2, 4, 3, 5), **changes}
+
+
+INVALID = [
+    (bad(), {"window": -1}, "window must be an integer >= 0, got -1"),
+    (bad(), {"window": 2.0}, "window must be an integer >= 0, got 2.0"),
+    (bad(q=torch.randn(8, 2, 4)), {}, r"q must be a 4-dimensional tensor .* got \(8, 2, 4\)"),
+    (bad(k=torch.randn(1, 8, 2, 5)), {}, r"k must have the shape of q \(1, 8, 2, 4\), got \(1, 8, 2, 5\)"),
+    (bad(v=torch.randn(1, 7, 2, 3)), {}, r"v must share batch, time and heads with q \(1, 8, 2\), got \(1, 7, 2, 3\)"),
+    (bad(fk=torch.rand(1, 8, 2, 6)), {}, r"fk must have the shape of fq \(1, 8, 2, 5\), got \(1, 8, 2, 6\)"),
+    (bad(fq=torch.rand(1, 8, 3, 5), fk=torch.rand(1, 8, 3, 5)), {}, "fq and fk must share batch, time and heads"),
+    (bad(), {"window_factor": torch.ones(3)}, r"window_factor must be .* shape \[heads\] = \[2\], got torch.float32 \(3,\)"),
+    (bad(), {"scale": None}, "scale must be a real number, got None"),
+    (bad(), {"eps": -1.0}, "eps must be a number >= 0, got -1.0"),
+    (bad(q=torch.randn(1, 0, 2, 4), k=torch.randn(1, 0, 2, 4), v=torch.randn(1, 0, 2, 3),
+         fq=torch.rand(1, 0, 2, 5), fk=torch.rand(1, 0, 2, 5)), {}, r"The sequence is empty \(T=0\)"),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("kernel", [hybrid_attention_naive, hybrid_attention_chunk])
+@pytest.mark.parametrize("inputs, overrides, message", INVALID)
+def test_invalid_inputs_raise_explanations(kernel, inputs, overrides, message):
+    kwargs = {"window": 3, "window_factor": 1.0, "linear_factor": 1.0, "scale": 0.5, **overrides}
+    with pytest.raises(ValueError, match=message) as error:
+        kernel(**inputs, **kwargs)
+    assert str(error.value).endswith(".") and ";" in str(error.value)  # a sentence saying what to do
+
+
+def test_invalid_step_and_state_arguments_raise_explanations():
+    inputs = make_inputs(1, 8, 2, 4, 3, 5)
+    kwargs = dict(window=3, window_factor=1.0, linear_factor=1.0, scale=0.5)
+    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1, got 0"):
+        hybrid_attention_chunk(**inputs, **kwargs, chunk_size=0)
+    with pytest.raises(ValueError, match="takes one position \\(T=1\\), got T=8"):
+        hybrid_attention_step(**inputs, state=None, **kwargs)
+    token = {n: x[:, :1] for n, x in inputs.items()}
+    state = state_from_prefill(inputs["k"], inputs["v"], inputs["fk"], window=3)
+    with pytest.raises(ValueError, match="built with window=3 but this call uses window=4"):
+        hybrid_attention_step(**token, state=state, **{**kwargs, "window": 4})
+    with pytest.raises(ValueError, match=r"state.S has shape \(1, 2, 5, 3\) but these inputs need \(2, 2, 5, 3\)"):
+        hybrid_attention_step(**{n: x.expand(2, -1, -1, -1) for n, x in token.items()}, state=state, **kwargs)
+    with pytest.raises(ValueError, match="window must be an integer >= 0, got -2"):
+        state_from_prefill(inputs["k"], inputs["v"], inputs["fk"], window=-2)
+    with pytest.raises(ValueError, match="k, v and fk must share batch, time and heads"):
+        state_from_prefill(inputs["k"], inputs["v"][:, :5], inputs["fk"], window=3)
