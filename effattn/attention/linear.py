@@ -1,0 +1,231 @@
+"""The linearized model (`effattn_linear`): a family's causal LM whose softmax attention is replaced by
+LoLCATs' hybrid of sliding-window softmax attention and linear attention (Zhang et al. 2024, "LoLCATs:
+On Low-Rank Linearizing of Large Language Models", arXiv:2410.10254, HazyResearch/lolcats,
+`src/model/linear_attention/linear_window_attention_sw.py`).
+
+`EffattnLinearForCausalLM` is the base family's own model (same modules, same weight names) whose
+attention modules are `LinearAttention`: the family's q/k/v/o projections (and q/k norms), the family's
+RoPE on q and k, then per layer
+
+* two feature maps (`kernels/linear/features.py`, `linear_feature_map`), one for the queries
+  (`self_attn.feature_map_q`) and one for the keys (`self_attn.feature_map_k`), kept separate as in
+  LoLCATs (for hedgehog, two sets of per-head linear layers, trained by attention transfer);
+* per head h a learned mix, `wf_h = sigmoid(window_factors[h])`, `lf_h = 1 - wf_h`.
+
+For query t with window `W_t = {s : t - window < s <= t}`, far keys `F_t = {s : s <= t - window}`,
+`m_t = max_{s in W_t} scale q_t.k_s` and feature maps `fq = phi_q(q)`, `fk = phi_k(k)`:
+
+    out_t = (wf sum_{W_t} exp(scale q_t.k_s - m_t) v_s + lf sum_{F_t} (fq_t.fk_s) v_s)
+            / (wf sum_{W_t} exp(scale q_t.k_s - m_t)     + lf sum_{F_t} (fq_t.fk_s) + eps)
+
+(`linear_window` = 0: pure causal linear attention; a window covering the sequence: the original
+softmax attention, wf cancelling up to eps). Only the ratio wf/lf matters (up to eps), so this affine
+form loses nothing against LoLCATs' `linear_factor = 1` option.
+
+`window_factors` start at `INIT_WINDOW_FACTOR` = -ln 10, i.e. wf = 1/11, lf = 10/11, wf/lf = 0.1.
+LoLCATs' class default is `init_window_factor = 0` (sigmoid 0.5), but its released distillation configs
+use `init_window_factor: -2.1972` (sigmoid 0.1) with `affine_attention_factors: false`
+(`linear_factor = 1`): the same ratio 0.1, hence the same function, as this initial value.
+
+GQA: the family's G key/value heads are repeated to the H query heads (query head h reads KV head
+h // (H / G), as transformers' `repeat_kv`) after RoPE and before the key feature map, as LoLCATs does;
+the key map therefore has per-query-head parameters, and the cache holds H heads.
+
+Prefill and training run `hybrid_attention_chunk` (or the quadratic reference, `linear_kernel: naive`);
+decoding runs `hybrid_attention_step` over a `HybridState` per layer (`LinearCache`): the window's
+keys, values and feature keys plus the linear state S, z, so the cache stops growing after `window`
+tokens. Several tokens after a cached prefix go through the step one token at a time (exact).
+
+This module imports nothing from effattn but the kernels and wrapped.py, so it is bundled with them into
+one `modeling_effattn_linear.py` that `trust_remote_code=True` loads without effattn.
+"""
+
+import math
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from effattn.attention.wrapped import AdoptedAttention, WrappedCausalLM, WrappedConfig, wrapped_config
+from effattn.kernels.rope import apply_rope
+from effattn.kernels.linear.naive import hybrid_attention_naive
+from effattn.kernels.linear.chunk import hybrid_attention_chunk
+from effattn.kernels.linear.recurrent import HybridState, hybrid_attention_step, state_from_prefill
+from effattn.kernels.linear.features import FEATURE_MAPS, feature_map
+
+LINEAR_MODEL_TYPE = "effattn_linear"
+# every linear-attention setting lives in the config under these names; all other keys belong to the base model
+LINEAR_DEFAULTS = {
+    "base_model_type": "llama",
+    "linear_feature_map": {"name": "hedgehog", "projection_dim": 64},  # name + the map's keyword arguments
+    "linear_window": 64,  # keys under exact softmax (the query's own included); 0: pure linear attention
+    "linear_chunk_size": 64,  # chunk of the prefill kernel (a speed setting only)
+    "linear_eps": 1e-6,  # added to the shared normaliser
+    "linear_kernel": "chunk",  # prefill/training kernel: "chunk" (linear time) or "naive" (the quadratic reference)
+}
+LINEAR_KERNELS = ("chunk", "naive")
+# initial window_factors: sigmoid(-ln 10) = 1/11, so wf/lf = 0.1 (LoLCATs' released configs; module docstring)
+INIT_WINDOW_FACTOR = -math.log(10.0)
+
+
+class EffattnLinearConfig(WrappedConfig):
+    """The base model's config (every key of it, flat) plus the settings of `LINEAR_DEFAULTS`."""
+
+    model_type = LINEAR_MODEL_TYPE
+    DEFAULTS = LINEAR_DEFAULTS
+
+
+class LinearCache:
+    """Per-layer `HybridState`s (over the H query heads): the last `linear_window` keys, values and
+    feature keys, and the linear state S, z of every older key. Its size stops growing once the window
+    is full. The states are detached: the cache serves generation, not backpropagation through time."""
+
+    def __init__(self):
+        self.states: dict[int, HybridState] = {}
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        state = self.states.get(layer_idx)
+        return 0 if state is None else state.seen
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def nbytes(self) -> int:
+        return sum(state.nbytes() for state in self.states.values())
+
+
+def _stored(state: HybridState) -> HybridState:
+    """A detached copy of `state` that owns its window tensors (a prefill's slices would keep the whole
+    prefill alive)."""
+    return HybridState(seen=state.seen, window=state.window, S=state.S.detach(), z=state.z.detach(),
+                       k=state.k.detach().clone(), v=state.v.detach().clone(), fk=state.fk.detach().clone())
+
+
+def repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """[B, T, G, D] -> [B, T, G * rep, D], head h holding head h // rep (transformers' repeat_kv order)."""
+    return x if rep == 1 else x.repeat_interleave(rep, dim=2)
+
+
+def build_feature_map(config, head_dim: int, heads: int) -> nn.Module:
+    """The feature map `config.linear_feature_map` ({"name": ..., **its keyword arguments})."""
+    spec = dict(config.linear_feature_map or {})
+    name = spec.pop("name", None)
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"linear_feature_map names {name!r}; use one of {sorted(FEATURE_MAPS)}")
+    return feature_map(name, head_dim, heads, **spec)
+
+
+class LinearAttention(AdoptedAttention):
+    """A family's attention module (its projections and q/k norms, same names) with LoLCATs' hybrid
+    sliding-window + linear attention; adds `feature_map_q`, `feature_map_k` and `window_factors` [H]."""
+
+    def __init__(self, attn: nn.Module, config: EffattnLinearConfig, layer_idx: int):
+        super().__init__(attn, layer_idx)
+        self.config = config
+        self.heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        if self.heads % kv_heads:
+            raise ValueError(f"num_attention_heads={self.heads} is not a multiple of num_key_value_heads={kv_heads}")
+        self.groups = self.heads // kv_heads  # query heads per KV head
+        if config.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel is {config.linear_kernel!r}; use one of {list(LINEAR_KERNELS)}")
+        self.feature_map_q = build_feature_map(config, self.head_dim, self.heads)
+        self.feature_map_k = build_feature_map(config, self.head_dim, self.heads)
+        self.window_factors = nn.Parameter(torch.full((self.heads,), INIT_WINDOW_FACTOR))
+
+    def mix(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head (window_factor, linear_factor), each [H]: sigmoid(window_factors) and 1 minus it."""
+        wf = torch.sigmoid(self.window_factors)
+        return wf, 1 - wf
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        if position_embeddings is None:
+            raise ValueError("LinearAttention needs position_embeddings (the RoPE tables); run it inside "
+                             "EffattnLinearForCausalLM")
+        cfg = self.config
+        B, T, _ = hidden_states.shape
+        q, k, v = self.project(hidden_states)  # [B, T, H, D], [B, T, G, D], [B, T, G, D]
+        cos, sin = (x[0].to(q.dtype)[:, None] for x in position_embeddings)  # [T, 1, D]: one layout per batch
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = repeat_heads(k, self.groups), repeat_heads(v, self.groups)  # [B, T, H, D] each
+        fq, fk = self.feature_map_q(q), self.feature_map_k(k)  # [B, T, H, F] each
+        wf, lf = self.mix()  # [H] each
+        settings = dict(window=cfg.linear_window, window_factor=wf, linear_factor=lf, scale=self.scaling,
+                        eps=float(cfg.linear_eps))
+        state = cache.states.get(self.layer_idx) if cache is not None else None
+        if state is None:  # a whole sequence (training, or the prefill of a generation)
+            if cfg.linear_kernel == "naive":
+                out = hybrid_attention_naive(q, k, v, fq, fk, **settings)
+            else:
+                out = hybrid_attention_chunk(q, k, v, fq, fk, **settings, chunk_size=cfg.linear_chunk_size)
+            if cache is not None:
+                cache.states[self.layer_idx] = _stored(state_from_prefill(k, v, fk, settings["window"]))
+        else:  # tokens after a cached prefix: the recurrent step, one token at a time (exact)
+            outs = []
+            for t in range(T):
+                step = slice(t, t + 1)
+                o, state = hybrid_attention_step(q[:, step], k[:, step], v[:, step], fq[:, step], fk[:, step],
+                                                 state, **settings)
+                outs.append(o)  # [B, 1, H, D]
+                state = _stored(state)
+            out = torch.cat(outs, dim=1)  # [B, T, H, D]
+            cache.states[self.layer_idx] = state
+        return self.o_proj(out.reshape(B, T, -1)), None  # [B, T, H * D] -> [B, T, hidden]
+
+
+class EffattnLinearForCausalLM(WrappedCausalLM):
+    """The base family's causal LM with every attention replaced by `LinearAttention`."""
+
+    config_class = EffattnLinearConfig
+
+    def __init__(self, config: EffattnLinearConfig):
+        super().__init__(config)
+        self.build_base(config)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = LinearAttention(layer.self_attn, config, i)
+        self.post_init()
+
+    def initialize_weights(self):
+        """transformers' initialization, then the linear-attention tensors it does not know. Every
+        module under `self.model` is initialized by the base family's own `_init_weights` (a nested
+        PreTrainedModel dispatches its own), so the mix and the feature maps are handled here: those a
+        checkpoint did not provide (no `_is_hf_initialized` flag) get their initial values (the maps'
+        constructors' values, `INIT_WINDOW_FACTOR`)."""
+        super().initialize_weights()
+        for attn in self.linear_attention_modules():
+            for module in (attn, attn.feature_map_q, attn.feature_map_k):
+                own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+                if any(not getattr(t, "_is_hf_initialized", False) for t in own):
+                    self._init_linear_module(module)
+
+    @torch.no_grad()
+    def _init_linear_module(self, module: nn.Module) -> None:
+        if isinstance(module, LinearAttention):
+            module.window_factors.fill_(INIT_WINDOW_FACTOR)
+            return
+        fresh = build_feature_map(self.config, module.head_dim, module.heads)  # the map's own initial values
+        tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        for name, value in fresh.state_dict().items():
+            tensors[name].copy_(value)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
+        cache, use_cache = self.own_cache(cache, past_key_values, attention_mask, use_cache, LinearCache)
+        body = self.model
+        x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        past = cache.get_seq_length() if cache is not None else 0
+        position_ids = self.check_positions(position_ids, past, x.shape[1], x.device)
+        cos, sin = body.rotary_emb(x, position_ids)
+        for layer in body.layers:
+            x = layer(x, position_embeddings=(cos, sin), position_ids=position_ids, cache=cache)
+        logits, loss = self.logits_and_loss(body.norm(x), logits_to_keep, labels, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    def linear_attention_modules(self) -> list[LinearAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+
+def linear_config_from(base: dict, **settings) -> dict:
+    """The config.json dict of a linearized model built on the base model's config dict."""
+    return wrapped_config(base, EffattnLinearConfig, settings, "EffattnLinearForCausalLM",
+                          "modeling_effattn_linear.py")
