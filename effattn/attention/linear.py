@@ -44,9 +44,8 @@ import math
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from effattn.attention.wrapped import AdoptedAttention, WrappedCausalLM, WrappedConfig, wrapped_config
+from effattn.attention.wrapped import AdoptedAttention, StateCache, WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.rope import apply_rope
 from effattn.kernels.linear.naive import hybrid_attention_naive
 from effattn.kernels.linear.chunk import hybrid_attention_chunk
@@ -75,23 +74,10 @@ class EffattnLinearConfig(WrappedConfig):
     DEFAULTS = LINEAR_DEFAULTS
 
 
-class LinearCache:
+class LinearCache(StateCache):
     """Per-layer `HybridState`s (over the H query heads): the last `linear_window` keys, values and
     feature keys, and the linear state S, z of every older key. Its size stops growing once the window
     is full. The states are detached: the cache serves generation, not backpropagation through time."""
-
-    def __init__(self):
-        self.states: dict[int, HybridState] = {}
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        state = self.states.get(layer_idx)
-        return 0 if state is None else state.seen
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def nbytes(self) -> int:
-        return sum(state.nbytes() for state in self.states.values())
 
 
 def _stored(state: HybridState) -> HybridState:
@@ -210,16 +196,8 @@ class EffattnLinearForCausalLM(WrappedCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
-        cache, use_cache = self.own_cache(cache, past_key_values, attention_mask, use_cache, LinearCache)
-        body = self.model
-        x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        past = cache.get_seq_length() if cache is not None else 0
-        position_ids = self.check_positions(position_ids, past, x.shape[1], x.device)
-        cos, sin = body.rotary_emb(x, position_ids)
-        for layer in body.layers:
-            x = layer(x, position_embeddings=(cos, sin), position_ids=position_ids, cache=cache)
-        logits, loss = self.logits_and_loss(body.norm(x), logits_to_keep, labels, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return self.forward_layers(LinearCache, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
+                                   use_cache, logits_to_keep, past_key_values, **kwargs)
 
     def linear_attention_modules(self) -> list[LinearAttention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -27,9 +27,8 @@ them into one `modeling_effattn_vq.py` that `trust_remote_code=True` loads witho
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from effattn.attention.wrapped import AdoptedAttention, WrappedCausalLM, WrappedConfig, wrapped_config
+from effattn.attention.wrapped import AdoptedAttention, StateCache, WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.vq.chunk import VQState, vq_attention_chunk
 from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.codes import nearest_codes
@@ -119,23 +118,10 @@ class SplitState:
         return self.quantized.nbytes() + self.exact.nbytes()
 
 
-class VQCache:
+class VQCache(StateCache):
     """Per-layer `VQState`s: the window's keys/values, the sinks and per-code statistics. Its size
     stops growing once the window is full (for `vq_quantize: false`, every key is kept; for the KV
     heads of `vq_exact_heads`, theirs are)."""
-
-    def __init__(self):
-        self.states: dict[int, VQState | SplitState] = {}
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        state = self.states.get(layer_idx)
-        return 0 if state is None else state.seen
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def nbytes(self) -> int:
-        return sum(state.nbytes() for state in self.states.values())
 
 
 class VQAttention(AdoptedAttention):
@@ -304,19 +290,12 @@ class EffattnVQForCausalLM(WrappedCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
-        cache, use_cache = self.own_cache(cache, past_key_values, attention_mask, use_cache, VQCache)
-        body = self.model
-        x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        past = cache.get_seq_length() if cache is not None else 0
-        position_ids = self.check_positions(position_ids, past, x.shape[1], x.device)
-        cos, sin = body.rotary_emb(x, position_ids)
-        far = torch.tensor([[far_position(self.config)]], device=x.device)
-        far_cos, far_sin = (t[0, 0] for t in body.rotary_emb(x, far))
-        for layer in body.layers:
-            x = layer(x, position_embeddings=(cos, sin), position_ids=position_ids, cache=cache,
-                      vq_far=(far_cos, far_sin))
-        logits, loss = self.logits_and_loss(body.norm(x), logits_to_keep, labels, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        def far_rope(x):  # the RoPE tables at the far position every quantized key is scored from
+            far = torch.tensor([[far_position(self.config)]], device=x.device)
+            return {"vq_far": tuple(t[0, 0] for t in self.model.rotary_emb(x, far))}
+
+        return self.forward_layers(VQCache, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
+                                   use_cache, logits_to_keep, past_key_values, layer_kwargs=far_rope, **kwargs)
 
     def vq_attention_modules(self) -> list[VQAttention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -12,6 +12,7 @@ import copy
 import torch
 from torch import nn
 from transformers import AutoConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 _NOT_BASE_KEYS = ("model_type", "architectures", "auto_map", "transformers_version")
 
@@ -59,6 +60,24 @@ class AdoptedAttention(nn.Module):
         return q, k, v
 
 
+class StateCache:
+    """A cache of per-layer state objects (each with `seen` and `nbytes()`), for models whose cache is
+    not transformers' key/value lists: subclasses name what a state holds."""
+
+    def __init__(self):
+        self.states: dict = {}
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        state = self.states.get(layer_idx)
+        return 0 if state is None else state.seen
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def nbytes(self) -> int:
+        return sum(state.nbytes() for state in self.states.values())
+
+
 class WrappedCausalLM(PreTrainedModel, GenerationMixin):
     """The base family's causal LM (`self.model`, `self.lm_head`), built from the config's base config."""
 
@@ -102,6 +121,23 @@ class WrappedCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError(f"{name} needs its own {cache_class.__name__}, got a filled {type(cache).__name__}")
             return cache_class(), use_cache
         return (cache if isinstance(cache, cache_class) else None), use_cache
+
+    def forward_layers(self, cache_class, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
+                       use_cache, logits_to_keep, past_key_values, layer_kwargs=None, **kwargs):
+        """The causal LM's forward for a model with its own cache class: embeddings, the base family's
+        RoPE tables, every layer (with `cache=` and `layer_kwargs(x, position_ids)`'s extra arguments),
+        the final norm and the head."""
+        cache, use_cache = self.own_cache(cache, past_key_values, attention_mask, use_cache, cache_class)
+        body = self.model
+        x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        past = cache.get_seq_length() if cache is not None else 0
+        position_ids = self.check_positions(position_ids, past, x.shape[1], x.device)
+        cos, sin = body.rotary_emb(x, position_ids)
+        extra = layer_kwargs(x) if layer_kwargs is not None else {}
+        for layer in body.layers:
+            x = layer(x, position_embeddings=(cos, sin), position_ids=position_ids, cache=cache, **extra)
+        logits, loss = self.logits_and_loss(body.norm(x), logits_to_keep, labels, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     @staticmethod
     def check_positions(position_ids, past: int, length: int, device):
