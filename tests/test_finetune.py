@@ -273,7 +273,7 @@ def stop_after_checkpoint(monkeypatch, at_step: int):
 
 
 MLA_STUDENT = ["student.convert.to=mla", "student.convert.kv_size=32", "student.convert.calib_tokens=1024",
-               "student.convert.refine_steps=0"]  # its latent rows train through a row-scale parametrization
+               "student.convert.refine_steps=0", "train.mla_latent=scaled"]  # latent rows through a row-scale parametrization
 
 
 @pytest.mark.parametrize("params,student", [("all", []), ("lora", []), ("all", MLA_STUDENT)], ids=["all", "lora", "mla"])

@@ -241,10 +241,10 @@ def test_absorbed_decode_equals_transformers_path(tiny, tmp_path):
 
 
 def test_the_heal_mla_recipe_trains_the_scaled_latent_rows_at_their_scale(capsys, tiny, tmp_path):
-    """`effattn finetune heal-mla`: convert, distil, write a native DeepseekV3 (no parametrization left in
-    its tensors) whose latent rows moved by the same relative amount as ordinary weights (a row-scale
-    parametrization; a plain step would be ~1e9 times their size) while the latent norm and the
-    rotary rows' scale relation held."""
+    """`effattn finetune heal-mla train.mla_latent=scaled`: convert, distil, write a native DeepseekV3 (no
+    parametrization left in its tensors) whose latent rows moved by the same relative amount as ordinary
+    weights (a row-scale parametrization; a plain step would be ~1e9 times their size) while the latent
+    norm stayed as converted."""
     from safetensors.torch import load_file
 
     from effattn.attention.mla import latent_row_scale
@@ -259,7 +259,8 @@ def test_the_heal_mla_recipe_trains_the_scaled_latent_rows_at_their_scale(capsys
                            "student.convert.kv_size=32", "student.convert.calib_tokens=1024",
                            f"data.sources=[{tmp_path / 'train.txt'}]", "data.seq_len=64", "train.max_steps=2",
                            f"eval.corpora=[{tmp_path / 'held.txt'}]", "eval.seq_len=64", "eval.tokens=128",
-                           "eval.every=2", "checkpoint.every=2", "optimizer.lr=1e-3", "schedule.warmup_steps=0")
+                           "eval.every=2", "checkpoint.every=2", "optimizer.lr=1e-3", "schedule.warmup_steps=0",
+                           "train.mla_latent=scaled")
     assert code in (0, None), err
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["kv_lora_rank"] + config["qk_rope_head_dim"] == 32
@@ -305,5 +306,13 @@ def test_row_scale_parametrization_is_exact_and_folds_back(tiny, tmp_path):
         dict(AutoModelForCausalLM.from_pretrained(out).named_parameters()).keys())
     for layer, w in zip(model.model.layers, weights):
         torch.testing.assert_close(layer.self_attn.kv_a_proj_with_mqa.weight, w, rtol=1e-15, atol=0)
+    frozen = select_trainable(model, Train(max_steps=1))  # the default: the latent projection stays
+    assert not frozen.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.requires_grad
+    assert frozen.model.layers[0].self_attn.kv_b_proj.weight.requires_grad
+    scaled = select_trainable(model, Train(max_steps=1, mla_latent="scaled"))
+    kv_a = scaled.model.layers[0].self_attn.kv_a_proj_with_mqa
+    assert kv_a.parametrizations.weight.original.requires_grad
+    assert not scaled.model.layers[0].self_attn.kv_a_layernorm.weight.requires_grad
+    assert unscale_latent_rows(model) == 2
     with pytest.raises(EffattnError, match="kv_a_proj_with_mqa.*target q_proj"):
         select_trainable(model, Train(max_steps=1, params="lora", lora={"target_modules": ["q_proj", "kv_a_proj_with_mqa"]}))

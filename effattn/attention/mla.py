@@ -75,10 +75,11 @@ def _absorbed_forward(self, hidden_states, position_embeddings, attention_mask=N
 
 # What training does with an effattn MLA model's latent path (convert/mla.py). kv_a_proj's latent rows are
 # scaled down ~1e9 so that kv_a_layernorm stays linear: an optimizer step of any usual learning rate is
-# orders of magnitude larger than those weights. Training moves them through a row-scale parametrization
-# (scale_latent_rows: the optimizer sees the rows at the rotary rows' scale, the forward is unchanged); the
-# norm's weight and the low-rank query path's q_a (qwen2 biases, scaled the same way) stay as converted,
-# and LoRA adapters are refused on all of them (an adapter's product is not scaled).
+# orders of magnitude larger than those weights. Training leaves them as converted, or (recipe
+# `train.mla_latent: scaled`) moves them through a row-scale parametrization (scale_latent_rows: the optimizer
+# sees the rows at the rotary rows' scale, the forward is unchanged); the norm's weight and the low-rank
+# query path's q_a (qwen2 biases, scaled the same way) always stay, and LoRA adapters are refused on all of
+# them (an adapter's product is not scaled).
 SCALED_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj", "q_a_layernorm")  # never trained directly
 FROZEN_IN_TRAINING = SCALED_MODULES[1:]
 SCALED_BELOW = 1e-3  # latent rows this much smaller than the rotary rows are effattn's linear-regime scaling

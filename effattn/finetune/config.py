@@ -85,6 +85,10 @@ class Train(_Section):
     max_grad_norm: float | None = Field(1.0, gt=0)
     deterministic: bool = Field(False, description="torch's deterministic algorithms only: a resumed run equals an "
                                                    "uninterrupted one to the bit on GPUs too (CPU runs already do); slower")
+    mla_latent: Literal["frozen", "scaled"] = Field(
+        "frozen", description="MLA students: kv_a_proj_with_mqa (the latent rows, scaled ~1e-9 for the linear latent "
+                              "norm) stays as converted (frozen: measured in BENCHMARKS.md) or trains through a "
+                              "row-scale parametrization (scaled); params all/attention only")
 
     @model_validator(mode="after")
     def _steps_or_tokens(self):

@@ -1,7 +1,8 @@
 """What trains (recipe `train.params`): everything, the attention only, or LoRA adapters.
 
-  all        every parameter (an MLA model's latent rows through a row-scale parametrization, its
-             latent norm and low-rank query path frozen: attention/mla.py)
+  all        every parameter (an MLA model's latent projection, latent norm and low-rank query path
+             excepted; `train.mla_latent: scaled` trains the latent projection through a row-scale
+             parametrization: attention/mla.py)
   attention  each layer's attention module (the family's q/k/v/o projections, norms, and whatever a
              conversion put there), plus every module that exposes `effattn_aux_loss`
   lora       peft LoRA adapters on `train.lora.target_modules` (+ the conversion modules as above);
@@ -45,7 +46,7 @@ def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
     mla = is_mla(model)
     if train.params == "all":
         model.requires_grad_(True)
-        _freeze_mla(model, mla, scale_latent=True)
+        _freeze_mla(model, mla, scale_latent=train.mla_latent == "scaled")
         return model
     if train.params == "lora":
         if mla and set(train.lora.target_modules) & set(SCALED_MODULES):
@@ -59,7 +60,7 @@ def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
             p.requires_grad_(bool(pattern.search(name)))
     for module in conversion_modules(model):
         module.requires_grad_(True)
-    _freeze_mla(model, mla, scale_latent=train.params == "attention")
+    _freeze_mla(model, mla, scale_latent=train.params == "attention" and train.mla_latent == "scaled")
     if not any(p.requires_grad for p in model.parameters()):
         raise EffattnError(f"train.params={train.params} selects no parameters of this model",
                            "use train.params=all, or check train.lora.target_modules")
