@@ -111,7 +111,7 @@ def test_conversion_options_pass_through_unchanged():
 
 @pytest.mark.parametrize("convert, needle", [
     ({"to": "mqa", "kv_hedas": 1}, "student.convert.kv_hedas: unknown option of mqa (did you mean 'kv_heads'?)"),
-    ({"to": "mqa", "window": 64}, "student.convert.window does not apply to mqa. drop it (student.convert.window is for rerope, vq, swa, sparse)"),
+    ({"to": "mqa", "window": 64}, "student.convert.window does not apply to mqa. drop it (student.convert.window is for rerope, vq, swa, sparse, linear)"),
     ({"to": "mqa", "kv_heads": 2}, "student.convert.to mqa fixes student.convert.kv_heads to 1, but 2 was given"),
     ({"to": "gqa", "method": "meen"}, "student.convert.method = 'meen': unknown GQA method 'meen'"),
     ({"to": "vq", "codebook_size": 0}, "student.convert.codebook_size must be an integer >= 1, got 0"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..errors import EffattnError, one_of
 from .base import ConvertResult, Plan, convert, read_record
 from .gqa import GQAConversion
+from .linear import LinearConversion
 from .mla import MLAConversion
 from .rope_scaling import RopeScalingConversion
 from .sparse import SparseConversion
@@ -55,7 +56,7 @@ def get_conversion(name: str):
 
 
 for _conversion in (GQAConversion(), ReRoPEConversion(), VQConversion(), RopeScalingConversion(), SWAConversion(),
-                    SparseConversion(), MLAConversion()):
+                    SparseConversion(), MLAConversion(), LinearConversion()):
     register_conversion(_conversion)
 
 __all__ = ["CONVERSIONS", "ALIASES", "ConvertResult", "Plan", "convert", "get_conversion", "read_record",

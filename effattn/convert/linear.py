@@ -1,0 +1,308 @@
+"""Softmax -> linear attention (`--to linear`): LoLCATs' hybrid of sliding-window softmax and linear
+attention, its feature maps fitted by attention transfer, layer by layer.
+
+    effattn convert MODEL --to linear -o OUT                                  # hedgehog maps, window 64
+    effattn convert MODEL --to linear --feature-map performer --features 128 --window 0 -o OUT
+    effattn convert MODEL --to linear --refine-steps 0 -o OUT                 # zero-shot: maps at their initial values
+
+The output is effattn's `effattn_linear` model (attention/linear.py): the same weights (q/k/v/o copied
+unchanged) plus per layer two feature maps (`self_attn.feature_map_q`, `self_attn.feature_map_k`) and a
+per-head mix of the window and the linear part (`self_attn.window_factors`). `import effattn` registers
+it; `trust_remote_code=True` loads the bundled copy without effattn.
+
+The conversion *is* LoLCATs' stage 1, attention transfer (Zhang et al. 2024, Sec. 3.1): on calibration
+text, one decoder layer at a time (layers.py), only the maps' and the mix's parameters train (Adam)
+so that the hybrid attention's output matches the original softmax attention's on the same inputs
+(refine.py, target `attention`); each layer is fitted on the activations the already-converted layers
+below produce. The per-layer relative errors before (maps at their initial values) and after are
+recorded in effattn.json (`conversion_run.refine`). Maps without parameters (elu, taylor, performer)
+still train the mix. `--refine-steps 0` skips calibration: the maps keep their initial values.
+
+Defaults (SmolLM2-135M, 30 layers, on 2 CPU cores): Adam at lr 1e-2 as LoLCATs' attention transfer,
+20 steps per layer of 2 x 512 calibration tokens drawn from 4,096 calibration tokens (also the targets
+and the recorded losses). One layer measured on 2 busy cores: error 0.99 -> 0.26 in ~21 s; `--refine-steps
+40` takes it to 0.17 for about twice the training time (the 30 layers did not finish in 18 minutes on
+cores shared with other jobs).
+
+The cache stops growing after the window: per layer the window's keys, values and feature keys of the
+H query heads (the KV heads are repeated before the key map, as LoLCATs does) plus the linear state
+S [H, F, Dv] and z [H, F]. The plan states both parts; its `kv_bytes_per_token` is the cache at the
+trained context divided by that context (as `--to swa` reports a window's cache).
+
+Linformer (also a "linear attention") projects the keys and values along the *sequence* axis with a
+matrix fixed to a maximal length: position t's output then depends on later tokens, which breaks
+causal decoding, so it is refused (`--feature-map linformer` says why).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from ..data.corpora import DEFAULT_CALIB
+from ..errors import EffattnError
+from ..families import AttentionShape, Family, trained_length
+from ..io.checkpoint import Checkpoint
+from ..io.writer import SafetensorsWriter, TensorSpec
+from ..models import ModelSpec
+from ..resources import Dims, compute_seconds
+from .base import Plan, kv_bytes_per_token, out_dtype, read_time, same_specs
+from .calibrate import CalibSettings
+from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
+from .options import ConversionOptions
+from .refine import RefineSettings, Target, refine_flops
+
+FeatureMapName = Literal["hedgehog", "elu", "performer", "taylor"]
+# the options each feature map reads (refused with the others)
+MAP_OPTIONS = {"hedgehog": ("projection_dim",), "performer": ("features",), "elu": (), "taylor": ()}
+MAP_DEFAULTS = {"projection_dim": 64, "features": 128}
+LINFORMER = ("Linformer projects keys and values along the sequence axis (a fixed [k, max_length] matrix), so each "
+             "position's output depends on later tokens, which breaks causal decoding; effattn refuses it for causal "
+             "LMs. Use --feature-map hedgehog (or elu, performer, taylor)")
+# A linear-attention step on CPU costs about this many softmax-attention passes of the same length (chunked
+# kernel, feature maps, backward through the hybrid); an estimate for the plan's time only. At 1.0 the plan
+# says ~80 s for SmolLM2 with the defaults, where 85.8 s was measured (load ~2.2); 3.0 said ~360 s.
+LINEAR_FORWARD_EXTRA = 1.0
+
+
+class LinearOptions(ConversionOptions):
+    feature_map: FeatureMapName = Field(
+        "hedgehog", description="phi: hedgehog (LoLCATs' learned map [softmax(xW), softmax(-xW)]), elu (elu + 1), "
+                                "performer (FAVOR+ random features) or taylor (2nd-order Taylor of exp, as in Based)")
+    window: int = Field(64, ge=0, description="keys under exact softmax (the query's own included); older keys go "
+                                              "through the feature maps (0: pure linear attention)")
+    projection_dim: int | None = Field(None, ge=1, description="hedgehog: P, the per-half size of the learned map "
+                                                               f"(F = 2P features; default {MAP_DEFAULTS['projection_dim']})")
+    features: int | None = Field(None, ge=1, description="performer: number of random features F "
+                                                         f"(default {MAP_DEFAULTS['features']})")
+    calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file (attention transfer)")
+    calib_tokens: int = Field(4096, ge=1, description="calibration tokens (attention transfer)")
+    calib_seq_len: int = Field(512, ge=2, description="calibration sequence length (longer than the window)")
+    # LoLCATs' attention transfer uses lr 1e-2 (Adam). Measured on SmolLM2 layer 5 (hedgehog, window 64,
+    # 4,096 calibration tokens, 2 busy cores): relative error 0.99 untrained -> 0.26 after 20 steps (~21 s for
+    # the layer), 0.17 after 40 (~25 s), 0.16 after 40 at lr 3e-2. 20 keeps the 30 layers near the "few minutes"
+    # budget; 40 is the better fit when time allows. 0: no attention transfer (the maps' initial values).
+    refine_steps: int = Field(20, ge=0, description="attention transfer: optimizer steps per layer training the "
+                                                    "feature maps and the window/linear mix (0: off, zero-shot maps)")
+    refine_lr: float = Field(1e-2, gt=0, description="learning rate of attention transfer (Adam; LoLCATs' 1e-2)")
+    refine_target: Target = Field("attention", description="what attention transfer fits: attention (the original "
+                                  "attention's output on the same inputs, LoLCATs) or stream (the original model's "
+                                  "activations after the layer)")
+
+    @field_validator("feature_map", mode="before")
+    @classmethod
+    def _refuse_linformer(cls, v):
+        if isinstance(v, str) and v.lower() == "linformer":
+            raise ValueError(LINFORMER)
+        return v
+
+
+def _linear_classes():
+    from ..attention.linear import EffattnLinearConfig, EffattnLinearForCausalLM
+
+    return EffattnLinearConfig, EffattnLinearForCausalLM
+
+
+def feature_map_spec(opts: LinearOptions) -> dict[str, Any]:
+    """The config's `linear_feature_map`: the map's name and the keyword arguments its class reads."""
+    given = {k: getattr(opts, k) for k in MAP_DEFAULTS if getattr(opts, k) is not None}
+    for key in given:
+        if key not in MAP_OPTIONS[opts.feature_map]:
+            users = [m for m, keys in MAP_OPTIONS.items() if key in keys]
+            flag = "--" + key.replace("_", "-")
+            raise EffattnError(f"{flag} applies to --feature-map {' or '.join(users)}, not {opts.feature_map}",
+                               f"drop it, or use --feature-map {users[0]}")
+    if opts.feature_map == "hedgehog":
+        return {"name": "hedgehog", "projection_dim": given.get("projection_dim", MAP_DEFAULTS["projection_dim"])}
+    if opts.feature_map == "performer":
+        return {"name": "performer", "num_features": given.get("features", MAP_DEFAULTS["features"])}
+    return {"name": opts.feature_map}
+
+
+def new_attention_tensors(spec: dict[str, Any], head_dim: int, heads: int) -> dict[str, torch.Tensor]:
+    """The tensors one LinearAttention adds, by name under `self_attn.`, at their initial values."""
+    from ..attention.linear import INIT_WINDOW_FACTOR
+    from ..kernels.linear.features import feature_map
+
+    kw = {k: v for k, v in spec.items() if k != "name"}
+    fmap = feature_map(spec["name"], head_dim, heads, **kw)
+    tensors = {"window_factors": torch.full((heads,), INIT_WINDOW_FACTOR)}
+    for side in ("q", "k"):
+        tensors |= {f"feature_map_{side}.{n}": t for n, t in fmap.state_dict().items()}
+    return tensors
+
+
+def cache_parts(shape: AttentionShape, feature_dim: int, window: int, dtype: torch.dtype,
+                fk_dtype: torch.dtype) -> tuple[float, float]:
+    """(bytes of the linear state, bytes per token of the window) of a whole model's LinearCache: per
+    layer and query head S [F, Dv] and z [F] in the accumulation dtype (float32 at least), and per
+    windowed token a key, a value and a feature key."""
+    acc = max(dtype.itemsize, 4)
+    state = shape.layers * shape.heads * (feature_dim * shape.head_dim + feature_dim) * acc
+    per_token = shape.layers * shape.heads * (2 * shape.head_dim * dtype.itemsize + feature_dim * fk_dtype.itemsize)
+    return float(state), float(per_token if window else 0)
+
+
+def feature_dim_of(spec: dict[str, Any], head_dim: int) -> int:
+    name = spec["name"]
+    return {"hedgehog": lambda: 2 * spec["projection_dim"], "performer": lambda: spec["num_features"],
+            "elu": lambda: head_dim, "taylor": lambda: 1 + head_dim + head_dim**2}[name]()
+
+
+def cache_line(before: float, state: float, window_bytes: float, window: int, trained: int) -> str:
+    fixed = state + window * window_bytes
+    even = fixed / before
+    at = fixed / trained
+    start = f"after {window} tokens" if window else "from the first token"
+    return (f"original {before:,.0f} bytes/token (grows with length); linear: constant {start}, "
+            f"{fixed:,.0f} bytes per sequence (state S, z {state:,.0f}"
+            + (f" + window {window} x {window_bytes:,.0f} bytes/token" if window else "") + ")"
+            + (f"; smaller than the original's beyond {even:,.0f} tokens" if even < trained else
+               f"; larger than the original's up to {even:,.0f} tokens")
+            + f"; {at:,.0f} bytes/token at {trained:,} tokens ({before / at:.1f}x less)")
+
+
+class LinearConversion:
+    name = "linear"
+    description = ("linear attention (LoLCATs): softmax over the last --window keys + linear attention with learned "
+                   "feature maps beyond, fitted by attention transfer; a constant-size cache")
+    model = ModelSpec(
+        model_type="effattn_linear", description="LoLCATs hybrid sliding-window + linear attention (effattn_linear)",
+        config_class=lambda: _linear_classes()[0], model_class=lambda: _linear_classes()[1],
+        modeling_file="modeling_effattn_linear.py",
+        modules=("kernels/rope.py", "kernels/linear/naive.py", "kernels/linear/chunk.py", "kernels/linear/recurrent.py",
+                 "kernels/linear/features.py", "attention/wrapped.py", "attention/linear.py"))
+    Options = LinearOptions
+    memory_options = ("calib_tokens",)
+    # the constant cache pays off at long context
+    measure_contexts = (512, 2048)
+
+    def targets(self, config: dict[str, Any]) -> str:
+        return ("--feature-map {hedgehog, elu, performer, taylor} --window W: softmax over the last W keys, linear "
+                "attention beyond (maps fitted by attention transfer); the cache stops growing after W tokens")
+
+    def plan(self, ckpt: Checkpoint, family: Family, opts: LinearOptions, target=None) -> Plan:
+        from ..attention.linear import linear_config_from
+
+        config = ckpt.config
+        if family.rope_layout != "rotate_half":
+            raise EffattnError(f"{family.name} does not use rotate-half RoPE", "--to linear needs a RoPE model "
+                               "(Llama, Mistral, Qwen2/Qwen3 layouts)")
+        shape = AttentionShape.of(config)
+        trained = trained_length(config)
+        if opts.window >= trained:
+            raise EffattnError(f"--window {opts.window:,} covers the whole trained context ({trained:,} tokens): "
+                               "no key would reach the linear attention", f"use a window below {trained:,} (default 64)")
+        spec = feature_map_spec(opts)
+        try:
+            tensors = new_attention_tensors(spec, shape.head_dim, shape.heads)
+        except ValueError as exc:
+            raise EffattnError(str(exc), "see `effattn convert --to linear --help`") from None
+        base = {k: v for k, v in config.items() if k not in ("sliding_window", "use_sliding_window",
+                                                              "max_window_layers", "layer_types")}
+        if base.get("model_type") == "mistral":
+            base["sliding_window"] = None
+        new = linear_config_from(base, linear_feature_map=spec, linear_window=opts.window)
+        if target is not None:
+            new["dtype"] = str(target).replace("torch.", "")
+            new.pop("torch_dtype", None)
+        dtype = target or ckpt.dtype
+        new_dtype = out_dtype(torch.float32, target)
+        extra = [TensorSpec(f"{family.prefix(i)}self_attn.{n}", tuple(t.shape), new_dtype)
+                 for i in range(shape.layers) for n, t in tensors.items()]
+        fdim = feature_dim_of(spec, shape.head_dim)
+        before = kv_bytes_per_token(config, dtype)
+        fk_dtype = torch.promote_types(dtype, torch.float32) if spec["name"] == "performer" else dtype
+        state_bytes, window_bytes = cache_parts(shape, fdim, opts.window, dtype, fk_dtype)
+        after = (state_bytes + min(opts.window, trained) * window_bytes) / trained
+        trainable = sum(t.numel() for n, t in tensors.items() if n == "window_factors" or n.endswith("weight")
+                        or n.endswith("bias"))
+        map_words = {"hedgehog": f"hedgehog, P {spec.get('projection_dim')} (F {fdim}, learned)",
+                     "performer": f"performer, {fdim} random features (fixed)", "elu": f"elu + 1 (F {fdim})",
+                     "taylor": f"2nd-order Taylor (F {fdim})"}[spec["name"]]
+        summary = [("model", f"{family.name} -> effattn_linear, {shape.layers} layers, {shape.heads} query / "
+                             f"{shape.kv_heads} KV heads, q/k/v/o unchanged"),
+                   ("attention", (f"softmax over the last {opts.window} keys + " if opts.window else "")
+                    + f"linear attention beyond, feature map {map_words}")]
+        settings: dict[str, Any] = {"feature_map": spec["name"], "window": opts.window}
+        if "projection_dim" in spec:
+            settings["projection_dim"] = spec["projection_dim"]
+        if "num_features" in spec:
+            settings["features"] = spec["num_features"]
+        state: dict[str, Any] = {"shape": shape, "target": target, "spec": spec}
+        est_seconds, est_peak = read_time(ckpt), streaming_bytes(ckpt, family)
+        learned = any(n != "window_factors" and n.endswith(("weight", "bias")) for n in tensors)
+        steps = opts.refine_steps
+        if not learned and not opts.window:  # nothing to fit: no map parameters, and no window to mix with
+            given = opts.given() & {"refine_steps", "calib", "calib_tokens", "calib_seq_len", "refine_lr", "refine_target"}
+            if given and steps:
+                flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
+                raise EffattnError(f"{flags}: --feature-map {spec['name']} has no parameters and --window 0 no "
+                                   "window/linear mix, so attention transfer has nothing to train",
+                                   "drop them, or use --feature-map hedgehog or a --window above 0")
+            steps = 0
+        if steps:
+            calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens, seq_len=opts.calib_seq_len,
+                                  batch_size=2).validate(ckpt.folder)
+            if calib.seq_len <= opts.window:
+                raise EffattnError(f"calibration sequences ({calib.seq_len} tokens) must be longer than the window "
+                                   f"({opts.window}) for attention transfer to see far keys",
+                                   f"use --calib-seq-len {max(4 * opts.window, 512)} or a smaller --window")
+            refine = RefineSettings(steps=steps, lr=opts.refine_lr, target=opts.refine_target)
+            state |= {"calib": calib, "refine": refine}
+            settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
+                         "refine_steps": refine.steps, "refine_lr": refine.lr, "refine_target": refine.target}
+            dims, N, T = Dims.of(config), calib.tokens, calib.seq_len
+            per_layer = (dims.layer_flops(N, T) + LINEAR_FORWARD_EXTRA * refine_flops(dims, refine, N, T)
+                         + LINEAR_FORWARD_EXTRA * dims.attention_flops(N, T))
+            est_seconds += compute_seconds(shape.layers * per_layer)
+            est_peak = calibrated_bytes(ckpt, family, calib, refine)
+            summary.append(("attention transfer", f"{refine.steps} Adam steps per layer at lr {refine.lr:g} on "
+                                                  f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}"
+                                                  f", fitting the {refine.target} output; trains "
+                                                  f"{trainable:,} parameters per layer (maps + mix)"))
+        elif opts.refine_steps:
+            settings["refine_steps"] = 0
+            summary.append(("attention transfer", f"none: {spec['name']} has no parameters and window 0 no mix to fit"))
+        else:
+            given = opts.given() & {"calib", "calib_tokens", "calib_seq_len", "refine_lr", "refine_target"}
+            if given:
+                flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
+                raise EffattnError(f"{flags} set attention transfer, which --refine-steps 0 turns off",
+                                   "drop them, or give --refine-steps N (default 20)")
+            settings["refine_steps"] = 0
+            summary.append(("attention transfer", "none (--refine-steps 0): the feature maps keep their initial values"))
+        summary.append(("KV cache", cache_line(before, state_bytes, window_bytes, opts.window, trained)))
+        return Plan(conversion=self.name, config=new, specs=same_specs(ckpt, target, extra=extra), settings=settings,
+                    summary=summary, kv_bytes_per_token=(before, after), est_seconds=est_seconds,
+                    est_peak_bytes=est_peak,
+                    # a query reads its window's keys and one F-dimensional state
+                    state=state | {"attention_span": lambda context: opts.window + fdim})
+
+    def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
+        from ..attention.linear import EffattnLinearConfig, LinearAttention
+
+        st = plan.state
+        shape = st["shape"]
+        cfg = EffattnLinearConfig(**plan.config)
+        calib = st.get("calib")
+
+        def linearize(layer: LayerInput) -> LayerOutput:
+            base = f"{layer.prefix}self_attn."
+            if calib is None:  # zero-shot: the weights and the new tensors' initial values, no module needed
+                fresh = new_attention_tensors(st["spec"], shape.head_dim, shape.heads)
+                return LayerOutput(dict(layer.tensors) | {base + n: t for n, t in fresh.items()})
+            module = layer.factory.layer(layer.index, layer.tensors, shape.kv_heads)
+            attn = LinearAttention(module.self_attn, cfg, layer.index).float()
+            module.self_attn = attn
+            own = {n: t for n, t in attn.state_dict().items() if n == "window_factors" or n.startswith("feature_map_")}
+            trainable = [n for n, _ in attn.named_parameters() if n == "window_factors" or n.startswith("feature_map_")]
+            return LayerOutput(dict(layer.tensors) | {base + n: t.detach().clone() for n, t in own.items()},
+                               module=module.requires_grad_(False).eval(), trainable=trainable,
+                               note=f"{len(trainable)} trained tensors")
+
+        plan.measured |= run_layers(ckpt, family, writer, linearize, layers=shape.layers, target=st["target"],
+                                    calib=calib, refine=st.get("refine"), progress=progress,
+                                    description="attention transfer" if calib else "writing layers")

@@ -1,0 +1,156 @@
+"""Softmax -> linear attention as a conversion (`--to linear`, LoLCATs): the original model while the window
+covers the sequence, attention transfer lowering every layer's error, an output that loads (effattn or
+remote code alone) and decodes from its constant-size cache as the full forward, refusals in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import effattn  # noqa: F401 - registers effattn_linear with transformers
+from effattn.attention.linear import INIT_WINDOW_FACTOR, LinearCache
+from effattn.convert import convert
+
+from .conftest import logits_of
+from .test_cli_errors import assert_one_line_error, run_cli
+
+IDS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+# a short attention transfer on the tiny models: blocks of 64 calibration tokens, window 8
+FAST = {"window": 8, "calib_tokens": 512, "calib_seq_len": 64, "refine_steps": 10}
+
+
+def load(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+
+
+def logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def attention_weights(folder) -> dict[str, torch.Tensor]:
+    tensors = load_file(folder / "model.safetensors")
+    return {n: t for n, t in tensors.items() if any(p in n for p in ("q_proj", "k_proj", "v_proj", "o_proj", "norm"))}
+
+
+@pytest.mark.parametrize("family,fmap", [("llama", "hedgehog"), ("qwen3", "elu")])
+def test_a_window_covering_the_sequence_is_the_original_model(tiny, tmp_path, family, fmap):
+    src = tiny(family, heads=6, kv_heads=3, head_dim=8)
+    out = convert(src, tmp_path / "lin", to="linear", options={"feature_map": fmap, "refine_steps": 0},
+                  measure=False).out  # zero-shot, window 64 > 40 tokens
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "effattn_linear" and config["linear_window"] == 64
+    assert config["linear_feature_map"]["name"] == fmap and (out / "modeling_effattn_linear.py").exists()
+    model = load(out)
+    assert type(model).__name__ == "EffattnLinearForCausalLM"
+    original = logits_of(src, IDS, torch.float64)
+    # eps in the shared normaliser: a relative change of at most eps / wf per layer (wf = 1/11 at init)
+    bound = 10 * 1e-6 * 11 * original.abs().max().item()
+    assert (logits(model) - original).abs().max().item() < bound
+    source = attention_weights(src)
+    assert all(torch.equal(attention_weights(out)[n], t) for n, t in source.items())  # q/k/v/o copied unchanged
+    record = json.loads((out / "effattn.json").read_text())
+    assert "conversion_run" not in record and record["conversion"]["refine_steps"] == 0
+
+
+@pytest.mark.parametrize("fmap,extra", [("hedgehog", {"projection_dim": 8}), ("elu", {})])
+def test_attention_transfer_lowers_every_layers_error(tiny, tmp_path, fmap, extra):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    out = convert(src, tmp_path / "lin", to="linear", options=FAST | extra | {"feature_map": fmap}, measure=False).out
+    record = json.loads((out / "effattn.json").read_text())
+    losses = record["conversion_run"]["refine"]
+    assert len(losses["before"]) == len(losses["after"]) == 2
+    assert all(a < b for a, b in zip(losses["after"], losses["before"])), losses  # below the untrained maps'
+    assert {"to": "linear", "feature_map": fmap, "window": 8, "refine_steps": 10, "refine_lr": 0.01,
+            "refine_target": "attention"}.items() <= record["conversion"].items()
+    tensors = load_file(out / "model.safetensors")
+    # trained: the mix (every map) and the learned maps (hedgehog); the projections are the source's
+    for layer in range(2):
+        wf = tensors[f"model.layers.{layer}.self_attn.window_factors"]
+        assert wf.shape == (6,) and not torch.allclose(wf, torch.full((6,), INIT_WINDOW_FACTOR))
+        if fmap == "hedgehog":
+            assert tensors[f"model.layers.{layer}.self_attn.feature_map_q.weight"].shape == (6, 8, 8)
+    source = attention_weights(src)
+    assert all(torch.equal(tensors[n], t) for n, t in source.items())
+    # the same folder with the window over the whole sequence is the original again: only the maps changed
+    model = load(out)
+    model.config.linear_window = IDS.shape[1]
+    original = logits_of(src, IDS, torch.float64)
+    assert (logits(model) - original).abs().max().item() < 1e-3 * original.abs().max().item()
+
+
+def test_the_output_loads_with_remote_code_and_decodes_as_the_full_forward(tiny, tmp_path):
+    from .remote import remote_logits
+
+    src = tiny("qwen3", heads=6, kv_heads=2, head_dim=8)
+    out = convert(src, tmp_path / "lin", to="linear", options=FAST | {"projection_dim": 8}, measure=False).out
+    model = load(out)
+    full = logits(model)
+    torch.testing.assert_close(remote_logits(out, IDS, "EffattnLinearForCausalLM", tmp_path), full, rtol=0, atol=0)
+    # cached: a prefill past the window, then one token at a time through the constant-size cache
+    pieces, cache, start, got = [13] + [1] * (IDS.shape[1] - 13), None, 0, []
+    with torch.no_grad():
+        for n in pieces:
+            step = model(input_ids=IDS[:, start:start + n], cache=cache, use_cache=True)
+            cache, start = step.cache, start + n
+            got.append(step.logits)
+    assert isinstance(cache, LinearCache)
+    torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-9, atol=1e-9)
+    generated = model.generate(IDS[:1, :8], max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    predicted = logits(model, generated)[0, 7:-1]
+    predicted[:, model.generation_config.eos_token_id] = float("-inf")  # min_new_tokens suppresses EOS
+    assert torch.equal(predicted.argmax(-1), generated[0, 8:])
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--feature-map", "linformer"], ["Linformer projects keys and values along the sequence axis",
+                                      "breaks causal decoding"]),
+    (["--feature-map", "cosformer"], ["unknown --feature-map 'cosformer'"]),
+    (["--features", "32"], ["--features applies to --feature-map performer, not hedgehog"]),
+    (["--feature-map", "elu", "--projection-dim", "8"], ["--projection-dim applies to --feature-map hedgehog, not elu"]),
+    (["--window", "-1"], ["--window must be an integer >= 0, got -1"]),
+    (["--window", "4096"], ["covers the whole trained context"]),
+    (["--refine-steps", "0", "--calib-tokens", "1024"], ["--calib-tokens set attention transfer", "--refine-steps 0"]),
+    (["--calib-seq-len", "64", "--window", "64"], ["must be longer than the window"]),
+    (["--codebook-size", "8"], ["--codebook-size does not apply to linear"]),
+    (["--feature-map", "elu", "--window", "0", "--refine-steps", "5"], ["attention transfer has nothing to train"]),
+])
+def test_bad_options_are_one_line_errors_and_write_nothing(tiny, tmp_path, capsys, args, needles):
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "linear", *args, "-o", out, "--no-eval")
+    assert code == 2, err
+    assert_one_line_error(code, err, *needles)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_dry_run_states_the_constant_cache_and_writes_nothing(tiny, tmp_path, capsys):
+    src = tiny("llama", layers=2)
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "performer", "--features",
+                                "16", "--dry-run", "--json", "-o", out, "--no-eval")
+    assert code == 0, err
+    plan = json.loads(stdout)
+    assert plan["output"] is None and not out.exists()
+    assert {"feature_map": "performer", "features": 16, "window": 64, "refine_steps": 20}.items() <= plan["settings"].items()
+    line = plan["summary"]["KV cache"]
+    assert "constant after 64 tokens" in line and "state S, z" in line
+    # 2 layers x 6 query heads: S [16, 8] and z [16] in float32; the window: k, v (float32) and fk (float32)
+    assert f"state S, z {2 * 6 * (16 * 8 + 16) * 4:,}" in line and f"64 x {2 * 6 * (8 + 8 + 16) * 4:,} bytes/token" in line
+    before, after = plan["kv_bytes_per_token"]
+    assert before == 2 * 2 * 3 * 8 * 4 and after == pytest.approx((2 * 6 * 144 * 4 + 64 * 2 * 6 * 32 * 4) / 4096)
+    # taylor without a window: nothing to fit, so no calibration either; the cache is the state alone
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "taylor", "--window", "0",
+                                "--dry-run", "--json", "--no-eval")
+    assert code == 0, err
+    plan = json.loads(stdout)
+    assert plan["summary"]["attention transfer"].startswith("none") and plan["settings"]["refine_steps"] == 0
+    assert "constant from the first token" in plan["summary"]["KV cache"] and "window" not in plan["summary"]["KV cache"]
+    code, stdout, _ = run_cli(capsys, "convert", "--to", "linear", "--help")
+    assert code in (0, None) and "--feature-map" in stdout and "hedgehog" in stdout
+    code, stdout, _ = run_cli(capsys, "inspect", src)
+    assert code in (0, None) and "linear" in stdout
