@@ -92,9 +92,10 @@ def repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=2)
 
 
-def build_feature_map(config, head_dim: int, heads: int) -> nn.Module:
-    """The feature map `config.linear_feature_map` ({"name": ..., **its keyword arguments})."""
-    spec = dict(config.linear_feature_map or {})
+def build_feature_map(spec: dict | None, head_dim: int, heads: int) -> nn.Module:
+    """The feature map a config's `linear_feature_map` describes ({"name": ..., **its keyword arguments}),
+    at its initial values."""
+    spec = dict(spec or {})
     name = spec.pop("name", None)
     if name not in FEATURE_MAPS:
         raise ValueError(f"linear_feature_map names {name!r}; use one of {sorted(FEATURE_MAPS)}")
@@ -115,8 +116,8 @@ class LinearAttention(AdoptedAttention):
         self.groups = self.heads // kv_heads  # query heads per KV head
         if config.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear_kernel is {config.linear_kernel!r}; use one of {list(LINEAR_KERNELS)}")
-        self.feature_map_q = build_feature_map(config, self.head_dim, self.heads)
-        self.feature_map_k = build_feature_map(config, self.head_dim, self.heads)
+        self.feature_map_q = build_feature_map(config.linear_feature_map, self.head_dim, self.heads)
+        self.feature_map_k = build_feature_map(config.linear_feature_map, self.head_dim, self.heads)
         self.window_factors = nn.Parameter(torch.full((self.heads,), INIT_WINDOW_FACTOR))
 
     def mix(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +190,7 @@ class EffattnLinearForCausalLM(WrappedCausalLM):
         if isinstance(module, LinearAttention):
             module.window_factors.fill_(INIT_WINDOW_FACTOR)
             return
-        fresh = build_feature_map(self.config, module.head_dim, module.heads)  # the map's own initial values
+        fresh = build_feature_map(self.config.linear_feature_map, module.head_dim, module.heads)  # the map's own initial values
         tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         for name, value in fresh.state_dict().items():
             tensors[name].copy_(value)

@@ -121,13 +121,11 @@ def feature_map_spec(opts: LinearOptions) -> dict[str, Any]:
     return {"name": opts.feature_map}
 
 
-def new_attention_tensors(spec: dict[str, Any], head_dim: int, heads: int) -> dict[str, torch.Tensor]:
-    """The tensors one LinearAttention adds, by name under `self_attn.`, at their initial values."""
+def new_attention_tensors(fmap: torch.nn.Module, heads: int) -> dict[str, torch.Tensor]:
+    """The tensors one LinearAttention adds, by name under `self_attn.`, at their initial values (`fmap`:
+    attention/linear.py's build_feature_map)."""
     from ..attention.linear import INIT_WINDOW_FACTOR
-    from ..kernels.linear.features import feature_map
 
-    kw = {k: v for k, v in spec.items() if k != "name"}
-    fmap = feature_map(spec["name"], head_dim, heads, **kw)
     tensors = {"window_factors": torch.full((heads,), INIT_WINDOW_FACTOR)}
     for side in ("q", "k"):
         tensors |= {f"feature_map_{side}.{n}": t for n, t in fmap.state_dict().items()}
@@ -143,12 +141,6 @@ def cache_parts(shape: AttentionShape, feature_dim: int, window: int, dtype: tor
     state = shape.layers * shape.heads * (feature_dim * shape.head_dim + feature_dim) * acc
     per_token = shape.layers * shape.heads * (2 * shape.head_dim * dtype.itemsize + feature_dim * fk_dtype.itemsize)
     return float(state), float(per_token if window else 0)
-
-
-def feature_dim_of(spec: dict[str, Any], head_dim: int) -> int:
-    name = spec["name"]
-    return {"hedgehog": lambda: 2 * spec["projection_dim"], "performer": lambda: spec["num_features"],
-            "elu": lambda: head_dim, "taylor": lambda: 1 + head_dim + head_dim**2}[name]()
 
 
 def cache_line(before: float, state: float, window_bytes: float, window: int, trained: int) -> str:
@@ -184,7 +176,7 @@ class LinearConversion:
                 "attention beyond (maps fitted by attention transfer); the cache stops growing after W tokens")
 
     def plan(self, ckpt: Checkpoint, family: Family, opts: LinearOptions, target=None) -> Plan:
-        from ..attention.linear import linear_config_from
+        from ..attention.linear import build_feature_map, linear_config_from
 
         config = ckpt.config
         if family.rope_layout != "rotate_half":
@@ -197,7 +189,8 @@ class LinearConversion:
                                "no key would reach the linear attention", f"use a window below {trained:,} (default 64)")
         spec = feature_map_spec(opts)
         try:
-            tensors = new_attention_tensors(spec, shape.head_dim, shape.heads)
+            fmap = build_feature_map(spec, shape.head_dim, shape.heads)
+            tensors = new_attention_tensors(fmap, shape.heads)
         except ValueError as exc:
             raise EffattnError(str(exc), "see `effattn convert --to linear --help`") from None
         base = {k: v for k, v in config.items() if k not in ("sliding_window", "use_sliding_window",
@@ -212,7 +205,7 @@ class LinearConversion:
         new_dtype = out_dtype(torch.float32, target)
         extra = [TensorSpec(f"{family.prefix(i)}self_attn.{n}", tuple(t.shape), new_dtype)
                  for i in range(shape.layers) for n, t in tensors.items()]
-        fdim = feature_dim_of(spec, shape.head_dim)
+        fdim = fmap.feature_dim
         before = kv_bytes_per_token(config, dtype)
         fk_dtype = torch.promote_types(dtype, torch.float32) if spec["name"] == "performer" else dtype
         state_bytes, window_bytes = cache_parts(shape, fdim, opts.window, dtype, fk_dtype)
@@ -282,7 +275,7 @@ class LinearConversion:
                     state=state | {"attention_span": lambda context: opts.window + fdim})
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
-        from ..attention.linear import EffattnLinearConfig, LinearAttention
+        from ..attention.linear import EffattnLinearConfig, LinearAttention, build_feature_map
 
         st = plan.state
         shape = st["shape"]
@@ -292,7 +285,7 @@ class LinearConversion:
         def linearize(layer: LayerInput) -> LayerOutput:
             base = f"{layer.prefix}self_attn."
             if calib is None:  # zero-shot: the weights and the new tensors' initial values, no module needed
-                fresh = new_attention_tensors(st["spec"], shape.head_dim, shape.heads)
+                fresh = new_attention_tensors(build_feature_map(st["spec"], shape.head_dim, shape.heads), shape.heads)
                 return LayerOutput(dict(layer.tensors) | {base + n: t for n, t in fresh.items()})
             module = layer.factory.layer(layer.index, layer.tensors, shape.kv_heads)
             attn = LinearAttention(module.self_attn, cfg, layer.index).float()
