@@ -98,7 +98,7 @@ while ids.shape[1] < context:
     ids = torch.cat([ids, ids], dim=1)
 ids = ids[:, :context]
 paths = {"native": model}
-if path != "llama":
+if path != "llama" and sys.argv[4:] != ["native"]:  # an MLA model: effattn's absorbed path and transformers' 
     paths = {"absorbed": model, "transformers": load_model(path, tokenizer=False, attn_implementation="sdpa")[0]}
 out = {}
 with torch.inference_mode():

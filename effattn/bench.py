@@ -23,7 +23,11 @@ all taking pre-RoPE q/k and the RoPE tables as inputs, so that every kind pays i
 * ``sparse``: RoPE, then the ``--pattern`` (longformer, bigbird, strided at their default parameters)
   through FlexAttention's block-sparse kernel, compiled (the block mask is built and the kernel compiled
   for the point's length before anything is measured); ``sparse_naive``: the masked-softmax reference;
-* ``swa``: the same kernel on a sliding window of ``--window`` keys (and ``--sinks`` first positions).
+* ``swa``: the same kernel on a sliding window of ``--window`` keys (and ``--sinks`` first positions);
+* ``linear``: RoPE, the KV heads repeated to the query heads, the ``--feature-map`` (hedgehog, P 64, by
+  default; two maps, as the model has) on queries and keys, then LoLCATs' hybrid of softmax over the
+  last ``--window`` keys and linear attention beyond through ``hybrid_attention_chunk`` (segments of
+  4,096 positions carry the state: flat working memory); ``linear_naive``: the quadratic reference.
 Each point of a pattern reports its density: the fraction of causal (query, key) pairs it reads.
 """
 
@@ -135,6 +139,38 @@ def _pattern(kind: str, naive: bool = False):
     return build
 
 
+def _linear(naive: bool = False):
+    def build(x: dict):
+        from effattn.attention.linear import build_feature_map, repeat_heads
+        from effattn.kernels.linear import hybrid_attention_chunk, hybrid_attention_naive
+        from effattn.kernels.rope import apply_rope
+
+        spec, q, k, v, cos, sin = x["spec"], x["q"], x["k"], x["v"], x["cos"], x["sin"]
+        H, D = spec["heads"], spec["head_dim"]
+        rep = H // spec["kv_heads"]
+        name = spec.get("feature_map") or "hedgehog"
+        fmap_q, fmap_k = (build_feature_map({"name": name, **LINEAR_MAP_ARGS.get(name, {})}, D, H).to(x["device"],
+                                                                                                     x["dtype"])
+                          for _ in range(2))
+        mix = torch.full((H,), 0.5, device=x["device"], dtype=torch.float32)  # wf = lf (the value does not matter)
+
+        def run():
+            q_rot = apply_rope(q, cos[:, None], sin[:, None])  # [1, T, H, D]
+            k_rot = repeat_heads(apply_rope(k, cos[:, None], sin[:, None]), rep)  # [1, T, H, D], as the model
+            v_rep = repeat_heads(v, rep)
+            settings = dict(window=spec["window"], window_factor=mix, linear_factor=mix, scale=D**-0.5)
+            if naive:
+                return hybrid_attention_naive(q_rot, k_rot, v_rep, fmap_q(q_rot), fmap_k(k_rot), **settings)
+            return hybrid_attention_chunk(q_rot, k_rot, v_rep, fmap_q(q_rot), fmap_k(k_rot), **settings)
+
+        return run
+
+    return build
+
+
+# the `linear` kinds' feature maps at `convert --to linear`'s defaults
+LINEAR_MAP_ARGS = {"hedgehog": {"projection_dim": 64}, "performer": {"num_features": 128}}
+
 for _kind in (
     BenchKind("sdpa", "RoPE on q and k, then scaled_dot_product_attention (causal, GQA)", _sdpa),
     BenchKind("vq", "Transformer-VQ: nearest-codeword codes, then the chunked kernel (vq_attention_chunk)", _vq()),
@@ -147,6 +183,10 @@ for _kind in (
               _pattern("sparse", naive=True)),
     BenchKind("swa", "a sliding window of --window keys (+ --sinks) on FlexAttention block masks, compiled",
               _pattern("swa")),
+    BenchKind("linear", "LoLCATs hybrid: softmax over the last --window keys + linear attention beyond (--feature-map, "
+                        "hedgehog by default), chunked kernel (hybrid_attention_chunk), KV heads repeated", _linear()),
+    BenchKind("linear_naive", "linear through the quadratic reference hybrid_attention_naive", _linear(naive=True),
+              NAIVE_MAX_LENGTH, score_copies=4),
 ):
     register_kind(_kind)
 PATTERN_KINDS = ("sparse", "sparse_naive", "swa")
@@ -169,6 +209,7 @@ def bench_attention(
     block_size: int = 64,
     sinks: int = 0,
     pattern: str = "strided",
+    feature_map: str = "hedgehog",
     dtype: str | torch.dtype = "float32",
     repeats: int = 3,
     threads: int | None = None,
@@ -188,6 +229,7 @@ def bench_attention(
         window, codebook_size, block_size, sinks: Transformer-VQ settings (W, C, L, sinks); window and
             sinks are also the `swa` kind's.
         pattern: the `sparse` kinds' pattern: longformer, bigbird or strided.
+        feature_map: the `linear` kinds' feature map: hedgehog, elu, performer or taylor.
         dtype: input dtype, e.g. ``"float32"`` or ``"bfloat16"``.
         repeats: timed passes per point (the median is reported).
         threads: torch intra-op threads in the subprocess (default: torch's default, all cores).
@@ -212,7 +254,7 @@ def bench_attention(
     check_settings(
         kinds, lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window,
         codebook_size=codebook_size, block_size=block_size, sinks=sinks, dtype=dtype_name, repeats=repeats,
-        threads=threads, device=device, omp_wait_policy=omp_wait_policy, pattern=pattern,
+        threads=threads, device=device, omp_wait_policy=omp_wait_policy, pattern=pattern, feature_map=feature_map,
     )  # fmt: skip
     if memory_check:
         check_bench_memory(kinds, lengths, device=device, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -226,6 +268,7 @@ def bench_attention(
         block_size=block_size,
         sinks=sinks,
         pattern=pattern,
+        feature_map=feature_map,
         dtype=dtype_name,
         repeats=repeats,
         threads=threads,
@@ -244,7 +287,7 @@ def bench_attention(
 
 def check_settings(
     kinds, lengths, *, heads, kv_heads, head_dim, window, codebook_size, block_size, sinks, dtype, repeats,
-    threads=None, device="cpu", omp_wait_policy=None, pattern="strided",
+    threads=None, device="cpu", omp_wait_policy=None, pattern="strided", feature_map="hedgehog",
 ) -> None:  # fmt: skip
     """Raise :class:`BenchSettingsError` (a ValueError) on the first bad setting of ``bench_attention``."""
     unknown = [kind for kind in kinds if kind not in BENCH_KINDS]
@@ -272,6 +315,10 @@ def check_settings(
 
     if pattern not in PATTERN_OPTIONS:
         raise BenchSettingsError(f"Unknown pattern {pattern!r}", one_of(pattern, PATTERN_OPTIONS))
+    from effattn.kernels.linear import FEATURE_MAPS
+
+    if feature_map not in FEATURE_MAPS:
+        raise BenchSettingsError(f"Unknown feature map {feature_map!r}", one_of(feature_map, FEATURE_MAPS))
     if device != "cpu" and not device.startswith("cuda"):
         raise BenchSettingsError(f"Unknown device {device!r}", "pass cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -336,6 +383,8 @@ def describe(report: dict) -> str:
         f"head_dim {s['head_dim']}, {s['dtype']}, on {s['device']}; VQ: window {s['window']}, codebook "
         f"{s['codebook_size']}, block_size {s['block_size']}, sinks {s['sinks']}"
         + (f"; sparse: {s.get('pattern')}" if any(r["kind"] in ("sparse", "sparse_naive") for r in report["results"]) else "")
+        + (f"; linear: {s.get('feature_map')} map, window {s['window']}"
+           if any(r["kind"].startswith("linear") for r in report["results"]) else "")
         + f". Median wall and process CPU time "
         f"of {s['repeats']} run(s); peak memory is the peak RSS growth during one forward pass over the inputs "
         f"(fresh process per point), output included. Machine: {info['cpu']}, {info['cores']} cores, {threads} torch "

@@ -377,12 +377,14 @@ def bench(
     heads: int = typer.Option(9, "--heads", help="query heads (SmolLM2's by default)"),
     kv_heads: int = typer.Option(3, "--kv-heads", help="key/value heads, dividing --heads"),
     head_dim: int = typer.Option(64, "--head-dim"),
-    window: int = typer.Option(256, "--window", help="VQ: exact keys per query"),
+    window: int = typer.Option(256, "--window", help="VQ, swa, linear: exact keys per query"),
     codebook_size: int = typer.Option(512, "--codebook-size", help="VQ: codewords per key/value head"),
     block_size: int = typer.Option(64, "--block-size", help="VQ: block length of the stop-gradient rule"),
     sinks: int = typer.Option(0, "--sinks", help="VQ: first positions never quantized; swa: sink tokens"),
     pattern: str = typer.Option("strided", "--pattern", help="sparse kinds: longformer, bigbird or strided (their "
                                                              "`convert --to sparse` defaults)"),
+    feature_map: str = typer.Option("hedgehog", "--feature-map", help="linear kinds: hedgehog, elu, performer or "
+                                                                      "taylor (their `convert --to linear` defaults)"),
     dtype: str = typer.Option("float32", "--dtype"),
     repeats: int = typer.Option(3, "--repeats", help="timed passes per point (median reported)"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads (default: torch's, all cores)"),
@@ -395,7 +397,7 @@ def bench(
     memory_check: bool = MemoryCheckOpt,
 ):
     """Time and peak memory of one causal attention layer forward at each length: SDPA vs Transformer-VQ,
-    sparse patterns and sliding windows (FlexAttention).
+    sparse patterns and sliding windows (FlexAttention), linear attention.
 
     Every point runs in a fresh process. Results: BENCHMARKS.md, written by benchmarks/bench_vq_attention.py.
     """
@@ -410,7 +412,8 @@ def bench(
                                     for k in BENCH_KINDS.values()], title="effattn bench · attention kinds"))
     kinds, sizes = parse_kinds(attention), parse_lengths(lengths)
     settings = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, codebook_size=codebook_size,
-                    block_size=block_size, sinks=sinks, pattern=pattern, dtype=dtype, repeats=repeats, threads=threads,
+                    block_size=block_size, sinks=sinks, pattern=pattern, feature_map=feature_map, dtype=dtype,
+                    repeats=repeats, threads=threads,
                     device=device, omp_wait_policy=omp_wait_policy, memory_check=memory_check)
     if plot is not None:
         check_plot_path(plot)  # before minutes of measurements

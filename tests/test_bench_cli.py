@@ -24,15 +24,17 @@ QUICK = [k for k in KINDS if k not in ("sparse", "swa")]
 @pytest.mark.slow
 def test_bench_json_and_plot(capsys, tmp_path):
     plot = tmp_path / "bench.png"
-    code, stdout, _ = run_cli(capsys, "bench", "--attention", ",".join(QUICK), "--lengths", "256,512", *TINY,
-                              "--json", "--plot", plot)
+    code, stdout, _ = run_cli(capsys, "bench", "--attention", ",".join(QUICK), "--lengths", "256", *TINY,
+                              "--feature-map", "elu", "--json", "--plot", plot)
     assert code in (0, None)
     report = json.loads(stdout)  # stdout holds the JSON and nothing else
     assert set(report) == {"machine", "settings", "load_average", "results"}
     assert report["settings"]["window"] == 64 and report["settings"]["codebook_size"] == 32
+    assert report["settings"]["feature_map"] == "elu"
     assert report["machine"]["cores"] >= 1 and set(report["load_average"]) == {"before", "after"}
     points = {(r["kind"], r["length"]): r for r in report["results"]}
-    assert sorted(points) == sorted((kind, n) for kind in QUICK for n in (256, 512))
+    assert sorted(points) == sorted((kind, 256) for kind in QUICK)
+    assert {"linear", "linear_naive", "vq", "sdpa"} <= {kind for kind, _ in points}
     for (kind, n), r in points.items():
         assert r["time_s"] > 0 and r["time_min_s"] > 0 and r["cpu_time_s"] > 0, r
         assert r["peak_mem_bytes"] > 0, r
@@ -71,7 +73,8 @@ def test_bench_sparse_patterns_report_their_density(capsys):
 
 @pytest.mark.parametrize("args, needles", [
     (["--attention", "sparse", "--pattern", "dense"], ["Unknown pattern 'dense'", "longformer"]),
-    (["--attention", "sdpa,flash"], ["Unknown attention kind(s) ['flash']", "valid: sdpa, sparse, sparse_naive, swa, vq, vq_means, vq_naive"]),
+    (["--attention", "sdpa,flash"], ["Unknown attention kind(s) ['flash']", "valid: linear, linear_naive, sdpa, sparse, sparse_naive, swa, vq, vq_means, vq_naive"]),
+    (["--attention", "linear", "--feature-map", "cosformer"], ["Unknown feature map 'cosformer'", "hedgehog"]),
     (["--attention", "vqq"], ["did you mean 'vq'?"]),
     (["--lengths", "1k,abc"], ["'1k'", "pass e.g. 1024,4096"]),
     (["--lengths", ","], ["not a comma-separated list", "pass e.g."]),

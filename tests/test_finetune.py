@@ -395,6 +395,23 @@ def test_lora_adapters_are_merged_into_a_native_checkpoint(heal):
         (48 + 48) + (48 + 8))  # 2 layers x r x (in + out) for q [48->48] and v [48->8]
 
 
+def test_lora_on_a_linear_attention_student_also_trains_its_feature_maps(heal):
+    """LoLCATs' stage 2: LoRA on q/k/v/o plus the feature maps and the window/linear mix (which the
+    linear-attention layers name in `effattn_trainable`); the adapters merge, the maps keep their training."""
+    student = convert(heal.src, heal.root / "lin", to="linear", measure=False,
+                      options={"window": 4, "projection_dim": 8, "refine_steps": 0}).out
+    result = finetune(heal(f"student.model={student}", "student.convert=null", "train.params=lora", "train.lora.r=4",
+                           "optimizer.lr=1e-2", "eval.every=0", "checkpoint.every=0", "train.max_steps=3"))
+    assert type(result.model).__name__ == "EffattnLinearForCausalLM"
+    before, after = load_file(student / "model.safetensors"), load_file(result.out / "model.safetensors")
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    kinds = {k.split("self_attn.")[-1] for k in changed}
+    assert kinds == {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "feature_map_q.weight",
+                     "feature_map_k.weight", "window_factors"}, kinds
+    assert all(".self_attn." in k for k in changed)
+
+
 def test_bad_lora_targets_name_the_linear_layers(heal):
     student = converted_student(heal)
     with pytest.raises(EffattnError, match="its linear layers are named .*k_proj"):

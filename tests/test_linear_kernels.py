@@ -154,6 +154,42 @@ def test_prefill_state_then_steps_match_naive(window, prefill):
     assert_close("prefill output", ref[:, :prefill], head, 1e-12)
 
 
+@pytest.mark.parametrize("window, cuts, segment", [(7, (1, 9, 30), 64), (7, (3, 4, 30), 5), (0, (10, 30), 4),
+                                                  (100, (20, 30), 3), (1, (29, 30), 64), (7, (30,), 4)])
+def test_chunks_continuing_a_state_match_naive(window, cuts, segment):
+    """A sequence cut into calls (each continuing the state the previous one returned) and into segments
+    inside a call gives the one-call outputs and gradients; the returned state is the prefill's."""
+    B, T, H, D = 2, 30, 3, 6
+    inputs = {**make_inputs(B, T, H, D, 5, 7, seed=4), **factors(H)}
+    grad_out = torch.randn(B, T, H, 5, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    ref, ref_grads = run_with_grads(hybrid_attention_naive, inputs, grad_out, window=window, scale=D**-0.5)
+
+    def pieces(window_factor, linear_factor, **x):
+        outs, state, start = [], None, 0
+        for end in cuts:
+            out, state = hybrid_attention_chunk(**{n: t[:, start:end] for n, t in x.items()}, window=window,
+                                                scale=D**-0.5, window_factor=window_factor, linear_factor=linear_factor,
+                                                chunk_size=4, state=state, segment_size=segment, return_state=True)
+            outs.append(out)
+            assert state.seen == end
+            start = end
+        pieces.state = state
+        return torch.cat(outs, dim=1)
+
+    out, grads = run_with_grads(pieces, inputs, grad_out)
+    assert_close("output in pieces", ref, out, 1e-12)
+    lone = {"linear_factor"} if window == 0 else {"window_factor"} if window >= T else set()  # cancels: O(eps)
+    for name in LEAVES:
+        if name in lone:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-13)
+        else:
+            assert_close(f"grad {name} in pieces", ref_grads[name], grads[name], 1e-11)
+    prefilled = state_from_prefill(inputs["k"], inputs["v"], inputs["fk"], window)
+    for name in ("S", "z", "k", "v", "fk"):
+        torch.testing.assert_close(getattr(pieces.state, name).detach(), getattr(prefilled, name), rtol=1e-12,
+                                   atol=1e-12)
+
+
 def test_state_size_stops_growing_after_the_window():
     window, T = 5, 16
     inputs = make_inputs(1, T, 2, 4, 3, 6)

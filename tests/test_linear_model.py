@@ -19,17 +19,11 @@ from effattn.attention.linear import (
     LinearCache,
     linear_config_from,
 )
-from effattn.models import ModelSpec
+from effattn.convert.linear import LinearConversion
 
 from .conftest import logits_of
 
-# what the conversion declares (it will own this spec; the tests build it the same way)
-SPEC = ModelSpec(
-    model_type="effattn_linear", description="LoLCATs hybrid sliding-window + linear attention (effattn_linear)",
-    config_class=lambda: EffattnLinearConfig, model_class=lambda: EffattnLinearForCausalLM,
-    modeling_file="modeling_effattn_linear.py",
-    modules=("kernels/rope.py", "kernels/linear/naive.py", "kernels/linear/chunk.py", "kernels/linear/recurrent.py",
-             "kernels/linear/features.py", "attention/wrapped.py", "attention/linear.py"))
+SPEC = LinearConversion.model  # the conversion's own spec: the bundle it writes
 
 IDS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
 MAPS = {"hedgehog": {"name": "hedgehog", "projection_dim": 12}, "elu": {"name": "elu"}}
@@ -123,10 +117,14 @@ def test_cached_decoding_and_generate_match_the_full_forward(tiny, tmp_path, fma
     full = logits(model)
     T = IDS.shape[1]
     cases = {"token by token": [1] * T, "prefill + decode": [13] + [1] * (T - 13),
-             "prefill + chunk + decode": [13, 5] + [1] * (T - 18)}
+             "prefill + chunk + decode": [13, 5] + [1] * (T - 18), "chunked prefill": [5, 30, 4, 1]}
     for name, pieces in cases.items():
         got, _ = decode_in_pieces(model, IDS, pieces)
         torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    model.config.linear_kernel = "naive"  # the reference continues a cached prefix token by token
+    got, _ = decode_in_pieces(model, IDS, cases["chunked prefill"])
+    torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-9)
+    model.config.linear_kernel = "chunk"
     generated = model.generate(IDS[:1, :8], max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert generated.shape == (1, 24)
     predicted = logits(model, generated)[0, 7:-1]

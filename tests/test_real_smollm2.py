@@ -49,10 +49,18 @@ def test_mqa_conversion_loads_with_plain_transformers(smollm2_mqa):
     assert out.shape[1] > 2
 
 
-def test_mean_mqa_is_measured_against_the_original(smollm2_mqa):
-    settings = EvalSettings(corpora=("shakespeare", "britannica"), context=512, max_tokens=2048, speed=False)
-    report = evaluate(str(smollm2_mqa), "llama", settings)
-    for corpus in settings.corpora:
+MQA_EVAL = EvalSettings(corpora=("shakespeare", "britannica"), context=512, max_tokens=2048, speed=False)
+
+
+@pytest.fixture(scope="module")
+def mean_mqa_report(smollm2_mqa):
+    """The mean-pooled MQA model measured against the original (once for the tests that read it)."""
+    return evaluate(str(smollm2_mqa), "llama", MQA_EVAL)
+
+
+def test_mean_mqa_is_measured_against_the_original(mean_mqa_report):
+    report = mean_mqa_report
+    for corpus in MQA_EVAL.corpora:
         original, mqa = report.baseline.perplexity[corpus], report.model.perplexity[corpus]
         assert 10 < original < 100  # the original model is a working language model on both domains
         assert mqa > 10 * original  # mean-pooling to one KV head without healing wrecks it (GQA paper)
@@ -66,11 +74,10 @@ def smollm2_calibrated(tmp_path_factory, smollm2_path):
     return convert("llama", out, to="mqa", options={"method": "calibrated", "calib_tokens": 4096}, measure=False).out
 
 
-def test_calibrated_mqa_beats_mean_by_a_wide_margin(smollm2_mqa, smollm2_calibrated):
-    settings = EvalSettings(corpora=("shakespeare", "britannica"), context=512, max_tokens=2048, speed=False)
-    mean = evaluate(str(smollm2_mqa), "llama", settings)
-    calibrated = evaluate(str(smollm2_calibrated), "llama", settings)
-    for corpus in settings.corpora:
+def test_calibrated_mqa_beats_mean_by_a_wide_margin(mean_mqa_report, smollm2_calibrated):
+    mean = mean_mqa_report
+    calibrated = evaluate(str(smollm2_calibrated), "llama", MQA_EVAL)
+    for corpus in MQA_EVAL.corpora:
         original = calibrated.baseline.perplexity[corpus]
         assert calibrated.model.perplexity[corpus] < mean.model.perplexity[corpus] / 20
         assert calibrated.model.perplexity[corpus] < 5 * original  # usable without any retraining
@@ -94,32 +101,40 @@ def test_a_gguf_file_is_a_valid_model_argument(capsys, tmp_path, smollm2_path):
 
 
 def test_vq_init_keeps_smollm2_close_to_rerope_and_its_cache_small(tmp_path, smollm2_path):
-    """ReRoPE (W=64) and VQ on top of it, on held-out text at 1024 tokens, from a small calibration."""
-    root = tmp_path
-    rerope = convert("llama", root / "rerope", to="rerope", options={"window": 64}, measure=False).out
-    classic = convert("llama", root / "classic", to="rerope", options={"window": 64, "far_position": 64},
+    """ReRoPE (W=64) and VQ on top of it, on held-out text at 1024 tokens, from a small calibration. One
+    VQ conversion serves both ways of scoring a code (`vq_key_means` is read at every forward)."""
+    from effattn.data.corpora import load_text, token_blocks
+    from effattn.evaluate import corpus_scores, kv_cache_bytes
+    from effattn.io.load import load_model
+
+    rerope = convert("llama", tmp_path / "rerope", to="rerope", options={"window": 64}, measure=False).out
+    classic = convert("llama", tmp_path / "classic", to="rerope", options={"window": 64, "far_position": 64},
                       measure=False).out  # fmt: skip
-    vq = convert("llama", root / "vq", to="vq", measure=False,
+    vq = convert("llama", tmp_path / "vq", to="vq", measure=False,
                  options={"window": 64, "codebook_size": 256, "calib_tokens": 4096}).out
-    codewords = convert("llama", root / "codewords", to="vq", measure=False,
-                        options={"window": 64, "codebook_size": 256, "calib_tokens": 4096, "key_means": False}).out
-    settings = EvalSettings(corpora=("britannica",), context=1024, max_tokens=2048, speed=False)
-    r_rerope = evaluate(str(rerope), "llama", settings)
-    r_vq = evaluate(str(vq), "llama", settings)
-    r_classic = evaluate(str(classic), "llama", settings)
-    r_codewords = evaluate(str(codewords), "llama", settings)
-    original = r_rerope.baseline.perplexity["britannica"]
+    original, tok, _ = load_model("llama")
+    blocks = token_blocks(tok, load_text("britannica"), 1024, 2048, spread=True)  # as `effattn eval` cuts it
+    with torch.inference_mode():
+        r_rerope = corpus_scores(load_model(str(rerope), tokenizer=False)[0], blocks, original)
+        ppl_classic = corpus_scores(load_model(str(classic), tokenizer=False)[0], blocks)["perplexity"]
+        vq_model = load_model(str(vq), tokenizer=False)[0]
+        assert vq_model.config.vq_key_means  # the default
+        r_vq = corpus_scores(vq_model, blocks, original)
+        vq_bytes, original_bytes = kv_cache_bytes(vq_model, blocks[:1]), kv_cache_bytes(original, blocks[:1])
+        vq_model.config.vq_key_means = False  # fixed codewords, the same codebooks
+        r_codewords = corpus_scores(vq_model, blocks, original)
+    base = r_rerope["baseline_perplexity"]
     # far keys at 4W (the default) cost less than classic ReRoPE's W (BENCHMARKS.md, vq-quality)
-    assert r_rerope.model.perplexity["britannica"] < r_classic.model.perplexity["britannica"]
-    ppl_rerope, ppl_vq = r_rerope.model.perplexity["britannica"], r_vq.model.perplexity["britannica"]
-    assert ppl_rerope < 1.10 * original  # ReRoPE alone costs little
-    assert ppl_rerope <= ppl_vq < 1.5 * original  # quantizing the far keys costs more, not much more
-    assert r_vq.agreement["britannica"] > 0.75
+    assert r_rerope["perplexity"] < ppl_classic
+    ppl_rerope, ppl_vq = r_rerope["perplexity"], r_vq["perplexity"]
+    assert ppl_rerope < 1.10 * base  # ReRoPE alone costs little
+    assert ppl_rerope <= ppl_vq < 1.5 * base  # quantizing the far keys costs more, not much more
+    assert r_vq["agreement"] > 0.75
     # codes scored at their keys' mean (the default) beat fixed codewords (BENCHMARKS.md, vq-key-means)
-    assert ppl_vq < r_codewords.model.perplexity["britannica"]
-    assert r_vq.agreement["britannica"] > r_codewords.agreement["britannica"]
+    assert ppl_vq < r_codewords["perplexity"]
+    assert r_vq["agreement"] > r_codewords["agreement"]
     # measured from the real caches after 1024 tokens: the VQ state is a fraction of the full cache
-    assert r_vq.model.kv_bytes_per_token < 0.5 * r_vq.baseline.kv_bytes_per_token
+    assert vq_bytes < 0.5 * original_bytes
 
 
 def test_smollm2_finds_the_pass_key_within_its_trained_context(smollm2_path):

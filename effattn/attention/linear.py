@@ -32,9 +32,10 @@ h // (H / G), as transformers' `repeat_kv`) after RoPE and before the key featur
 the key map therefore has per-query-head parameters, and the cache holds H heads.
 
 Prefill and training run `hybrid_attention_chunk` (or the quadratic reference, `linear_kernel: naive`);
-decoding runs `hybrid_attention_step` over a `HybridState` per layer (`LinearCache`): the window's
-keys, values and feature keys plus the linear state S, z, so the cache stops growing after `window`
-tokens. Several tokens after a cached prefix go through the step one token at a time (exact).
+each layer's `HybridState` (`LinearCache`) holds the window's keys, values and feature keys plus the
+linear state S, z, so the cache stops growing after `window` tokens. One token after a cached prefix
+goes through `hybrid_attention_step`; several (a chunked prefill) through the chunked kernel
+continuing the state, exactly as one call over the whole sequence.
 
 This module imports nothing from effattn but the kernels and wrapped.py, so it is bundled with them into
 one `modeling_effattn_linear.py` that `trust_remote_code=True` loads without effattn.
@@ -106,6 +107,9 @@ class LinearAttention(AdoptedAttention):
     """A family's attention module (its projections and q/k norms, same names) with LoLCATs' hybrid
     sliding-window + linear attention; adds `feature_map_q`, `feature_map_k` and `window_factors` [H]."""
 
+    # what effattn finetune trains with any `train.params` (LoLCATs' stage 2: LoRA plus the maps)
+    effattn_trainable = ("feature_map_q", "feature_map_k", "window_factors")
+
     def __init__(self, attn: nn.Module, config: EffattnLinearConfig, layer_idx: int):
         super().__init__(attn, layer_idx)
         self.config = config
@@ -140,23 +144,22 @@ class LinearAttention(AdoptedAttention):
         settings = dict(window=cfg.linear_window, window_factor=wf, linear_factor=lf, scale=self.scaling,
                         eps=float(cfg.linear_eps))
         state = cache.states.get(self.layer_idx) if cache is not None else None
-        if state is None:  # a whole sequence (training, or the prefill of a generation)
-            if cfg.linear_kernel == "naive":
-                out = hybrid_attention_naive(q, k, v, fq, fk, **settings)
-            else:
-                out = hybrid_attention_chunk(q, k, v, fq, fk, **settings, chunk_size=cfg.linear_chunk_size)
-            if cache is not None:
-                cache.states[self.layer_idx] = _stored(state_from_prefill(k, v, fk, settings["window"]))
-        else:  # tokens after a cached prefix: the recurrent step, one token at a time (exact)
+        if state is not None and T == 1:  # one token after a cached prefix: the recurrent step
+            out, state = hybrid_attention_step(q, k, v, fq, fk, state, **settings)
+        elif cfg.linear_kernel == "naive" and state is None:  # the quadratic reference
+            out = hybrid_attention_naive(q, k, v, fq, fk, **settings)
+            state = state_from_prefill(k, v, fk, settings["window"]) if cache is not None else None
+        elif cfg.linear_kernel == "naive":  # several tokens after a cached prefix: the step, token by token
             outs = []
             for t in range(T):
-                step = slice(t, t + 1)
-                o, state = hybrid_attention_step(q[:, step], k[:, step], v[:, step], fq[:, step], fk[:, step],
-                                                 state, **settings)
+                o, state = hybrid_attention_step(*(x[:, t:t + 1] for x in (q, k, v, fq, fk)), state, **settings)
                 outs.append(o)  # [B, 1, H, D]
-                state = _stored(state)
             out = torch.cat(outs, dim=1)  # [B, T, H, D]
-            cache.states[self.layer_idx] = state
+        else:  # a whole sequence (training, a prefill), or several tokens continuing the cached state
+            out, state = hybrid_attention_chunk(q, k, v, fq, fk, **settings, chunk_size=cfg.linear_chunk_size,
+                                                state=state, return_state=True)
+        if cache is not None:
+            cache.states[self.layer_idx] = _stored(state)
         return self.o_proj(out.reshape(B, T, -1)), None  # [B, T, H * D] -> [B, T, hidden]
 
 

@@ -5,8 +5,10 @@
              parametrization: attention/mla.py)
   attention  each layer's attention module (the family's q/k/v/o projections, norms, and whatever a
              conversion put there), plus every module that exposes `effattn_aux_loss`
-  lora       peft LoRA adapters on `train.lora.target_modules` (+ the conversion modules as above);
-             merged into the weights before saving, so the output stays a native checkpoint
+  lora       peft LoRA adapters on `train.lora.target_modules` (+ the conversion modules as above, and
+             the parameters a conversion's modules name in `effattn_trainable`, e.g. a linear-attention
+             layer's feature maps and mix); merged into the weights before saving, so the output stays a
+             native checkpoint
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ from .config import Train
 def conversion_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Modules that declare conversion-specific state (an `effattn_aux_loss` attribute)."""
     return [m for m in model.modules() if hasattr(m, "effattn_aux_loss")]
+
+
+def conversion_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters a conversion added and always trains (alongside LoRA adapters too): those each module
+    names in its `effattn_trainable` attribute (submodules or parameters of it)."""
+    found = []
+    for module in model.modules():
+        for name in getattr(module, "effattn_trainable", ()):
+            part = getattr(module, name)
+            found += list(part.parameters()) if isinstance(part, torch.nn.Module) else [part]
+    return found
 
 
 def _attention_pattern(model: torch.nn.Module) -> re.Pattern:
@@ -60,6 +73,8 @@ def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
             p.requires_grad_(bool(pattern.search(name)))
     for module in conversion_modules(model):
         module.requires_grad_(True)
+    for param in conversion_parameters(model):
+        param.requires_grad_(True)
     _freeze_mla(model, mla, scale_latent=train.params == "attention" and train.mla_latent == "scaled")
     if not any(p.requires_grad for p in model.parameters()):
         raise EffattnError(f"train.params={train.params} selects no parameters of this model",

@@ -20,83 +20,127 @@ queries starting at ``t0`` therefore reads the span of ``C + w - 1`` keys starti
 ``t0 - w + 1``; ``unfold`` gives every block its span (a strided view of the front-padded keys),
 and one masked softmax numerator per block follows.
 
-Cost: ``O(T * (C * (D + Dv) + w * (D + Dv) + F * Dv))`` time and ``O(T * (C + w + F * Dv / C))``
-memory, linear in T. Plain PyTorch ops: autograd gives the backward pass.
+Long sequences go in segments of ``segment_size`` positions, each continuing the state the one
+before leaves (``recurrent.HybridState``: the window's keys, values and feature keys plus S, z), so
+the working memory is one segment's, flat in T; a call can also continue a given state (a chunked
+prefill after a cached prefix) and return the state after its positions.
+
+Cost: ``O(T * (C * (D + Dv) + w * (D + Dv) + F * Dv))`` time and, per segment of G positions,
+``O(G * (C + w + F * Dv / C))`` memory. Plain PyTorch ops: autograd gives the backward pass.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from effattn.kernels.linear.naive import check_hybrid_inputs, compute_dtype, head_weights
+from effattn.kernels.linear.recurrent import HybridState, check_state, init_state
 
 
-def _window_part(q: Tensor, k: Tensor, v: Tensor, w: int, scale: float, C: int) -> tuple[Tensor, Tensor]:
-    """Banded softmax numerator and denominator, ``sum_{W_t} exp(scale q_t.k_s - m_t) (v_s, 1)``.
+def _rows(x: Tensor, *parts) -> Tensor:
+    """Concatenate along time (dim 1) the pieces given: tensors [BH, n, E], or ints (that many zero rows)."""
+    rows = [x.new_zeros(x.shape[0], p, x.shape[2]) if isinstance(p, int) else p for p in parts]
+    rows = [r for r in rows if r.shape[1]]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)  # one piece: no copy
 
-    q, k: [B, T, H, D], v: [B, T, H, Dv], 1 <= w <= T, C >= 1. Returns ([B, T, H, Dv], [B, T, H]).
+
+def _window_part(q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Tensor, w: int, scale: float, C: int,
+                 grad: bool) -> tuple[Tensor, Tensor]:
+    """Banded softmax numerator and denominator, ``sum_{W_t} exp(scale q_t.k_s - m_t) (v_s, 1)``, of the
+    T queries after the n positions of ``k_prev`` / ``v_prev`` (the window kept from before).
+
+    Head-major: q, k: [BH, T, D], v: [BH, T, Dv], k_prev/v_prev: [BH, n, *]; 1 <= w <= n + T, C >= 1.
+    The n + T positions are cut into blocks of C queries (the n leading ones are zeros, their rows
+    dropped); block b reads the span of C + w - 1 keys ending with its last query. Returns
+    ([BH, T, Dv], [BH, T]).
     """
-    B, T, H, D = q.shape
-    Dv = v.shape[3]
-    N = -(-T // C)  # number of query blocks
+    BH, T, D = q.shape
+    Dv, n = v.shape[2], k_prev.shape[1]
+    L = n + T
+    N = -(-L // C)  # query blocks
     P = w - 1  # keys a block reads before its first query
-    L = C + P  # span length
-    end = N * C - T  # padding that completes the last block
+    S = C + P  # span length
+    end = N * C - L  # rows that complete the last block
 
-    q_blocks = F.pad(q, (0, 0, 0, 0, 0, end)).view(B, N, C, H, D)  # [B, N, C, H, D]
-    # span of block n: padded positions nC .. nC + L - 1, i.e. true positions nC - P .. nC + C - 1
-    k_span = F.pad(k, (0, 0, 0, 0, P, end)).unfold(1, L, C)  # [B, N, H, D, L]
-    v_span = F.pad(v, (0, 0, 0, 0, P, end)).unfold(1, L, C)  # [B, N, H, Dv, L]
-
-    logits = torch.einsum("bnchd,bnhdl->bnhcl", q_blocks, k_span) * scale  # [B, N, H, C, L]
-    # query i of block n sits at t = nC + i, span column j at s = nC - P + j: t - s = i + P - j,
+    q_blocks = _rows(q, n, q, end).reshape(BH, N, C, D)  # [BH, N, C, D]
+    # span of block b: padded rows bC .. bC + S - 1, i.e. true positions bC - P .. bC + C - 1
+    k_span = _rows(k, P, k_prev, k, end).unfold(1, S, C)  # [BH, N, D, S]
+    v_span = _rows(v, P, v_prev, v, end).unfold(1, S, C).transpose(2, 3)  # [BH, N, S, Dv]
+    # query i of block b sits at t = bC + i, span column j at s = bC - P + j: t - s = i + P - j,
     # which lies in [0, w) for j in [i, i + P]; columns before the sequence start are padding
     i = torch.arange(C, device=q.device)[:, None]
-    j = torch.arange(L, device=q.device)[None, :]
-    band = (j >= i) & (j <= i + P)  # [C, L]
-    started = torch.arange(N, device=q.device)[:, None] * C - P + j >= 0  # [N, L]
-    allowed = band[None] & started[:, None, :]  # [N, C, L]
-    logits = logits.masked_fill(~allowed[None, :, None], float("-inf"))
-    m = logits.amax(-1, keepdim=True)  # [B, N, H, C, 1], m_t over the window (column i + P is t itself)
-    a = torch.exp(logits - m)  # [B, N, H, C, L]
+    j = torch.arange(S, device=q.device)[None, :]
+    band = (j >= i) & (j <= i + P)  # [C, S]
+    started = torch.arange(N, device=q.device)[:, None] * C - P + j >= 0  # [N, S]
+    bias = torch.zeros(N, C, S, dtype=q.dtype, device=q.device).masked_fill_(~(band[None] & started[:, None]),
+                                                                            float("-inf"))  # [N, C, S]
+    logits = torch.matmul(q_blocks, k_span)  # [BH, N, C, S]
+    if grad:
+        logits = logits * scale + bias
+        a = torch.exp(logits - logits.amax(-1, keepdim=True))  # m_t over the window (column i + P is t itself)
+    else:  # in place: no autograd to keep the intermediates for
+        logits.mul_(scale).add_(bias)
+        a = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    num = torch.matmul(a, v_span).view(BH, N * C, Dv)[:, n:L]  # [BH, T, Dv]
+    den = a.sum(-1).view(BH, N * C)[:, n:L]  # [BH, T]
+    return num, den
 
-    num = torch.einsum("bnhcl,bnhel->bnche", a, v_span)  # [B, N, C, H, Dv]
-    den = a.sum(-1).transpose(2, 3)  # [B, N, C, H]
-    return num.reshape(B, N * C, H, Dv)[:, :T], den.reshape(B, N * C, H)[:, :T]  # [B, T, H, Dv], [B, T, H]
 
+def _far_part(fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor, lag: int, C: int, S0: Tensor,
+              z0: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Linear numerator and denominator of the T queries, on top of an incoming state.
 
-def _far_part(fq: Tensor, fk: Tensor, v: Tensor, window: int, C: int) -> tuple[Tensor, Tensor]:
-    """Linear numerator and denominator, ``sum_{s <= t - window} (fq_t . fk_s) (v_s, 1)``.
-
-    fq, fk: [B, T, H, F], v: [B, T, H, Dv], 0 <= window < T, C >= 1. Returns ([B, T, H, Dv], [B, T, H]).
+    Head-major: fq [BH, T, F], fk [BH, T, F], v [BH, T, Dv]; fk_prev/v_prev [BH, n, *]: the window kept
+    from before, positions ``seen - n .. seen - 1``. Query row u reads the keys older than the window,
+    whose newest is position ``seen + u - window``: the rows of ``[lag zeros, fk_prev, fk]`` (lag =
+    window - n > 0 only while the sequence is shorter than the window) delayed so that row u holds it.
+    S0 [BH, F, Dv], z0 [BH, F]: the sums over every key before. Returns (num [BH, T, Dv], den [BH, T],
+    S, z): S and z then include every key that left the window by the last query.
     """
-    B, T, H, Fd = fq.shape
-    Dv = v.shape[3]
+    BH, T, Fd = fq.shape
+    Dv, n = v.shape[2], fk_prev.shape[1]
     N = -(-T // C)
     end = N * C - T
+    # rows 0 .. T-1 of [lag zeros, the kept window, this call's keys]: exactly the keys that leave the window
+    # by the last query (no later one may reach S)
+    zeros, old, new = min(lag, T), min(max(T - lag, 0), n), max(T - lag - n, 0)
+    fq_c = _rows(fq, fq, end).reshape(BH, N, C, Fd)  # [BH, N, C, F]
+    fk_c = _rows(fk, zeros, fk_prev[:, :old], fk[:, :new], end).reshape(BH, N, C, Fd)  # [BH, N, C, F], delayed
+    v_c = _rows(v, zeros, v_prev[:, :old], v[:, :new], end).reshape(BH, N, C, Dv)  # [BH, N, C, Dv]
 
-    # delay keys and values by `window`: position u holds key u - window (zeros before the start);
-    # then pad the end to whole chunks
-    fk_d = F.pad(fk, (0, 0, 0, 0, window, end))[:, : N * C]  # [B, N*C, H, F]
-    v_d = F.pad(v, (0, 0, 0, 0, window, end))[:, : N * C]  # [B, N*C, H, Dv]
-    fq_c = F.pad(fq, (0, 0, 0, 0, 0, end)).view(B, N, C, H, Fd)  # [B, N, C, H, F]
-    fk_c = fk_d.reshape(B, N, C, H, Fd)  # [B, N, C, H, F]
-    v_c = v_d.reshape(B, N, C, H, Dv)  # [B, N, C, H, Dv]
-
-    # inter-chunk: S_n = sum of fk'^T v' over the chunks before n (exclusive prefix sum), z_n likewise
-    kv = torch.einsum("bnchf,bnche->bnhfe", fk_c, v_c)  # [B, N, H, F, Dv], one chunk's fk'^T v'
-    S = torch.cat((torch.zeros_like(kv[:, :1]), kv[:, :-1]), dim=1).cumsum(1)  # [B, N, H, F, Dv]
-    ksum = fk_c.sum(2)  # [B, N, H, F]
-    z = torch.cat((torch.zeros_like(ksum[:, :1]), ksum[:, :-1]), dim=1).cumsum(1)  # [B, N, H, F]
-    num = torch.einsum("bnchf,bnhfe->bnche", fq_c, S)  # [B, N, C, H, Dv]
-    den = torch.einsum("bnchf,bnhf->bnch", fq_c, z)  # [B, N, C, H]
-
+    # inter-chunk: S_b = S0 + the sum of fk'^T v' over the chunks before b (exclusive prefix sum), z_b likewise
+    S_incl = torch.matmul(fk_c.transpose(2, 3), v_c).cumsum(1) + S0[:, None]  # [BH, N, F, Dv], through chunk b
+    S = torch.cat((S0[:, None], S_incl[:, :-1]), dim=1)  # [BH, N, F, Dv], before chunk b
+    z_incl = fk_c.sum(2).cumsum(1) + z0[:, None]  # [BH, N, F]
+    z = torch.cat((z0[:, None], z_incl[:, :-1]), dim=1)  # [BH, N, F]
     # intra-chunk: (fq_t . fk'_u) for u <= t inside the chunk
-    causal = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril()  # [C, C], row t, column u
-    A = torch.einsum("bnchf,bnuhf->bnhcu", fq_c, fk_c).masked_fill(~causal, 0.0)  # [B, N, H, C, C]
-    num = num + torch.einsum("bnhcu,bnuhe->bnche", A, v_c)
-    den = den + A.sum(-1).transpose(2, 3)
-    return num.reshape(B, N * C, H, Dv)[:, :T], den.reshape(B, N * C, H)[:, :T]  # [B, T, H, Dv], [B, T, H]
+    A = torch.matmul(fq_c, fk_c.transpose(2, 3)).tril()  # [BH, N, C, C], row t, column u
+    num = torch.matmul(fq_c, S) + torch.matmul(A, v_c)  # [BH, N, C, Dv]
+    den = torch.matmul(fq_c, z[..., None])[..., 0] + A.sum(-1)  # [BH, N, C]
+    return num.view(BH, N * C, Dv)[:, :T], den.view(BH, N * C)[:, :T], S_incl[:, -1], z_incl[:, -1]
+
+
+def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tuple, *, window: int, wf: Tensor,
+             lf: Tensor, scale: float, eps: float, C: int, grad: bool) -> tuple[Tensor, tuple]:
+    """The T positions after ``state`` (head-major inputs in the compute dtype; state = (seen, k, v, fk, S, z),
+    head-major): (out [BH, T, Dv], the state after them)."""
+    seen, k_prev, v_prev, fk_prev, S, z = state
+    T, n = q.shape[1], k_prev.shape[1]
+    L = n + T
+    num = den = 0.0
+    if window > 0:
+        win_num, win_den = _window_part(q, k, v, k_prev, v_prev, min(window, L), scale, min(C, L), grad)
+        num, den = wf[:, :, None] * win_num, wf * win_den
+    if seen + T > window:  # some key leaves the window in this segment (or already has)
+        far_num, far_den, S, z = _far_part(fq, fk, v, fk_prev, v_prev, window - n, min(C, T), S, z)
+        num, den = num + lf[:, :, None] * far_num, den + lf * far_den
+    keep = min(window, L)  # the window keeps the last `keep` positions
+    kept = tuple(_rows(x, prev, new)[:, L - keep:] for x, prev, new in ((k, k_prev, k), (v, v_prev, v), (fk, fk_prev, fk))) \
+        if keep else (k_prev[:, :0], v_prev[:, :0], fk_prev[:, :0])
+    return num / (den + eps)[..., None], (seen + T, *kept, S, z)
+
+
+# positions per segment: the working memory of a long sequence stays that of one segment
+SEGMENT_SIZE = 4096
 
 
 def hybrid_attention_chunk(
@@ -112,8 +156,12 @@ def hybrid_attention_chunk(
     scale: float,
     eps: float = 1e-6,
     chunk_size: int = 64,
-) -> Tensor:
-    """Chunked hybrid attention, linear in T; same arguments and result as :func:`hybrid_attention_naive`.
+    state: HybridState | None = None,
+    segment_size: int = SEGMENT_SIZE,
+    return_state: bool = False,
+) -> Tensor | tuple[Tensor, HybridState]:
+    """Chunked hybrid attention, linear in T; same arguments and result as :func:`hybrid_attention_naive`,
+    optionally continuing a sequence.
 
     Args:
         q: [B, T, H, D] queries.
@@ -128,28 +176,53 @@ def hybrid_attention_chunk(
         eps: added to the shared normaliser.
         chunk_size: C >= 1, positions per chunk (and per query block of the window part); a
             performance choice only.
+        state: the state after the positions before these (``recurrent.HybridState``), or None to start
+            a sequence: the T positions continue it, exactly as if the whole sequence were one call.
+        segment_size: >= 1, positions processed at once, each segment continuing the state of the one
+            before: the working memory is a segment's, flat in T (a performance choice only).
+        return_state: also return the state after the T positions.
 
     Returns:
-        [B, T, H, Dv] in the dtype of ``q``; accumulated in float32 at least.
+        [B, T, H, Dv] in the dtype of ``q``, accumulated in float32 at least; with ``return_state`` the
+        pair (out, state).
     """
     check_hybrid_inputs(q, k, v, fq, fk, window, window_factor, linear_factor, scale, eps)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}; pass e.g. 64.")
-    B, T, H, _ = q.shape
+    for name, value in (("chunk_size", chunk_size), ("segment_size", segment_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}; pass e.g. 64.")
+    B, T, H, D = q.shape
+    Dv, Fd = v.shape[3], fq.shape[3]
     in_dtype, dt = q.dtype, compute_dtype(q.dtype)
-    q, k, v, fq, fk = (x.to(dt) for x in (q, k, v, fq, fk))
-    wf = head_weights(window_factor, H, dt, q.device)  # [H]
-    lf = head_weights(linear_factor, H, dt, q.device)  # [H]
-    C = min(chunk_size, T)  # no block longer than the sequence
+    if state is None:
+        state = init_state(B, H, D, Dv, Fd, window=window, dtype=in_dtype, device=q.device)
+    check_state(state, k, v, fk, window)
+    store = state.k.dtype  # the window cache keeps the dtype of the inputs that started the sequence
+    grad = torch.is_grad_enabled() and any(
+        isinstance(x, Tensor) and x.requires_grad for x in (q, k, v, fq, fk, window_factor, linear_factor,
+                                                            state.S, state.k))
 
-    num = v.new_zeros(B, T, H, v.shape[3])  # [B, T, H, Dv]
-    den = v.new_zeros(B, T, H)  # [B, T, H]
-    if window > 0:  # window >= T: every query's window is its whole prefix
-        win_num, win_den = _window_part(q, k, v, min(window, T), scale, C)
-        num = num + wf[:, None] * win_num
-        den = den + wf * win_den
-    if window < T:  # window >= T: no key ever leaves the window
-        far_num, far_den = _far_part(fq, fk, v, window, C)
-        num = num + lf[:, None] * far_num
-        den = den + lf * far_den
-    return (num / (den + eps)[..., None]).to(in_dtype)  # [B, T, H, Dv]
+    def heads_major(x: Tensor) -> Tensor:  # [B, T, H, E] -> [B * H, T, E]
+        return x.to(dt).transpose(1, 2).reshape(B * H, x.shape[1], x.shape[3])
+
+    q, k, v, fq, fk = map(heads_major, (q, k, v, fq, fk))
+    wf = head_weights(window_factor, H, dt, q.device).repeat(B)[:, None]  # [B * H, 1]
+    lf = head_weights(linear_factor, H, dt, q.device).repeat(B)[:, None]  # [B * H, 1]
+    hm = (state.seen, *map(heads_major, (state.k, state.v, state.fk)), state.S.to(dt).reshape(B * H, Fd, Dv),
+          state.z.to(dt).reshape(B * H, Fd))
+    outs = []
+    for a in range(0, T, segment_size):
+        part = slice(a, a + segment_size)
+        out, hm = _segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk[:, part], hm, window=window,
+                           wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad)
+        outs.append(out)
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B * H, T, Dv]
+    out = out.view(B, H, T, Dv).transpose(1, 2).to(in_dtype)  # [B, T, H, Dv]
+    if not return_state:
+        return out
+    seen, k_w, v_w, fk_w, S, z = hm
+
+    def batch_major(x: Tensor) -> Tensor:  # [B * H, n, E] -> [B, n, H, E]
+        return x.view(B, H, x.shape[1], x.shape[2]).transpose(1, 2).to(store)
+
+    return out, HybridState(seen=seen, window=window, S=S.view(B, H, Fd, Dv), z=z.view(B, H, Fd),
+                            k=batch_major(k_w), v=batch_major(v_w), fk=batch_major(fk_w))

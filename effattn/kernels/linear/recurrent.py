@@ -120,7 +120,7 @@ def state_from_prefill(k: Tensor, v: Tensor, fk: Tensor, window: int) -> HybridS
     )
 
 
-def _check_state(state: HybridState, k: Tensor, v: Tensor, fk: Tensor, window: int) -> None:
+def check_state(state: HybridState, k: Tensor, v: Tensor, fk: Tensor, window: int) -> None:
     if not isinstance(state, HybridState):
         raise ValueError(f"state must be a HybridState or None, got {type(state).__name__}; "
                          f"pass the state returned by the previous step, init_state or state_from_prefill.")  # fmt: skip
@@ -174,7 +174,7 @@ def hybrid_attention_step(
                          f"use hybrid_attention_chunk or state_from_prefill for several.")  # fmt: skip
     if state is None:
         state = init_state(B, H, D, v.shape[3], fq.shape[3], window=window, dtype=q.dtype, device=q.device)
-    _check_state(state, k, v, fk, window)
+    check_state(state, k, v, fk, window)
     in_dtype, dt = q.dtype, compute_dtype(q.dtype)
     wf = head_weights(window_factor, H, dt, q.device)  # [H]
     lf = head_weights(linear_factor, H, dt, q.device)  # [H]

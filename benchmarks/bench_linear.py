@@ -1,0 +1,169 @@
+"""Linear attention (`effattn convert llama --to linear`, issue 17) on the built-in model: quality per
+feature map, window and stage, and decode speed at long context.
+
+    python benchmarks/bench_linear.py quality --variants hedgehog-w64,hedgehog-w0 --stages zero,transfer
+    python benchmarks/bench_linear.py quality --models "healed=/tmp/heal-linear"   # already made models
+    python benchmarks/bench_linear.py decode --contexts 16384 --tokens 16
+
+quality: each variant MAP-wW (feature map MAP, window W) is converted once per stage into
+benchmarks/results/passkey-models/linear-MAP-wW-STAGE (git-ignored), `zero`: `--refine-steps 0` (the maps
+at their initial values), `transfer`: the conversion's attention transfer (its defaults, or the options
+given after a colon: `hedgehog-w64:--refine-steps 40 --calib-seq-len 2048`). Every model is evaluated
+in this process on the VQ table's corpora and blocks (shakespeare, britannica; `--tokens` per corpus,
+evenly spread, in blocks of `--context` = 2048): perplexity and top-1 agreement with the original,
+whose predictions are computed once. Rows go to benchmarks/results/linear.json with the commit, the
+conversion time (effattn.json's measured seconds) and the load average.
+
+decode: as `bench_mla.py decode` (the same script: the context prefilled once in 4,096-token chunks
+through the cache, then `--tokens` greedy steps, the median step after the first), for the original
+and the default linear model; the cache's bytes are measured after the prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._util import CONVERTED, ROOT, effattn_cmd, machine  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "linear.json"
+
+
+def record(row: dict) -> None:
+    rows = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
+    rows.append(row)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(rows, indent=1))
+
+
+def commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+
+def parse_variant(text: str) -> tuple[str, str, int, str]:
+    """'hedgehog-w64[:extra options]' -> (name, feature map, window, extra options)."""
+    name, _, extra = text.partition(":")
+    fmap, _, window = name.rpartition("-w")
+    if not fmap or not window.isdigit():
+        raise SystemExit(f"variant {text!r}: write MAP-wW, e.g. hedgehog-w64 (optionally :OPTIONS)")
+    return name, fmap, int(window), extra.strip()
+
+
+def make(name: str, fmap: str, window: int, stage: str, extra: str) -> tuple[Path, float | None]:
+    """The converted model (made once) and its conversion's measured seconds."""
+    tag = f"linear-{name}-{stage}" + (f"-{hashlib.sha1(extra.encode()).hexdigest()[:8]}" if extra else "")
+    out = CONVERTED / tag
+    if not (out / "effattn.json").exists():
+        options = f"--feature-map {fmap} --window {window} " + ("--refine-steps 0" if stage == "zero" else extra)
+        subprocess.run(effattn_cmd(f"convert llama --to linear {options} -o {out} --no-eval --force"), check=True)
+    info = json.loads((out / "effattn.json").read_text())
+    seconds = (info.get("resources") or {}).get("measured", {}).get("seconds")
+    return out, seconds
+
+
+def scores(model, blocks, base_top) -> dict:
+    """Perplexity and top-1 agreement (against the original's predictions `base_top`) on blocks [N, T]."""
+    from effattn.evaluate import logp_chunks
+
+    nll, agree, n_pred, n_pos = 0.0, 0, 0, 0
+    for i in range(len(blocks)):
+        ids = blocks[i : i + 1]
+        for start, logp in logp_chunks(model, ids):
+            n = logp.shape[1]
+            nxt = ids[:, start + 1 : start + n + 1, None]
+            nll -= logp[:, : nxt.shape[1]].gather(-1, nxt).sum().item()
+            agree += (logp.argmax(-1) == base_top[i : i + 1, start : start + n]).sum().item()
+        n_pred += ids[:, 1:].numel()
+        n_pos += ids.numel()
+    return {"perplexity": math.exp(nll / n_pred), "agreement": agree / n_pos}
+
+
+def quality(args) -> None:
+    import torch
+
+    from effattn.data.corpora import load_text, token_blocks
+    from effattn.evaluate import logp_chunks
+    from effattn.io.load import load_model
+
+    corpora = args.corpora.split(",")
+    original, tok, _ = load_model("llama")
+    blocks = {c: token_blocks(tok, load_text(c), args.context, args.tokens, spread=True) for c in corpora}
+    base, top = {}, {}
+    with torch.inference_mode():
+        for c in corpora:
+            tops = []
+            for i in range(len(blocks[c])):
+                tops.append(torch.cat([lp.argmax(-1) for _, lp in logp_chunks(original, blocks[c][i : i + 1])], 1))
+            top[c] = torch.cat(tops)
+            base[c] = scores(original, blocks[c], top[c])["perplexity"]
+    print("original", {c: f"{base[c]:.2f}" for c in corpora}, flush=True)
+    todo = [(f"{v.partition(':')[0]} {stage}", *make(*parse_variant(v)[:3], stage, parse_variant(v)[3]), v, stage)
+            for v in filter(None, args.variants.split(",")) for stage in args.stages.split(",")]
+    todo += [(name, Path(path), None, path, "given") for name, _, path in
+             (item.partition("=") for item in filter(None, args.models.split(",")))]
+    for label, path, seconds, spec, stage in todo:
+        load = os.getloadavg()[0]
+        model, _, _ = load_model(str(path), tokenizer=False)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            result = {c: scores(model, blocks[c], top[c]) for c in corpora}
+        row = {"label": label, "spec": spec, "stage": stage, "path": str(path), "convert_s": seconds,
+               "tokens": args.tokens, "context": args.context, "original": base, "scores": result,
+               "eval_s": round(time.perf_counter() - t0, 1), "load_before": load, "load_after": os.getloadavg()[0],
+               "machine": machine(), "commit": commit()}
+        record(row)
+        print(label, {c: f"{r['perplexity']:.2f} ({r['perplexity'] / base[c]:.3f}x, agree {r['agreement']:.1%})"
+                      for c, r in result.items()}, f"convert {seconds}s" if seconds else "", f"load {load:.2f}",
+              flush=True)
+        del model
+
+
+def decode(args) -> None:
+    from benchmarks.bench_mla import DECODE
+
+    models = [("original", "llama"), ("linear", str(make(*parse_variant(args.variant)[:3], "transfer",
+                                                          parse_variant(args.variant)[3])[0]))]
+    for context in map(int, args.contexts.split(",")):
+        for name, path in models:
+            load = os.getloadavg()[0]
+            proc = subprocess.run([sys.executable, "-c", DECODE, path, str(context), str(args.tokens), "native"],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(proc.stderr[-3000:])
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            row = {"kind": "decode", "variant": name, "context": context, "tokens": args.tokens, "load_before": load,
+                   "load_after": os.getloadavg()[0], "machine": machine(), "commit": commit(), **result}
+            record(row)
+            speeds = {k: f"{1 / v['s_per_token']:.2f} tok/s" for k, v in result.items() if isinstance(v, dict)}
+            print(context, name, speeds, f"prefill {result['prefill_s']:.1f}s",
+                  f"cache {result['cache_bytes_per_token']:,.0f} B/token", f"load {load:.2f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["quality", "decode"])
+    parser.add_argument("--variants", default="hedgehog-w64", help="MAP-wW[:convert options], comma-separated")
+    parser.add_argument("--stages", default="zero,transfer")
+    parser.add_argument("--models", default="", help="NAME=PATH of already made models, comma-separated")
+    parser.add_argument("--corpora", default="shakespeare,britannica")
+    parser.add_argument("--tokens", type=int, default=None, help="quality: tokens per corpus (8192); decode: steps (16)")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--contexts", default="16384")
+    parser.add_argument("--variant", default="hedgehog-w64", help="decode: the linear model")
+    args = parser.parse_args()
+    if args.tokens is None:
+        args.tokens = 8192 if args.mode == "quality" else 16
+    quality(args) if args.mode == "quality" else decode(args)
+
+
+if __name__ == "__main__":
+    main()
