@@ -70,41 +70,42 @@ def make(name: str, fmap: str, window: int, stage: str, extra: str) -> tuple[Pat
     return out, seconds
 
 
-def scores(model, blocks, base_top) -> dict:
-    """Perplexity and top-1 agreement (against the original's predictions `base_top`) on blocks [N, T]."""
+def scores(model, blocks, base_top=None) -> dict:
+    """Perplexity, top-1 predictions and agreement with the original's predictions `base_top` (when
+    given) on blocks [N, T]."""
+    import torch
+
     from effattn.evaluate import logp_chunks
 
-    nll, agree, n_pred, n_pos = 0.0, 0, 0, 0
+    nll, n_pred, tops = 0.0, 0, []
     for i in range(len(blocks)):
         ids = blocks[i : i + 1]
+        row = []
         for start, logp in logp_chunks(model, ids):
-            n = logp.shape[1]
-            nxt = ids[:, start + 1 : start + n + 1, None]
+            nxt = ids[:, start + 1 : start + logp.shape[1] + 1, None]
             nll -= logp[:, : nxt.shape[1]].gather(-1, nxt).sum().item()
-            agree += (logp.argmax(-1) == base_top[i : i + 1, start : start + n]).sum().item()
+            row.append(logp.argmax(-1))
+        tops.append(torch.cat(row, 1))
         n_pred += ids[:, 1:].numel()
-        n_pos += ids.numel()
-    return {"perplexity": math.exp(nll / n_pred), "agreement": agree / n_pos}
+    top = torch.cat(tops)
+    out = {"perplexity": math.exp(nll / n_pred), "top": top}
+    if base_top is not None:
+        out["agreement"] = (top == base_top).float().mean().item()
+    return out
 
 
 def quality(args) -> None:
     import torch
 
     from effattn.data.corpora import load_text, token_blocks
-    from effattn.evaluate import logp_chunks
     from effattn.io.load import load_model
 
     corpora = args.corpora.split(",")
     original, tok, _ = load_model("llama")
     blocks = {c: token_blocks(tok, load_text(c), args.context, args.tokens, spread=True) for c in corpora}
-    base, top = {}, {}
     with torch.inference_mode():
-        for c in corpora:
-            tops = []
-            for i in range(len(blocks[c])):
-                tops.append(torch.cat([lp.argmax(-1) for _, lp in logp_chunks(original, blocks[c][i : i + 1])], 1))
-            top[c] = torch.cat(tops)
-            base[c] = scores(original, blocks[c], top[c])["perplexity"]
+        measured = {c: scores(original, blocks[c]) for c in corpora}
+    base, top = {c: m["perplexity"] for c, m in measured.items()}, {c: m["top"] for c, m in measured.items()}
     print("original", {c: f"{base[c]:.2f}" for c in corpora}, flush=True)
     todo = [(f"{v.partition(':')[0]} {stage}", *make(*parse_variant(v)[:3], stage, parse_variant(v)[3]), v, stage)
             for v in filter(None, args.variants.split(",")) for stage in args.stages.split(",")]
@@ -115,7 +116,7 @@ def quality(args) -> None:
         model, _, _ = load_model(str(path), tokenizer=False)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            result = {c: scores(model, blocks[c], top[c]) for c in corpora}
+            result = {c: {k: v for k, v in scores(model, blocks[c], top[c]).items() if k != "top"} for c in corpora}
         row = {"label": label, "spec": spec, "stage": stage, "path": str(path), "convert_s": seconds,
                "tokens": args.tokens, "context": args.context, "original": base, "scores": result,
                "eval_s": round(time.perf_counter() - t0, 1), "load_before": load, "load_after": os.getloadavg()[0],
