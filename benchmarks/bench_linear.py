@@ -16,7 +16,7 @@ conversion time (effattn.json's measured seconds) and the load average.
 
 decode: as `bench_mla.py decode` (the same script: the context prefilled once in 4,096-token chunks
 through the cache, then `--tokens` greedy steps, the median step after the first), for the original
-and the default linear model; the cache's bytes are measured after the prefill.
+and a linear model (`--variant`, or `--model PATH`); the cache's bytes are measured after the prefill.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def quality(args) -> None:
 def decode(args) -> None:
     from benchmarks.bench_mla import DECODE
 
-    models = [("original", "llama"), ("linear", str(make(*parse_variant(args.variant)[:3], "transfer",
-                                                          parse_variant(args.variant)[3])[0]))]
+    linear = args.model or str(make(*parse_variant(args.variant)[:3], "transfer", parse_variant(args.variant)[3])[0])
+    models = [("original", "llama"), ("linear", linear)]
     for context in map(int, args.contexts.split(",")):
         for name, path in models:
             load = os.getloadavg()[0]
@@ -159,7 +159,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None, help="quality: tokens per corpus (8192); decode: steps (16)")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--contexts", default="16384")
-    parser.add_argument("--variant", default="hedgehog-w64", help="decode: the linear model")
+    parser.add_argument("--variant", default="hedgehog-w64", help="decode: the linear model (converted if needed)")
+    parser.add_argument("--model", default=None, help="decode: an already converted linear model instead")
     args = parser.parse_args()
     if args.tokens is None:
         args.tokens = 8192 if args.mode == "quality" else 16

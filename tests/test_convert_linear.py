@@ -136,7 +136,7 @@ def test_dry_run_states_the_constant_cache_and_writes_nothing(tiny, tmp_path, ca
     assert code == 0, err
     plan = json.loads(stdout)
     assert plan["output"] is None and not out.exists()
-    assert {"feature_map": "performer", "features": 16, "window": 64, "refine_steps": 20}.items() <= plan["settings"].items()
+    assert {"feature_map": "performer", "features": 16, "window": 64, "refine_steps": 40}.items() <= plan["settings"].items()
     line = plan["summary"]["KV cache"]
     assert "constant after 64 tokens" in line and "state S, z" in line
     # 2 layers x 6 query heads: S [16, 8] and z [16] in float32; the window: k, v (float32) and fk (float32)

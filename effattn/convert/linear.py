@@ -19,10 +19,12 @@ recorded in effattn.json (`conversion_run.refine`). Maps without parameters (elu
 still train the mix. `--refine-steps 0` skips calibration: the maps keep their initial values.
 
 Defaults (SmolLM2-135M, 30 layers, on 2 CPU cores): Adam at lr 1e-2 as LoLCATs' attention transfer,
-20 steps per layer of 2 x 512 calibration tokens drawn from 4,096 calibration tokens (also the targets
-and the recorded losses). One layer measured on 2 busy cores: error 0.99 -> 0.26 in ~21 s; `--refine-steps
-40` takes it to 0.17 for about twice the training time (the 30 layers did not finish in 18 minutes on
-cores shared with other jobs).
+40 steps per layer of 2 x 2,048 calibration tokens drawn from 8,192 tokens of `calib` (also the targets
+and the recorded losses). The sequence length is the lever measured (BENCHMARKS.md, "Linear
+attention"): fitted on 512-token sequences (20 steps) the maps gave 3.01x / 3.22x the original's
+perplexity at 2,048 tokens, on 2,048-token sequences (40 steps) 1.90x / 2.05x: the far part must learn
+the weight of thousands of keys, not hundreds. That default conversion took 25.8 min on 2 cores shared
+with a test run (load ~3.4); the plan estimates ~12 min on idle cores.
 
 The cache stops growing after the window: per layer the window's keys, values and feature keys of the
 H query heads (the KV heads are repeated before the key map, as LoLCATs does) plus the linear state
@@ -78,13 +80,14 @@ class LinearOptions(ConversionOptions):
     features: int | None = Field(None, ge=1, description="performer: number of random features F "
                                                          f"(default {MAP_DEFAULTS['features']})")
     calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file (attention transfer)")
-    calib_tokens: int = Field(4096, ge=1, description="calibration tokens (attention transfer)")
-    calib_seq_len: int = Field(512, ge=2, description="calibration sequence length (longer than the window)")
+    calib_tokens: int = Field(8192, ge=1, description="calibration tokens (attention transfer)")
+    calib_seq_len: int = Field(2048, ge=2, description="calibration sequence length: the length the maps learn to "
+                                                       "weigh far keys at (longer than the window)")
     # LoLCATs' attention transfer uses lr 1e-2 (Adam). Measured on SmolLM2 layer 5 (hedgehog, window 64,
-    # 4,096 calibration tokens, 2 busy cores): relative error 0.99 untrained -> 0.26 after 20 steps (~21 s for
-    # the layer), 0.17 after 40 (~25 s), 0.16 after 40 at lr 3e-2. 20 keeps the 30 layers near the "few minutes"
-    # budget; 40 is the better fit when time allows. 0: no attention transfer (the maps' initial values).
-    refine_steps: int = Field(20, ge=0, description="attention transfer: optimizer steps per layer training the "
+    # 4,096 calibration tokens in 512-token sequences, 2 busy cores): relative error 0.99 untrained -> 0.26
+    # after 20 steps, 0.17 after 40, 0.16 after 40 at lr 3e-2. With 2,048-token sequences and 40 steps the
+    # mean error over the 30 layers is 0.155 (0.183 with 512 and 20). 0: no attention transfer.
+    refine_steps: int = Field(40, ge=0, description="attention transfer: optimizer steps per layer training the "
                                                     "feature maps and the window/linear mix (0: off, zero-shot maps)")
     refine_lr: float = Field(1e-2, gt=0, description="learning rate of attention transfer (Adam; LoLCATs' 1e-2)")
     refine_target: Target = Field("attention", description="what attention transfer fits: attention (the original "
@@ -264,7 +267,7 @@ class LinearConversion:
             if given:
                 flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
                 raise EffattnError(f"{flags} set attention transfer, which --refine-steps 0 turns off",
-                                   "drop them, or give --refine-steps N (default 20)")
+                                   "drop them, or give --refine-steps N (default 40)")
             settings["refine_steps"] = 0
             summary.append(("attention transfer", "none (--refine-steps 0): the feature maps keep their initial values"))
         summary.append(("KV cache", cache_line(before, state_bytes, window_bytes, opts.window, trained)))
