@@ -26,8 +26,9 @@ all taking pre-RoPE q/k and the RoPE tables as inputs, so that every kind pays i
 * ``swa``: the same kernel on a sliding window of ``--window`` keys (and ``--sinks`` first positions);
 * ``linear``: RoPE, the KV heads repeated to the query heads, the ``--feature-map`` (hedgehog, P 64, by
   default; two maps, as the model has) on queries and keys, then LoLCATs' hybrid of softmax over the
-  last ``--window`` keys and linear attention beyond through ``hybrid_attention_chunk`` (segments of
-  4,096 positions carry the state: flat working memory); ``linear_naive``: the quadratic reference.
+  last ``--window`` keys and linear attention beyond through ``hybrid_attention_chunk``; all of it 4,096
+  positions at a time, each segment continuing the state of the one before (as a chunked prefill), so
+  the working memory is flat in length; ``linear_naive``: the quadratic reference, whole.
 Each point of a pattern reports its density: the fraction of causal (query, key) pairs it reads.
 """
 
@@ -143,6 +144,7 @@ def _linear(naive: bool = False):
     def build(x: dict):
         from effattn.attention.linear import build_feature_map, repeat_heads
         from effattn.kernels.linear import hybrid_attention_chunk, hybrid_attention_naive
+        from effattn.kernels.linear.chunk import SEGMENT_SIZE
         from effattn.kernels.rope import apply_rope
 
         spec, q, k, v, cos, sin = x["spec"], x["q"], x["k"], x["v"], x["cos"], x["sin"]
@@ -154,14 +156,22 @@ def _linear(naive: bool = False):
                           for _ in range(2))
         mix = torch.full((H,), 0.5, device=x["device"], dtype=torch.float32)  # wf = lf (the value does not matter)
 
+        settings = dict(window=spec["window"], window_factor=mix, linear_factor=mix, scale=D**-0.5)
+
+        def inputs(part: slice):  # RoPE, the KV heads repeated (as the model), the feature maps
+            q_rot = apply_rope(q[:, part], cos[part, None], sin[part, None])  # [1, n, H, D]
+            k_rot = repeat_heads(apply_rope(k[:, part], cos[part, None], sin[part, None]), rep)  # [1, n, H, D]
+            return q_rot, k_rot, repeat_heads(v[:, part], rep), fmap_q(q_rot), fmap_k(k_rot)
+
         def run():
-            q_rot = apply_rope(q, cos[:, None], sin[:, None])  # [1, T, H, D]
-            k_rot = repeat_heads(apply_rope(k, cos[:, None], sin[:, None]), rep)  # [1, T, H, D], as the model
-            v_rep = repeat_heads(v, rep)
-            settings = dict(window=spec["window"], window_factor=mix, linear_factor=mix, scale=D**-0.5)
             if naive:
-                return hybrid_attention_naive(q_rot, k_rot, v_rep, fmap_q(q_rot), fmap_k(k_rot), **settings)
-            return hybrid_attention_chunk(q_rot, k_rot, v_rep, fmap_q(q_rot), fmap_k(k_rot), **settings)
+                return hybrid_attention_naive(*inputs(slice(None)), **settings)
+            # segment by segment, each continuing the state (as a chunked prefill): flat working memory
+            out, state = q.new_empty(q.shape[:3] + v.shape[3:]), None
+            for start in range(0, q.shape[1], SEGMENT_SIZE):
+                part = slice(start, start + SEGMENT_SIZE)
+                out[:, part], state = hybrid_attention_chunk(*inputs(part), **settings, state=state, return_state=True)
+            return out
 
         return run
 

@@ -112,3 +112,17 @@ def test_attention_list_shows_every_registered_kind(capsys):
         assert code == 0 and "sdpa_copy" in stdout and "registered from outside" in stdout
     finally:
         BENCH_KINDS.pop("sdpa_copy")
+
+
+def test_the_linear_kind_runs_in_segments_and_equals_the_reference():
+    """`linear` runs 4,096 positions at a time, each segment continuing the state (flat memory); across a
+    segment boundary it computes what the quadratic reference does on the whole sequence."""
+    import torch
+
+    from effattn.bench import _layer
+
+    spec = dict(heads=2, kv_heads=1, head_dim=8, window=16, dtype="float32", seed=0, feature_map="hedgehog")
+    with torch.inference_mode():
+        chunked, naive = (_layer(kind, spec, 4096 + 37, "cpu")() for kind in ("linear", "linear_naive"))
+    assert chunked.shape == naive.shape == (1, 4133, 2, 8)
+    torch.testing.assert_close(chunked, naive, rtol=1e-4, atol=1e-5)
