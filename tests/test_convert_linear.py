@@ -154,3 +154,12 @@ def test_dry_run_states_the_constant_cache_and_writes_nothing(tiny, tmp_path, ca
     assert code in (0, None) and "--feature-map" in stdout and "hedgehog" in stdout
     code, stdout, _ = run_cli(capsys, "inspect", src)
     assert code in (0, None) and "linear" in stdout
+
+
+def test_the_cache_line_says_more_where_the_linear_cache_is_larger():
+    from effattn.convert.linear import cache_line
+
+    big = cache_line(46080, 292102200, 4632120, 64, 8192)  # SmolLM2 with Taylor features (F 4161)
+    assert "larger than the original's up to 12,773 tokens" in big and big.endswith("(1.6x more)")
+    small = cache_line(46080, 8985600, 276480, 64, 8192)  # hedgehog, P 64
+    assert "smaller than the original's beyond 579 tokens" in small and small.endswith("(14.1x less)")

@@ -156,7 +156,8 @@ def cache_line(before: float, state: float, window_bytes: float, window: int, tr
             + (f" + window {window} x {window_bytes:,.0f} bytes/token" if window else "") + ")"
             + (f"; smaller than the original's beyond {even:,.0f} tokens" if even < trained else
                f"; larger than the original's up to {even:,.0f} tokens")
-            + f"; {at:,.0f} bytes/token at {trained:,} tokens ({before / at:.1f}x less)")
+            + f"; {at:,.0f} bytes/token at {trained:,} tokens "
+            + (f"({before / at:.1f}x less)" if at <= before else f"({at / before:.1f}x more)"))
 
 
 class LinearConversion:
