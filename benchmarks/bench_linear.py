@@ -129,24 +129,10 @@ def quality(args) -> None:
 
 
 def decode(args) -> None:
-    from benchmarks.bench_mla import DECODE
+    from benchmarks.bench_mla import decode_rows
 
     linear = args.model or str(make(*parse_variant(args.variant)[:3], "transfer", parse_variant(args.variant)[3])[0])
-    models = [("original", "llama"), ("linear", linear)]
-    for context in map(int, args.contexts.split(",")):
-        for name, path in models:
-            load = os.getloadavg()[0]
-            proc = subprocess.run([sys.executable, "-c", DECODE, path, str(context), str(args.tokens), "native"],
-                                  capture_output=True, text=True)
-            if proc.returncode:
-                raise SystemExit(proc.stderr[-3000:])
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
-            row = {"kind": "decode", "variant": name, "context": context, "tokens": args.tokens, "load_before": load,
-                   "load_after": os.getloadavg()[0], "machine": machine(), "commit": commit(), **result}
-            record(row)
-            speeds = {k: f"{1 / v['s_per_token']:.2f} tok/s" for k, v in result.items() if isinstance(v, dict)}
-            print(context, name, speeds, f"prefill {result['prefill_s']:.1f}s",
-                  f"cache {result['cache_bytes_per_token']:,.0f} B/token", f"load {load:.2f}", flush=True)
+    decode_rows([("original", "llama"), ("linear", linear)], args.contexts, args.tokens, record, mode="native")
 
 
 def main() -> None:

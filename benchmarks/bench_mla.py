@@ -127,15 +127,21 @@ print(json.dumps(out))
 
 def decode(args) -> None:
     models = [("original", "llama")] + [(v, model_of(v)[0]) for v in args.variants.split(",")]
-    for context in map(int, args.contexts.split(",")):
+    decode_rows(models, args.contexts, args.tokens, record)
+
+
+def decode_rows(models, contexts: str, tokens: int, record, mode: str = "mla") -> None:
+    """Run DECODE for each (name, path) of `models` at each of the comma-separated `contexts`, recording
+    and printing a row each. mode "mla": an MLA model decodes through both paths; "native": one path."""
+    for context in map(int, contexts.split(",")):
         for name, path in models:
             load = os.getloadavg()[0]
-            proc = subprocess.run([sys.executable, "-c", DECODE, path, str(context), str(args.tokens)],
+            proc = subprocess.run([sys.executable, "-c", DECODE, path, str(context), str(tokens), mode],
                                   capture_output=True, text=True)
             if proc.returncode:
                 raise SystemExit(proc.stderr[-3000:])
             result = json.loads(proc.stdout.strip().splitlines()[-1])
-            row = {"kind": "decode", "variant": name, "context": context, "tokens": args.tokens, "load_before": load,
+            row = {"kind": "decode", "variant": name, "context": context, "tokens": tokens, "load_before": load,
                    "load_after": os.getloadavg()[0], "machine": machine(), "commit": _commit(), **result}
             record(row)
             speeds = {k: f"{1 / v['s_per_token']:.2f} tok/s" for k, v in result.items() if isinstance(v, dict)}
