@@ -133,9 +133,9 @@ def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tup
     if seen + T > window:  # some key leaves the window in this segment (or already has)
         far_num, far_den, S, z = _far_part(fq, fk, v, fk_prev, v_prev, window - n, min(C, T), S, z)
         num, den = num + lf[:, :, None] * far_num, den + lf * far_den
-    keep = min(window, L)  # the window keeps the last `keep` positions
-    kept = tuple(_rows(x, prev, new)[:, L - keep:] for x, prev, new in ((k, k_prev, k), (v, v_prev, v), (fk, fk_prev, fk))) \
-        if keep else (k_prev[:, :0], v_prev[:, :0], fk_prev[:, :0])
+    keep = min(window, L)  # the window keeps the last `keep` positions: of this call's, and the kept ones before
+    kept = tuple(new[:, T - keep:] if keep <= T else _rows(new, prev[:, n - (keep - T):], new)
+                 for prev, new in ((k_prev, k), (v_prev, v), (fk_prev, fk)))
     return num / (den + eps)[..., None], (seen + T, *kept, S, z)
 
 
