@@ -82,10 +82,15 @@ class LinearCache(StateCache):
 
 
 def _stored(state: HybridState) -> HybridState:
-    """A detached copy of `state` that owns its window tensors (a prefill's slices would keep the whole
-    prefill alive)."""
+    """A detached `state` whose window tensors own their memory: a slice of a prefill's keys would keep the
+    whole prefill alive, so such a slice is copied; a decoding step's (a slice of its own small window) is not."""
+
+    def own(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach()
+        return x.clone() if x.untyped_storage().nbytes() > 2 * x.nbytes + 4096 else x
+
     return HybridState(seen=state.seen, window=state.window, S=state.S.detach(), z=state.z.detach(),
-                       k=state.k.detach().clone(), v=state.v.detach().clone(), fk=state.fk.detach().clone())
+                       k=own(state.k), v=own(state.v), fk=own(state.fk))
 
 
 def repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
