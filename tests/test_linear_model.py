@@ -189,3 +189,16 @@ def test_new_parameters_get_gradients_and_the_projections_keep_their_names(tiny,
             grad = attn.get_parameter(name).grad
             assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0, name
         assert attn.q_proj.weight.grad is not None  # the projections train too (LoRA or not is the recipe's choice)
+
+
+def test_the_cache_owns_its_window_and_does_not_keep_the_prefill_alive(tiny, tmp_path):
+    """After a prefill the window is a copy (a slice would hold the prefill's whole keys); a decoding step's
+    window, a slice of its own small window, is kept without a copy."""
+    model = make(tiny, tmp_path, "lin", linear_window=8, linear_feature_map=MAPS["hedgehog"])
+    with torch.no_grad():
+        cache = model(input_ids=IDS[:1], use_cache=True).cache
+        for state in cache.states.values():
+            for x in (state.k, state.v, state.fk):
+                assert x.shape[1] == 8 and x.untyped_storage().nbytes() == x.nbytes, "the prefill is kept alive"
+        step = model(input_ids=IDS[:1, :1], cache=cache, use_cache=True).cache
+        assert all(s.k.shape[1] == 8 for s in step.states.values())
