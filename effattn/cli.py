@@ -491,6 +491,11 @@ def finetune(
     resume: bool = typer.Option(False, "--resume", help="continue from OUT's last checkpoint, even with a changed recipe"),
     force: bool = typer.Option(False, "--force", help="start over, replacing OUT"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the resolved run, sizes and estimates; train nothing"),
+    processes: Optional[int] = typer.Option(None, "--processes", min=1,
+                                            help="--dry-run: plan for this many processes (default: this launch's)"),
+    device_memory: Optional[str] = typer.Option(None, "--device-memory",
+                                                help="--dry-run: check the plan against devices of this much memory "
+                                                     "each (e.g. 80GB) instead of this machine's"),
     as_json: bool = JsonOpt,
     memory_check: bool = MemoryCheckOpt,
 ):
@@ -502,9 +507,16 @@ def finetune(
     from .finetune import finetune as run_finetune
     from .finetune import load_recipe, plan_finetune
 
+    from .io.writer import parse_size
+
+    for flag, value in (("--processes", processes), ("--device-memory", device_memory)):
+        if value is not None and not dry_run:
+            raise EffattnError(f"{flag} plans a run and needs --dry-run",
+                               "add --dry-run, or launch the processes with torchrun --nproc_per_node N")
+    budget = parse_size(device_memory) if device_memory is not None else None
     resolved = load_recipe(recipe, overrides, output=output)
     if dry_run:
-        plan = plan_finetune(resolved, memory_check=memory_check)
+        plan = plan_finetune(resolved, processes, memory_check=memory_check, device_memory=budget)
         if as_json:
             return _print_json(plan)
         out.print(resolved.to_yaml(), highlight=False, markup=False)
@@ -552,7 +564,7 @@ def _plan_rows(plan) -> list[tuple[str, str]]:
         ("trains", f"{student['trains']}: {student['trainable']:,} of {student['params']:,} parameters "
                    f"({student['trainable'] / student['params']:.1%})"),
         ("teacher", f"{teacher['model']} ({teacher['params']:,} parameters)" if teacher["model"] else "none"),
-        ("processes", plan["processes"]),
+        ("processes", f"{plan['processes']}: {plan['distributed']}"),
         ("steps", f"{plan['steps']:,}"),
         ("tokens per step", f"{plan['tokens_per_step']:,}"),
         ("tokens", f"{plan['tokens']:,}"),

@@ -321,20 +321,22 @@ def _round_down(value: int, step: int) -> int:
     return nice if nice > 0 else value
 
 
-def check_memory(peak: int, *, what: str, options=(), check: bool = True, device=None, also: str = "") -> None:
+def check_memory(peak: int, *, what: str, options=(), check: bool = True, device=None, also: str = "",
+                 budget: int | None = None) -> None:
     """Refuse a run whose estimated `peak` (bytes, the process's resident set, or the device's memory)
     exceeds the budget, before its heavy work. `options` are (flag, value, peak_of, lowest, step): the
     knobs that shrink the run, tried in order; the first with a value that fits is named with the
     largest such value ("use FLAG N or less", or FLAG's own wording when it holds "{}"). `also` adds a
     fix (e.g. dropping an optional measurement). `check=False` (the user's --no-memory-check) turns
-    the check off."""
+    the check off. `budget` (bytes) replaces what this machine has (planning for another one)."""
     from .errors import EffattnError
 
-    budget = memory_budget(device)
+    planned = budget is not None
+    budget = budget if planned else memory_budget(device)
     if not check or budget is None or peak <= budget * MEMORY_MARGIN:
         return
     room = int(budget * MEMORY_MARGIN)
-    where = "the GPU" if device is not None and str(device).startswith("cuda") else "this machine"
+    where = "each device" if planned else "the GPU" if device is not None and str(device).startswith("cuda") else "this machine"
     head = f"{what} needs about {gib(peak)} of memory at its peak; {where} has {gib(budget)} for it"
     fixes = []
     for flag, value, peak_of, lowest, step in options:

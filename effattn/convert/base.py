@@ -163,7 +163,7 @@ def convert(
     """
     conversion, opts = resolve(to, dict(options or {}))
     ref = as_ref(model, trust_remote_code=trust_remote_code)
-    ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)
+    ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle, shapes_only=dry_run)  # a dry run plans from config.json alone too
     verify_checkpoint(ckpt)
     made_by_us = model_spec(ckpt.config.get("model_type"))
     if made_by_us:

@@ -148,6 +148,27 @@ class Checkpoint(_Section):
     keep: int = Field(2, ge=1, description="checkpoints kept; older ones are deleted")
 
 
+class Distributed(_Section):
+    """How a run of several processes divides the work (torchrun / accelerate launch; finetune/distributed.py)."""
+
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="ddp: every process holds the whole student, teacher and optimizer state; fsdp: FSDP2 "
+                            "(accelerate's FSDP plugin) shards the student's parameters, gradients and optimizer state "
+                            "and the frozen teacher across processes; auto: fsdp when more than one process runs and "
+                            "the student has at least fsdp_min_params parameters, else ddp")
+    fsdp_min_params: int = Field(1_000_000_000, ge=0, description="auto: the student size from which fsdp runs")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the backward "
+                                                              "pass instead of keeping them (any strategy)")
+    reshard_after_forward: bool = Field(True, description="fsdp: free each layer's gathered parameters after its forward "
+                                                          "and gather them again for the backward (false: keep them, "
+                                                          "more memory, fewer all-gathers)")
+    cpu_offload: bool = Field(False, description="fsdp: keep the sharded parameters, gradients and optimizer state in "
+                                                 "host memory, the optimizer step on the CPU (GPUs only)")
+    shard_teacher: bool = Field(True, description="fsdp: shard the frozen teacher too (false: every process holds all of it)")
+    wrap: list[str] | None = Field(None, description="fsdp: module classes sharded as one unit each (default: the "
+                                                      "model's decoder layers, its _no_split_modules)")
+
+
 class Recipe(_Section):
     description: str = ""
     student: Student
@@ -159,6 +180,7 @@ class Recipe(_Section):
     loss: Loss = Loss()
     eval: Eval = Eval()
     checkpoint: Checkpoint = Checkpoint()
+    distributed: Distributed = Distributed()
     output: str | None = Field(None, description="output folder (-o overrides)")
 
     def to_dict(self) -> dict[str, Any]:

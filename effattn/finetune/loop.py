@@ -17,7 +17,11 @@ module supplies the data order, the loss and the bookkeeping:
     module should keep its EMA state (e.g. cluster sizes and sums, van den Oord et al. 2017,
     App. A.1) in buffers and derive the codebook from them;
   * only the main process evaluates, logs and writes; checkpoints hold every process's RNG state
-    (on several nodes, OUT must be on a filesystem every node sees).
+    (on several nodes, OUT must be on a filesystem every node sees);
+  * under `distributed.strategy: fsdp` (distributed.py) the student and the teacher are sharded
+    instead: every process then takes part in each forward, evaluations included (they all compute
+    the same numbers; the main process logs them), checkpoints are sharded, and the final model is
+    gathered onto the main process to be written.
 """
 
 from __future__ import annotations
@@ -44,9 +48,12 @@ from ..io.checkpoint import Checkpoint
 from ..io.load import as_ref, load_model
 from ..io.save import save_model
 from ..models import export_code_for
+from ..io.checkpoint import read_config
+from ..io.verify import meta_model
 from ..io.writer import finish_interrupted_swap, write_json, write_text
 from ..killpoints import kill_point
-from .config import Optimizer, Recipe, Schedule, Student, Train
+from . import distributed
+from .config import Optimizer, Recipe, Schedule, Student
 from .data import BlockStream, check_disjoint, read_sources, training_blocks
 from .heldout import evaluate_student, held_out_sets, score_teacher
 from .losses import AttentionOutputs, FinalHidden, heal_loss
@@ -54,14 +61,13 @@ from .params import conversion_modules, count_params, native, select_trainable
 from .report import finetune_card, plot_curves
 from .state import MetricsLog, RunFolder, decide_start, read_state, save_checkpoint
 
-PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # recipe -> accelerate mixed_precision
 TEACHER_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass
 class FinetuneResult:
     out: Path | None  # the written folder (main process; None elsewhere)
-    model: torch.nn.Module  # the final native model, on every process
+    model: torch.nn.Module | None  # the final native model: on every process under ddp, the main one's under fsdp
     steps: int
     tokens: int
     seconds: float  # training time, summed over resumed sessions
@@ -121,16 +127,6 @@ def apply_optimizer_settings(optimizer, scheduler, cfg: Optimizer) -> None:
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-def make_accelerator(train: Train):
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
-
-    # accelerate only forms a CPU process group (gloo) under torchrun when told it is on CPUs
-    return Accelerator(gradient_accumulation_steps=train.grad_accum, mixed_precision=PRECISION[train.precision],
-                       cpu=not torch.accelerator.is_available(),
-                       kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-
-
 def resolve_teacher(recipe: Recipe, student_record: dict[str, Any] | None, student_path: Path) -> str | None:
     """teacher.model, else the model the student was converted from; None when no term needs one."""
     if recipe.teacher.model:
@@ -147,7 +143,8 @@ def resolve_teacher(recipe: Recipe, student_record: dict[str, Any] | None, stude
 
 
 def prepare_student(student: Student, run: RunFolder, accelerator, say, command: str | None) -> Path:
-    """The student's folder: as given, or converted once into OUT/student (reused by a resumed run)."""
+    """The student's folder: as given, or converted once into OUT/student (reused by a resumed run).
+    accelerator: accelerate's PartialState (or an Accelerator)."""
     if student.convert is None:
         with accelerator.main_process_first():
             return as_ref(student.model).path
@@ -177,13 +174,18 @@ def sync_conversion_buffers(modules: list[torch.nn.Module], accelerator) -> None
 
 @torch.no_grad()
 def teacher_forward(teacher, ids: torch.Tensor, *, logits: bool) -> torch.Tensor | None:
-    """The teacher's logits [B, T, V], or (logits=False: only its attention outputs are needed, which
-    the hooks collect) a pass through its decoder alone, skipping the vocabulary projection."""
+    """The teacher's logits [B, T, V], or (logits=False: only its attention outputs or final states are
+    needed, which hooks collect) a pass through its decoder alone, skipping the vocabulary projection.
+    A sharded (FSDP) teacher runs whole, projecting only the last position: its sharding hooks sit on
+    the model, so its decoder cannot run alone."""
     if teacher is None:
         return None
     if logits:
         return teacher(input_ids=ids, use_cache=False).logits
-    teacher.get_decoder()(input_ids=ids, use_cache=False)
+    if distributed.is_sharded(teacher):
+        teacher(input_ids=ids, use_cache=False, logits_to_keep=1)
+    else:
+        teacher.get_decoder()(input_ids=ids, use_cache=False)
     return None
 
 
@@ -214,6 +216,7 @@ def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.T
                     teacher_logits = teacher_forward(teacher, ids, logits=recipe.loss.kl > 0)
                 attention = None if hooks is None else (hooks[0].take(), hooks[1].take())
                 terms = heal_loss(recipe.loss, logits, teacher_logits, ids, model, attention, chunked)
+                distributed.release(teacher)  # a sharded teacher's gathered root (embeddings, head): no backward frees it
             accelerator.backward(terms["loss"])
             if accelerator.sync_gradients and recipe.train.max_grad_norm:
                 grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), recipe.train.max_grad_norm))
@@ -271,10 +274,11 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
         plan_finetune(recipe, estimate_time=False)  # refuses what cannot fit, before any output is touched
     texts = read_sources(recipe.data.sources, recipe.data.text_key)
 
+    from accelerate import PartialState
     from accelerate.utils import set_seed
 
-    accelerator = make_accelerator(recipe.train)
-    main, world, rank = accelerator.is_main_process, accelerator.num_processes, accelerator.process_index
+    procs = PartialState(cpu=not torch.accelerator.is_available())  # the process group; the Accelerator comes
+    main, world, rank = procs.is_main_process, procs.num_processes, procs.process_index  # with the strategy
     say = log if (log and main) else (lambda _: None)
     run = RunFolder(recipe.output)
     for role, spec in (("student.model", recipe.student.model), ("teacher.model", recipe.teacher.model)):
@@ -283,9 +287,9 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     recipe_dict = recipe.to_dict()
     if main and (repaired := finish_interrupted_swap(run.out)):
         say(repaired)
-    accelerator.wait_for_everyone()
+    procs.wait_for_everyone()
     start = decide_start(run, recipe_dict, resume=resume, force=force)
-    accelerator.wait_for_everyone()
+    procs.wait_for_everyone()
     if main:
         if start.wipe:
             shutil.rmtree(run.out)
@@ -295,15 +299,26 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
             write_text(run.recipe, recipe.to_yaml())
     for note in start.notes:
         say(note)
-    accelerator.wait_for_everyone()
+    procs.wait_for_everyone()
     if start.done:
         return finished_result(run, main)
 
     # -- models -----------------------------------------------------------------------------------
     set_seed(recipe.train.seed)
-    student_path = prepare_student(recipe.student, run, accelerator, say, command)
+    student_path = prepare_student(recipe.student, run, procs, say, command)
     student_record = read_record(student_path)
     teacher_spec = resolve_teacher(recipe, student_record, student_path)
+    student_params = count_params(meta_model(read_config(student_path)))[1]
+    strategy = distributed.resolve_strategy(recipe.distributed, student_params, world)
+    distributed.check(recipe, strategy)
+    if start.checkpoint is not None and (before := read_state(start.checkpoint).get("strategy", "ddp")) != strategy:
+        raise EffattnError(f"{start.checkpoint} was written under distributed strategy {before}, this run is {strategy} "
+                           f"({distributed.describe(recipe.distributed, strategy, world, student_params)})",
+                           f"resume with distributed.strategy={before}, or pass --force to start over")
+    sharded = strategy == "fsdp"
+    say(f"running {distributed.describe(recipe.distributed, strategy, world, student_params)}")
+    accelerator = distributed.make_accelerator(recipe, strategy)
+    evaluates = main or sharded  # a sharded model's forward needs every process
     with accelerator.main_process_first():
         model, tokenizer, _ = load_model(student_path, dtype="float32")
         teacher = None
@@ -315,20 +330,25 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
                                f"({teacher.config.vocab_size} vs {model.config.vocab_size})",
                                "distil from the model the student was converted from (teacher.model)")
         teacher.to(accelerator.device).eval().requires_grad_(False)
+        if sharded and recipe.distributed.shard_teacher:
+            teacher = distributed.shard_teacher(teacher, recipe.distributed)
     save_dtype = Checkpoint(student_path).dtype
 
     # -- data -------------------------------------------------------------------------------------
     say(f"tokenizing {', '.join(recipe.data.sources)} ...")
     stream = BlockStream(training_blocks(tokenizer, texts, recipe.data.seq_len), recipe.train.seed)
     del texts
-    held_out = held_out_sets(tokenizer, recipe.eval) if main else []
-    if main and teacher is not None:
+    held_out = held_out_sets(tokenizer, recipe.eval) if evaluates else []
+    if evaluates and teacher is not None:
         score_teacher(teacher, held_out, recipe.eval.batch_size, accelerator.autocast)
+        distributed.release(teacher)
     teacher_eval = {s.corpus: s.teacher_perplexity for s in held_out if s.teacher_perplexity is not None}
 
     # -- optimisation -----------------------------------------------------------------------------
     model.train()
     model = select_trainable(model, recipe.train)
+    if recipe.distributed.activation_checkpointing:
+        distributed.enable_activation_checkpointing(model)
     trainable, total = count_params(model)
     conv_modules = conversion_modules(model)
     steps = total_steps(recipe, world)
@@ -339,7 +359,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
         model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by us once per optimizer step
 
-    def evaluate_now() -> dict[str, dict[str, float]]:  # main process only
+    def evaluate_now() -> dict[str, dict[str, float]]:  # the processes that evaluate
         result = evaluate_student(accelerator.unwrap_model(model), held_out, recipe.eval.batch_size,
                                   accelerator.autocast)
         kill_point("eval", step)
@@ -360,9 +380,10 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
         samples = tokens = 0
         seconds = 0.0
         start_eval = None
+        if evaluates:
+            start_eval = evaluate_now()
         if main:
             metrics.path.write_text("")
-            start_eval = evaluate_now()
             metrics.append({"kind": "eval", "step": 0, "eval": start_eval})
         accelerator.wait_for_everyone()
     resumed_from = step if start.checkpoint is not None else None
@@ -371,7 +392,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
 
     def state_now() -> dict[str, Any]:
         return {"step": step, "samples": samples, "tokens": tokens, "seconds": seconds, "processes": world,
-                "recipe": recipe_dict, "start_eval": start_eval}
+                "strategy": strategy, "recipe": recipe_dict, "start_eval": start_eval}
 
     # -- the loop ---------------------------------------------------------------------------------
     B, accum = recipe.train.batch_size, recipe.train.grad_accum
@@ -413,8 +434,9 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
                 progress.update(task, completed=step, loss=record["loss"],
                                 tok_s=session_tokens / (time.perf_counter() - session_t0))
         if recipe.eval.every and step % recipe.eval.every == 0 and step < steps:
+            result = evaluate_now() if evaluates else None
             if main:
-                metrics.append({"kind": "eval", "step": step, "eval": evaluate_now()})
+                metrics.append({"kind": "eval", "step": step, "eval": result})
             accelerator.wait_for_everyone()
         if recipe.checkpoint.every and step % recipe.checkpoint.every == 0 and step < steps:
             save_checkpoint(accelerator, run, state_now(), recipe.checkpoint.keep)
@@ -423,14 +445,14 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     # -- the end: evaluate, checkpoint, write the model -------------------------------------------
     for hook in (*(hooks or ()), *(f for f in finals or () if f is not None)):
         hook.remove()
-    final_eval = None
+    final_eval = evaluate_now() if evaluates else None
     if main:
-        final_eval = evaluate_now()
         if not any(r.get("kind") == "eval" and r["step"] == steps for r in metrics.records()):
             metrics.append({"kind": "eval", "step": steps, "eval": final_eval})
     if last_saved != steps:  # a kill while writing the model below resumes here, with nothing left to train
         save_checkpoint(accelerator, run, state_now(), recipe.checkpoint.keep)
-    final = native(accelerator.unwrap_model(model))
+    final = gathered_model(accelerator, model, student_path, recipe, main) if sharded else \
+        native(accelerator.unwrap_model(model))
     out = record = None
     final_loss = float("nan")
     if main:
@@ -448,6 +470,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
             "steps": steps,
             "tokens": tokens,
             "processes": world,
+            "strategy": strategy,
             "seconds": round(seconds, 1),
             "final_loss": final_loss,  # mean training loss of the last 10 steps
             "final_terms": {k: train_records[-1][k] for k in ("kl", "ce", "attn_out", "aux") if k in train_records[-1]},
@@ -463,10 +486,27 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     return FinetuneResult(out, final, steps, tokens, seconds, final_loss, start_eval, final_eval, resumed_from, record)
 
 
+def gathered_model(accelerator, model, student_path: Path, recipe: Recipe, main: bool) -> torch.nn.Module | None:
+    """The trained FSDP model, whole, as a native model on the main process (None on the others): every
+    process takes part in gathering the state dict one tensor at a time; the main process loads it into
+    an unsharded copy of the student (LoRA adapters in place, to be merged as without FSDP)."""
+    state = distributed.full_state_dict(model)
+    if not main:
+        return None
+    whole, _, _ = load_model(student_path, dtype="float32", tokenizer=False)
+    whole = select_trainable(whole, recipe.train)
+    whole.load_state_dict(state)
+    del state
+    return native(whole)
+
+
 def finished_result(run: RunFolder, main: bool) -> FinetuneResult:
-    """The result of the fine-tune already finished in OUT, read back from its folder."""
-    model, _, _ = load_model(run.out, dtype="float32", tokenizer=False)
+    """The result of the fine-tune already finished in OUT, read back from its folder (under fsdp by the
+    main process only)."""
     ft = json.loads((run.out / "effattn.json").read_text())["finetune"]
+    model = None
+    if main or ft.get("strategy", "ddp") != "fsdp":
+        model, _, _ = load_model(run.out, dtype="float32", tokenizer=False)
     record = json.loads((run.out / "effattn.json").read_text()) if main else None
     return FinetuneResult(run.out if main else None, model, ft["steps"], ft["tokens"], ft["seconds"],
                           ft["final_loss"] if main else float("nan"), ft["start_eval"] if main else None,

@@ -73,8 +73,18 @@ class FinalHidden:
         self._handle.remove()
 
 
+def project(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """head(hidden) for the output embeddings, through a Linear's own tensors rather than its call: under
+    FSDP2 the head belongs to a sharded unit whose hooks must not run again outside the model's forward
+    (inside a checkpointed chunk they crash torch 2.13's backward); that unit stays gathered from the
+    forward until its backward (accelerate's tail unit), so its weight is the whole matrix here."""
+    if isinstance(head, torch.nn.Linear):
+        return F.linear(hidden, head.weight, head.bias)
+    return head(hidden)
+
+
 def _chunk_terms(hidden, head, teacher_logits, targets, temperature: float, kl: bool, ce: bool):
-    logits = head(hidden).float()
+    logits = project(head, hidden).float()
     zero = logits.new_zeros(())
     kl_sum = zero
     if kl:
@@ -104,7 +114,7 @@ def chunked_logit_terms(student_hidden: torch.Tensor, student_head: torch.nn.Mod
         teacher_logits = None
         if kl:
             with torch.no_grad():
-                teacher_logits = teacher_head(t[a : a + chunk])
+                teacher_logits = project(teacher_head, t[a : a + chunk])
         k, c = checkpoint(_chunk_terms, s[a : a + chunk], student_head, teacher_logits, targets[a : a + chunk],
                           temperature, kl, ce, use_reentrant=False)
         kl_sum, ce_sum = kl_sum + k, ce_sum + c

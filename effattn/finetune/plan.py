@@ -9,6 +9,12 @@ estimates:
                        (per layer ~(12*hidden + 4*intermediate) values per token, the attention
                        probabilities, and ~6 copies of the [B, T, vocab] logits for the KL, or
                        of [loss.chunk_tokens, vocab] when the logits are formed in chunks)
+  under fsdp           the weights, gradients and optimizer state are 1/P of those (and the teacher's,
+                       when it is sharded), plus what is gathered at once: two decoder-layer units
+                       (the one running and the one prefetched; all of them with
+                       reshard_after_forward false) and the embeddings / head unit, in the compute dtype
+  with activation      per layer only its input [B, T, hidden] is kept, plus one layer's activations
+  checkpointing        while it is recomputed
   time               = matmul FLOPs per step (student forward 2N, backward 2N + 2N_trainable per
                        token; teacher forward 2N) / (this device's measured matmul FLOP/s x an
                        efficiency calibrated on SmolLM2-135M here), plus the evaluations
@@ -26,10 +32,11 @@ from ..io.checkpoint import Checkpoint, read_config
 from ..io.load import DTYPES, as_ref
 from .config import Recipe
 from .data import check_disjoint, check_source
+from . import distributed
 from .loop import TEACHER_DTYPE, resolve_teacher, tokens_per_step, total_steps
 from .params import count_params, select_trainable
 from ..io.verify import meta_model
-from ..resources import check_memory, device_flops
+from ..resources import MEMORY_MARGIN, check_memory, device_flops, memory_budget
 
 # Achieved / measured-matmul FLOP/s of heal-gqa steps on SmolLM2-135M (4x256 tokens, 2 shared CPU
 # cores, load average 5-7): ~22 GFLOP/s achieved, 41-68 measured. A rough, machine-dependent factor.
@@ -39,9 +46,12 @@ LOGIT_COPIES = 6  # student logits, their log-softmax and gradient, teacher logi
 
 
 def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check: bool = True,
-                  estimate_time: bool = True) -> dict[str, Any]:
-    """The resolved run: models, parameter counts, tokens per step, memory and time estimates. A run whose
-    estimated memory per process exceeds the device's is refused (`memory_check=False` plans it anyway)."""
+                  estimate_time: bool = True, device_memory: int | None = None) -> dict[str, Any]:
+    """The resolved run: models, parameter counts, strategy, tokens per step, memory and time estimates. A
+    run whose estimated memory per process exceeds the device's (or `device_memory` bytes, to plan for
+    other machines) is refused (`memory_check=False` plans it anyway). `processes`: the number of
+    processes to plan for (default: this launch's WORLD_SIZE). Models may be config.json folders without
+    weights: their sizes come from the config."""
     processes = processes or int(os.environ.get("WORLD_SIZE", "1"))
     for source in recipe.data.sources:
         check_source(source)
@@ -55,9 +65,16 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         path = as_ref(student.model).path
         config, conversion, record = read_config(path), None, read_record(path)
     teacher_spec = resolve_teacher(recipe, record, path)
-    teacher_params = Checkpoint(as_ref(teacher_spec).path).num_params if teacher_spec else 0
+    teacher_params = _num_params(as_ref(teacher_spec).path) if teacher_spec else 0
 
-    model = select_trainable(meta_model(config), recipe.train)
+    base = meta_model(config)
+    student_params = count_params(base)[1]
+    strategy = distributed.resolve_strategy(recipe.distributed, student_params, processes)
+    distributed.check(recipe, strategy)
+    unit_params, tail_params = _units(base, recipe.distributed.wrap)
+    teacher_units = _units(meta_model(read_config(as_ref(teacher_spec).path)), recipe.distributed.wrap) \
+        if teacher_spec else (0, 0)
+    model = select_trainable(base, recipe.train)
     trainable, total = count_params(model)
     embed = model.get_input_embeddings().weight.numel()
     vocab, hidden = config["vocab_size"], config["hidden_size"]
@@ -74,18 +91,31 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     B, T, accum = recipe.train.batch_size, recipe.data.seq_len, recipe.train.grad_accum
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
 
-    def memory_at(B: int, T: int) -> dict[str, int]:
+    cfg = recipe.distributed
+    sharded = strategy == "fsdp"
+    shards = processes if sharded else 1
+    act_bytes = 2 if recipe.train.precision != "fp32" else 4
+    teacher_bytes = DTYPES[TEACHER_DTYPE[recipe.train.precision]].itemsize
+
+    def memory_at(B: int, T: int, shards: int = shards) -> dict[str, int]:
+        teacher_shards = shards if cfg.shard_teacher else 1
         inter = config.get("intermediate_size", 4 * hidden)
-        act_bytes = 2 if recipe.train.precision != "fp32" else 4
         optimizer_bytes = {"adamw": 8, "sgd": 4}[recipe.optimizer.name]
+        per_layer = B * T * (12 * hidden + 4 * inter) * act_bytes
+        kept_layers = B * T * hidden * act_bytes * layers + per_layer if cfg.activation_checkpointing else per_layer * layers
         memory = {
-            "student_weights": total * 4,
-            "gradients_and_optimizer": trainable * (4 + optimizer_bytes),
-            "teacher_weights": teacher_params * DTYPES[TEACHER_DTYPE[recipe.train.precision]].itemsize,
-            "activations": B * T * layers * (12 * hidden + 4 * inter) * act_bytes + B * heads * T * T * act_bytes * 2
+            "student_weights": total * 4 // shards,
+            "gradients_and_optimizer": trainable * (4 + optimizer_bytes) // shards,
+            "teacher_weights": teacher_params * teacher_bytes // teacher_shards,
+            "activations": kept_layers + B * heads * T * T * act_bytes * 2
                            + min(B * T, recipe.loss.chunk_tokens or B * T) * vocab * 4 * LOGIT_COPIES
                            + (B * T * hidden * 4 * 2 if recipe.loss.chunk_tokens else 0),  # the kept final states
         }
+        if sharded:  # the units gathered at once (student in the compute dtype, its gradients reduced in fp32)
+            gathered = (layers if not cfg.reshard_after_forward else 2) * unit_params
+            memory["gathered_units"] = ((gathered + tail_params) * act_bytes + unit_params * trainable // total * 4
+                                        + ((2 * teacher_units[0] + teacher_units[1]) * teacher_bytes
+                                           if cfg.shard_teacher and teacher_spec else 0))
         memory["runtime"] = RUNTIME_BYTES
         memory["total"] = sum(memory.values())
         return memory
@@ -95,8 +125,18 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         options = [("train.batch_size={} or less (a larger train.grad_accum keeps the tokens per step)", B,
                     lambda b: memory_at(b, T)["total"], 1, 1),
                    ("train.batch_size=1 and data.seq_len={} or less", T, lambda t: memory_at(1, t)["total"], 16, 1)]
-        check_memory(memory["total"], what=f"the fine-tune (per process, micro-batches of {B} x {T} tokens)",
-                     options=options, device="cuda" if torch.cuda.is_available() else None)
+        also = f"set distributed.strategy=fsdp to shard it across the {processes} processes" \
+            if not sharded and processes > 1 else ""
+        budget = device_memory or memory_budget("cuda" if torch.cuda.is_available() else None)
+        if sharded and budget:  # more processes shard it thinner
+            more = next((p for p in (processes * 2**k for k in range(1, 12))
+                         if memory_at(B, T, p)["total"] <= budget * MEMORY_MARGIN), None)
+            if more:
+                also = f"run it on {more} processes" + (" or train.params=lora" if recipe.train.params != "lora" else "")
+        check_memory(memory["total"], what=f"the fine-tune (per process, micro-batches of {B} x {T} tokens, "
+                                           f"{strategy if processes > 1 else 'one process'})",
+                     options=options, device="cuda" if torch.cuda.is_available() else None, budget=device_memory,
+                     also=also)
     attention = 4 * layers * T * hidden  # scores and weighted sum per token, causal half of 2 x 2 x T x d x heads
     flops_token = (4 * compute + 2 * trainable_compute + 3 * attention) + (2 * teacher_compute + attention)
     step_flops = flops_token * B * T * accum
@@ -104,7 +144,7 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     eval_flops = (evals + (1 if teacher_spec else 0)) * len(recipe.eval.corpora) * recipe.eval.tokens * 2 * compute
     dtype = torch.bfloat16 if recipe.train.precision == "bf16" and torch.cuda.is_available() else torch.float32
     if not estimate_time:  # the run checks memory only: no speed probe
-        return {"memory_bytes_per_process": memory}
+        return {"memory_bytes_per_process": memory, "strategy": strategy}
     flops = device_flops(dtype) * EFFICIENCY
     return {
         "recipe": recipe.to_dict(),
@@ -112,6 +152,8 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
                     "trains": recipe.train.params},
         "teacher": {"model": teacher_spec, "params": teacher_params},
         "processes": processes,
+        "strategy": strategy,
+        "distributed": distributed.describe(cfg, strategy, processes, student_params),
         "steps": steps,
         "tokens_per_step": per_step,
         "tokens": steps * per_step,
@@ -119,3 +161,17 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         "est_seconds": {"training": steps * step_flops / flops, "evaluation": eval_flops / flops},
         "est_basis": f"{flops / 1e9:,.0f} GFLOP/s effective ({EFFICIENCY:.0%} of measured matmul speed)",
     }
+
+
+def _num_params(folder) -> int:
+    """Parameters of a checkpoint: from its weight files, or (a config.json alone) from its config."""
+    return Checkpoint(folder, shapes_only=True).num_params
+
+
+def _units(model: torch.nn.Module, wrap: list[str] | None) -> tuple[int, int]:
+    """(parameters of the largest FSDP unit, parameters outside every unit) of a (meta) model: the units are
+    the modules of the classes in `wrap`, by default its decoder layers (`_no_split_modules`)."""
+    names = set(wrap or getattr(model, "_no_split_modules", None) or ())
+    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names]
+    total = count_params(model)[1]
+    return (max(units), total - sum(units)) if units else (total, 0)

@@ -25,14 +25,22 @@ class Checkpoint:
 
     `get(name)` reads one tensor from disk (memory-mapped by safetensors); nothing else is held, so a
     conversion that walks the tensors layer by layer needs memory for one layer, not the model.
+
+    `shapes_only=True` also accepts a folder holding a config.json alone (a model to plan for, e.g. a
+    70B shape on a laptop): its tensors' names and shapes are the ones the config implies, in the
+    config's dtype, and reading one is an error. Dry runs plan from such folders.
     """
 
-    def __init__(self, folder: Path, *, allow_pickle: bool = False):
+    def __init__(self, folder: Path, *, allow_pickle: bool = False, shapes_only: bool = False):
         self.folder = Path(folder)
         self.config = read_config(self.folder)
         self._location: dict[str, Path] = {}
         self._pickled: dict[str, torch.Tensor] | None = None
         self._handles: dict[Path, Any] = {}
+        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        if shapes_only and not any(p.name.endswith(WEIGHT_SUFFIXES) for p in self.folder.iterdir()):
+            self._shapes = _implied_shapes(self.config)
+            return
         self._index_weights(allow_pickle)
 
     # -- discovery ---------------------------------------------------------------------------
@@ -84,17 +92,28 @@ class Checkpoint:
         return self._handles[file]
 
     # -- access ------------------------------------------------------------------------------
+    @property
+    def has_weights(self) -> bool:
+        """False for a config.json alone (shapes_only)."""
+        return self._shapes is None
+
     def files(self) -> list[Path]:
         """The safetensors files holding the weights (empty for pickled checkpoints)."""
         return sorted(set(self._location.values())) if self._pickled is None else []
 
+    def _entries(self):
+        return self._shapes if self._shapes is not None else self._pickled if self._pickled is not None else self._location
+
     def names(self) -> list[str]:
-        return list(self._pickled) if self._pickled is not None else list(self._location)
+        return list(self._entries())
 
     def __contains__(self, name: str) -> bool:
-        return name in (self._pickled if self._pickled is not None else self._location)
+        return name in self._entries()
 
     def get(self, name: str) -> torch.Tensor:
+        if self._shapes is not None:
+            raise EffattnError(f"{self.folder} has a config.json but no weights, so there is no {name} to read",
+                               "point to a complete checkpoint folder (a config.json alone serves --dry-run)")
         if self._pickled is not None:
             return self._pickled[name]
         try:
@@ -113,6 +132,8 @@ class Checkpoint:
 
     def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype without reading the data."""
+        if self._shapes is not None:
+            return self._shapes[name]
         if self._pickled is not None:
             t = self._pickled[name]
             return tuple(t.shape), t.dtype
@@ -156,6 +177,19 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 SAFETENSORS_DTYPE = {v: k for k, v in _DTYPES.items()}
+
+
+def _implied_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    from .verify import expected_tensors
+
+    expected = expected_tensors(config)
+    if expected is None:
+        raise EffattnError(f"model type {config.get('model_type')!r} is not one transformers knows here, so its "
+                           "tensors cannot be planned from config.json alone", "point to a complete checkpoint folder")
+    name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
+    return {n: (shape, dtype) for n, shape in expected.items()}
 
 
 def _numel(shape) -> int:
