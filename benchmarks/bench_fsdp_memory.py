@@ -152,16 +152,16 @@ def report(rows: list[dict], plans: list[dict], steps: int, load: str) -> str:
              "SmolLM2 (MQA, mean pooling) healed from the original, fp32, 2 processes on gloo, batch 2 x 256 per process. "
              "Held: each process's own tensors at the first checkpoint (after an optimizer step). GiB per process.",
              "",
-             "| strategy | student params held | AdamW state held | teacher params held | sum | dry run: weights + optimizer + teacher | RSS at checkpoint | peak RSS | dry run: total |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| strategy | process | student params held | AdamW state held | teacher params held | sum | dry run: weights + gradients + optimizer + teacher | RSS at checkpoint | peak RSS | dry run: total |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        r = max(row["ranks"], key=lambda x: x["peak_rss"])
         est = row["estimate"]
-        held = r["student_params"] + r["optimizer_state"] + r["teacher_params"]
         est_held = est["student_weights"] + est["gradients_and_optimizer"] + est["teacher_weights"]
-        lines.append(f"| {row['strategy']} | {gib(r['student_params'])} | {gib(r['optimizer_state'])} | "
-                     f"{gib(r['teacher_params'])} | {gib(held)} | {gib(est_held)} (gradients included) | "
-                     f"{gib(r['rss_at_checkpoint'])} | {gib(r['peak_rss'])} | {gib(est['total'])} |")
+        for rank, r in enumerate(row["ranks"]):
+            held = r["student_params"] + r["optimizer_state"] + r["teacher_params"]
+            lines.append(f"| {row['strategy']} | {rank} | {gib(r['student_params'])} | {gib(r['optimizer_state'])} | "
+                         f"{gib(r['teacher_params'])} | {gib(held)} | {gib(est_held)} | "
+                         f"{gib(r['rss_at_checkpoint'])} | {gib(r['peak_rss'])} | {gib(est['total'])} |")
     lines += ["", "Dry-run plans for 8 processes (`--processes 8`), bf16, 1 x 2048 tokens per micro-batch, activation "
                   "checkpointing, chunked KL, the teacher included (GiB per process):", "",
               "| model | trains | strategy | student weights | gradients + optimizer | teacher | gathered units | activations | total |",

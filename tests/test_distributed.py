@@ -263,3 +263,18 @@ def test_bad_distributed_settings_are_one_line_errors(runs, capsys, args, needle
     code, _, err = run_cli(capsys, "finetune", runs.root / "heal.yaml", *args)
     assert_one_line_error(code, err, needle)
     assert code == 2
+
+
+def test_an_empty_model_has_the_loaded_ones_shapes_buffers_and_ties_without_its_weights(tiny):
+    """What a sharded run's other processes build: every parameter on the meta device, the computed
+    buffers (RoPE frequencies) real and equal, the output embeddings tied as in the real model."""
+    from effattn.io.load import load_empty, load_model
+
+    src = tiny("llama", heads=6, kv_heads=3)
+    real, _, _ = load_model(src)
+    empty = load_empty(src)
+    assert all(p.is_meta for p in empty.parameters())
+    assert {k: v.shape for k, v in empty.state_dict().items()} == {k: v.shape for k, v in real.state_dict().items()}
+    for (name, a), (_, b) in zip(real.named_buffers(), empty.named_buffers()):
+        assert not b.is_meta and torch.equal(a, b), name
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight

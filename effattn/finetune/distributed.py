@@ -9,7 +9,9 @@ The recipe's `distributed` section picks the strategy (`auto` by default):
         P processes; a unit's parameters are gathered for its forward and backward and freed after
         (ZeRO-3). The frozen teacher is sharded the same way. Checkpoints are sharded
         (torch.distributed.checkpoint, one file per process) and the final model is gathered onto the
-        main process and written as one native folder.
+        main process and written as one native folder. Only the main process reads the checkpoints; the
+        others build empty models (io.load.load_empty) and receive their shards from it, so host memory
+        holds one copy of the weights, not one per process.
   auto  fsdp when more than one process runs and the student has at least `fsdp_min_params`
         parameters (1B by default: a 1B student in fp32 with AdamW needs ~16 GB before activations,
         the teacher ~2 GB more in bf16), else ddp.
@@ -35,7 +37,6 @@ one place effattn reaches into accelerate, so the same code is tested on this ma
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -106,7 +107,8 @@ def make_accelerator(recipe: Recipe, strategy: str):
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=cfg.wrap,
         reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
-        state_dict_type="SHARDED_STATE_DICT", mixed_precision_policy=mp, activation_checkpointing=False)
+        state_dict_type="SHARDED_STATE_DICT", mixed_precision_policy=mp, activation_checkpointing=False,
+        cpu_ram_efficient_loading=True)  # the first process's weights are sent out shard by shard
     accelerator = Accelerator(fsdp_plugin=plugin, **common, gradient_accumulation_plugin=GradientAccumulationPlugin(
         num_steps=train.grad_accum, sync_each_batch=True))
     if accelerator.distributed_type == DistributedType.MULTI_CPU:  # accelerate dropped the plugin: see the docstring
@@ -134,10 +136,13 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     base.activation_checkpointing_enable({"use_reentrant": False})
 
 
-def shard_teacher(teacher: torch.nn.Module, cfg: Distributed) -> torch.nn.Module:
+def shard_teacher(accelerator, teacher: torch.nn.Module, cfg: Distributed) -> torch.nn.Module:
     """The frozen teacher under FSDP2: one unit per decoder layer, the rest (embeddings, final norm, head) in
     the root unit, which stays gathered after a forward until `release(teacher)` frees it (the chunked KL
-    projects the teacher's final states through its head after the forward)."""
+    projects the teacher's final states through its head after the forward). The first process holds the
+    weights (the others an empty model, `load_empty`): each tensor is sent to all and each keeps its shard,
+    as accelerate does for the student."""
+    from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
     from torch.distributed.fsdp import fully_shard
 
     names = set(cfg.wrap or getattr(teacher, "_no_split_modules", None) or ())
@@ -146,9 +151,14 @@ def shard_teacher(teacher: torch.nn.Module, cfg: Distributed) -> torch.nn.Module
         raise EffattnError(f"the teacher ({type(teacher).__name__}) has no modules of the classes {sorted(names)} "
                            "to shard as units", "name its decoder layer class in distributed.wrap, "
                            "or set distributed.shard_teacher=false")
+    full = teacher.state_dict() if accelerator.is_main_process else {}
     for unit in units:
         fully_shard(unit, reshard_after_forward=True)
     fully_shard(teacher, reshard_after_forward=False)
+    fsdp2_load_full_state_dict(accelerator, teacher, full)
+    del full
+    if hasattr(teacher, "tie_weights"):  # loading assigned the tied tensors one by one
+        teacher.tie_weights()
     return teacher
 
 
@@ -160,23 +170,15 @@ def release(module: torch.nn.Module | None) -> None:
         module.reshard()
 
 
+def loads_everything(strategy: str, main: bool) -> bool:
+    """Whether this process reads the checkpoints whole: all of them under ddp, the first one under fsdp."""
+    return strategy != "fsdp" or main
+
+
 def is_sharded(module: torch.nn.Module | None) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
-
-
-@contextmanager
-def gathered_params(module: torch.nn.Module):
-    """The sharded module's parameters gathered for the duration (e.g. to call its head directly)."""
-    if not is_sharded(module):
-        yield
-        return
-    module.unshard()
-    try:
-        yield
-    finally:
-        module.reshard()
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:

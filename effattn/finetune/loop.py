@@ -45,7 +45,7 @@ from .. import __version__
 from ..convert import convert, read_record
 from ..errors import EffattnError
 from ..io.checkpoint import Checkpoint
-from ..io.load import as_ref, load_model
+from ..io.load import as_ref, load_empty, load_model, load_tokenizer
 from ..io.save import save_model
 from ..models import export_code_for
 from ..io.checkpoint import read_config
@@ -319,19 +319,27 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     say(f"running {distributed.describe(recipe.distributed, strategy, world, student_params)}")
     accelerator = distributed.make_accelerator(recipe, strategy)
     evaluates = main or sharded  # a sharded model's forward needs every process
+    whole = distributed.loads_everything(strategy, main)  # under fsdp the others get their shards from the first
     with accelerator.main_process_first():
-        model, tokenizer, _ = load_model(student_path, dtype="float32")
+        if whole:
+            model, tokenizer, _ = load_model(student_path, dtype="float32")
+        else:
+            model, tokenizer = load_empty(student_path, dtype="float32"), load_tokenizer(student_path)
         teacher = None
         if teacher_spec is not None:
-            teacher, _, _ = load_model(teacher_spec, dtype=TEACHER_DTYPE[recipe.train.precision], tokenizer=False)
+            teacher_dtype = TEACHER_DTYPE[recipe.train.precision]
+            teacher = load_model(teacher_spec, dtype=teacher_dtype, tokenizer=False)[0] if whole or not \
+                recipe.distributed.shard_teacher else load_empty(teacher_spec, dtype=teacher_dtype)
     if teacher is not None:
         if teacher.config.vocab_size != model.config.vocab_size:
             raise EffattnError(f"teacher {teacher_spec} and student have different vocabularies "
                                f"({teacher.config.vocab_size} vs {model.config.vocab_size})",
                                "distil from the model the student was converted from (teacher.model)")
-        teacher.to(accelerator.device).eval().requires_grad_(False)
+        teacher.eval().requires_grad_(False)
         if sharded and recipe.distributed.shard_teacher:
-            teacher = distributed.shard_teacher(teacher, recipe.distributed)
+            teacher = distributed.shard_teacher(accelerator, teacher, recipe.distributed)  # placed as it is sharded
+        else:
+            teacher.to(accelerator.device)
     save_dtype = Checkpoint(student_path).dtype
 
     # -- data -------------------------------------------------------------------------------------

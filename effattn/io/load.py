@@ -109,6 +109,32 @@ def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", t
     return lm, load_tokenizer(ref if tokenizer is True else tokenizer, trust_remote_code=trust_remote_code), ref
 
 
+def load_empty(model: str | Path | ModelRef, *, dtype: str | None = "float32", trust_remote_code: bool = False):
+    """The model `load_model` gives, in eval mode, with its parameters on the meta device and its buffers
+    computed: for a process of a sharded run whose weights arrive from the first process (nothing of the
+    checkpoint is read here beyond its headers and config)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import effattn.attention  # noqa: F401 - registers effattn's own model classes with transformers
+
+    ref = as_ref(model, trust_remote_code=trust_remote_code)
+    ckpt = Checkpoint(ref.path)
+    verify_checkpoint(ckpt)
+    config = AutoConfig.from_pretrained(str(ref.path), trust_remote_code=trust_remote_code)
+    with init_empty_weights(include_buffers=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype) or ckpt.dtype,
+                                              trust_remote_code=trust_remote_code)
+    lm.tie_weights()  # init_empty_weights registers every parameter anew, which unties the output embeddings
+    lm.eval()
+    from ..attention.mla import absorb, is_mla
+
+    if is_mla(lm):
+        absorb(lm)
+    return lm
+
+
 def _registered(model_type: str | None) -> bool:
     from transformers import CONFIG_MAPPING
 
