@@ -64,12 +64,16 @@ def worker(recipe: str, report: Path) -> None:
 
     seen: dict = {}
     models = []
-    real_load, real_save = loop.load_model, loop.save_checkpoint
+    real_load, real_empty, real_save = loop.load_model, loop.load_empty, loop.save_checkpoint
 
     def load(*args, **kwargs):
         result = real_load(*args, **kwargs)
         models.append(result[0])  # the student, then the teacher
         return result
+
+    def empty(*args, **kwargs):  # under fsdp, the processes after the first
+        models.append(real_empty(*args, **kwargs))
+        return models[-1]
 
     def save(accelerator, run, state, keep):
         if not seen:
@@ -83,7 +87,7 @@ def worker(recipe: str, report: Path) -> None:
                 rss_at_checkpoint=status("VmRSS"))
         return real_save(accelerator, run, state, keep)
 
-    loop.load_model, loop.save_checkpoint = load, save
+    loop.load_model, loop.load_empty, loop.save_checkpoint = load, empty, save
     finetune(load_recipe(recipe))
     rank = int(os.environ.get("RANK", "0"))
     seen["peak_rss"] = status("VmHWM")
