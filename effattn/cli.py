@@ -259,6 +259,9 @@ def eval_(
     max_tokens: int = typer.Option(8192, "--max-tokens", help="tokens per corpus"),
     batch_size: int = typer.Option(2, "--batch-size"),
     speed: bool = typer.Option(True, "--speed/--no-speed", help="time prefill and decode"),
+    speed_context: Optional[int] = typer.Option(None, "--speed-context", help="also time prefill and decode after "
+                                                "this many tokens (e.g. 16384), for both models; with --baseline, "
+                                                "the context beyond which MODEL decodes faster (break-even)"),
     dtype: str = typer.Option("float32", "--dtype"),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenize with this folder's or model's tokenizer "
                                                                       "(for a MODEL folder that has none)"),
@@ -302,7 +305,14 @@ def eval_(
     if max_tokens < context:
         raise EffattnError(f"--max-tokens {max_tokens} is less than one block of --context {context}",
                            f"use --max-tokens {context} or more, or --context {max(2, max_tokens)} or less")
-    settings = EvalSettings(corpora=corpora, context=context, max_tokens=max_tokens, batch_size=batch_size, speed=speed)
+    if speed_context is not None and not speed:
+        raise EffattnError("--speed-context times prefill and decode, which --no-speed turns off",
+                           "drop --no-speed, or drop --speed-context")
+    if speed_context is not None and speed_context < 2:
+        raise EffattnError(f"--speed-context must be at least 2 tokens, got {speed_context}",
+                           "use e.g. --speed-context 16384")
+    settings = EvalSettings(corpora=corpora, context=context, max_tokens=max_tokens, batch_size=batch_size, speed=speed,
+                            speed_context=speed_context)
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
         report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                           tokenizer=tokenizer, memory_check=memory_check, attn_implementation=attn_implementation,

@@ -33,6 +33,7 @@ class EvalSettings:
     speed: bool = True
     decode_tokens: int = 32
     speed_repeats: int = 3
+    speed_context: int | None = None  # also time prefill and decode after this many tokens (None: not)
 
 
 @dataclass
@@ -42,8 +43,10 @@ class ModelMeasure:
     perplexity: dict[str, float] = field(default_factory=dict)
     kv_bytes_per_token: float | None = None
     kv_context: int | None = None
-    prefill_tokens_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None  # at the evaluation context (`kv_context` tokens)
     decode_tokens_per_s: float | None = None
+    # every context speed was measured at: {"context", "prefill_tokens_per_s", "decode_tokens_per_s"}
+    speed: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -54,6 +57,8 @@ class EvalReport:
     agreement: dict[str, float] = field(default_factory=dict)  # top-1 agreement with the baseline
     kl: dict[str, float] = field(default_factory=dict)  # mean KL(baseline || model) per token, nats
     tokens: dict[str, int] = field(default_factory=dict)
+    # the context beyond which the model decodes faster than the baseline (decode_break_even)
+    decode_break_even: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -178,14 +183,23 @@ def kv_cache_bytes(model, ids: torch.Tensor) -> int:
     return tensor_bytes(out.cache)
 
 
+SPEED_CHUNK = 4096  # a long speed prompt is prefilled in chunks of this many tokens through the cache
+
+
 @torch.no_grad()
 def speed(model, ids: torch.Tensor, decode_tokens: int = 32, repeats: int = 3) -> tuple[float, float]:
-    """(prefill tokens/s over `ids` [1, T], decode tokens/s for greedy steps after it); medians."""
+    """(prefill tokens/s over `ids` [1, T], decode tokens/s for greedy steps after it); medians. Prompts
+    longer than SPEED_CHUNK are prefilled in chunks through the cache, as generation would (bounded
+    activations), except for models that must see a sequence in one forward (`one_pass_only`)."""
     model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)  # warm-up
+    chunk = ids.shape[1] if one_pass_only(model) else SPEED_CHUNK
     prefill, decode = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)  # as generate() prefills
+        cache = None
+        for start in range(0, ids.shape[1], chunk):
+            out = model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
+            cache = out.cache
         prefill.append(ids.shape[1] / (time.perf_counter() - t0))
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()
@@ -194,6 +208,35 @@ def speed(model, ids: torch.Tensor, decode_tokens: int = 32, repeats: int = 3) -
             cache, token = out.cache, out.logits[:, -1:].argmax(-1)
         decode.append(decode_tokens / (time.perf_counter() - t0))
     return statistics.median(prefill), statistics.median(decode)
+
+
+def decode_break_even(mine: list[dict[str, float]], base: list[dict[str, float]]) -> dict[str, Any] | None:
+    """Where the model starts decoding faster than the baseline, from decode speeds both measured at the
+    same two or more contexts. A decode step's time is taken as linear in the context (the original
+    reads every cached key; a constant-size cache makes the slope ~0) through the shortest and longest
+    measurement of each model. Returns {"tokens": N, "measured": [contexts]}, with N the crossing
+    (0 when the model is faster at every length, None when it is never faster), or None for fewer than
+    two shared contexts."""
+    times = [{p["context"]: 1.0 / p["decode_tokens_per_s"] for p in points if p.get("decode_tokens_per_s")}
+             for points in (mine, base)]
+    shared = sorted(set(times[0]) & set(times[1]))
+    if len(shared) < 2:
+        return None
+    lo, hi = shared[0], shared[-1]
+    (a_m, b_m), (a_b, b_b) = ((t[lo] - (t[hi] - t[lo]) / (hi - lo) * lo, (t[hi] - t[lo]) / (hi - lo)) for t in times)
+    if b_m >= b_b:  # the model's step grows at least as fast as the baseline's
+        tokens = 0.0 if a_m <= a_b else None
+    else:
+        tokens = max(0.0, (a_m - a_b) / (b_b - b_m))
+    return {"tokens": tokens, "measured": shared}
+
+
+def speed_prompt(tokenizer, text: str, length: int) -> torch.Tensor:
+    """[1, length] token ids of `text`, repeated as often as needed to reach `length`."""
+    ids = tokenizer(text[: length * 8], return_tensors="pt")["input_ids"][:, :length]
+    while ids.shape[1] < length:
+        ids = torch.cat([ids, ids], dim=1)
+    return ids[:, :length]
 
 
 def _params(model) -> int:
@@ -219,6 +262,9 @@ def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=Non
             base.perplexity[corpus] = scores["baseline_perplexity"]
             report.agreement[corpus] = scores["agreement"]
             report.kl[corpus] = scores["kl"]
+    long_ids = None
+    if settings.speed and settings.speed_context:
+        long_ids = speed_prompt(tokenizer, load_text(settings.corpora[0]), settings.speed_context)
     for measure_, lm in ((mine, model), (base, baseline)):
         if measure_ is None:
             continue
@@ -227,6 +273,15 @@ def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=Non
         if settings.speed:
             measure_.prefill_tokens_per_s, measure_.decode_tokens_per_s = speed(
                 lm, speed_ids, settings.decode_tokens, settings.speed_repeats)
+            measure_.speed.append({"context": speed_ids.shape[1], "prefill_tokens_per_s": measure_.prefill_tokens_per_s,
+                                   "decode_tokens_per_s": measure_.decode_tokens_per_s})
+        if long_ids is not None and long_ids.shape[1] != speed_ids.shape[1]:
+            # one prefill at a long context takes long and varies little: timed once
+            prefill, decode = speed(lm, long_ids, settings.decode_tokens, repeats=1)
+            measure_.speed.append({"context": long_ids.shape[1], "prefill_tokens_per_s": prefill,
+                                   "decode_tokens_per_s": decode})
+    if base is not None:
+        report.decode_break_even = decode_break_even(mine.speed, base.speed)
     return report
 
 
@@ -279,7 +334,11 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
     options.append(("--context" if settings.batch_size == 1 else "--batch-size 1 --context", settings.context,
                     lambda c: peak(context=c, batch_size=1), 2, 1))
     estimate = peak()
-    check_memory(estimate, what=f"evaluating at --context {settings.context:,}", options=options, check=memory_check)
+    what = f"evaluating at --context {settings.context:,}"
+    if settings.speed and settings.speed_context and peak(settings.speed_context, 1) > estimate:
+        estimate, what = peak(settings.speed_context, 1), f"timing at --speed-context {settings.speed_context:,}"
+        options = [("--speed-context", settings.speed_context, lambda c: peak(context=c, batch_size=1), 2, 1)]
+    check_memory(estimate, what=what, options=options, check=memory_check)
     return estimate
 
 
@@ -304,6 +363,11 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
                                 f"--context {settings.context:,}")
         if note:
             warn(note)
+        if settings.speed and settings.speed_context:
+            note = beyond_positions(Checkpoint(ref.path).config, [settings.speed_context], ref.display,
+                                    f"--speed-context {settings.speed_context:,}")
+            if note:
+                warn(note)
     lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer or True,
                               attn_implementation=attn_implementation)
     base = base_ref = None

@@ -48,8 +48,25 @@ def eval_table(report: EvalReport) -> Table:
         table.add_row(escape(f"KL(baseline‖model) · {corpus}"), "", f"{kl:.4f}", "")
     row(f"KV-cache bytes/token (measured, {m.kv_context} tok)", m.kv_bytes_per_token,
         b.kv_bytes_per_token if b else None, ",.0f")
-    if m.prefill_tokens_per_s is not None:
-        row("prefill tokens/s", m.prefill_tokens_per_s, b.prefill_tokens_per_s if b else None, ",.0f", lower=False)
-        row("decode tokens/s", m.decode_tokens_per_s, b.decode_tokens_per_s if b else None, ",.1f", lower=False)
+    base_speed = {p["context"]: p for p in (b.speed if b else [])}
+    for point in m.speed:
+        at, other = point["context"], base_speed.get(point["context"], {})
+        row(f"prefill tokens/s ({at:,} tok)", point["prefill_tokens_per_s"], other.get("prefill_tokens_per_s"),
+            ",.0f", lower=False)
+        row(f"decode tokens/s (after {at:,} tok)", point["decode_tokens_per_s"], other.get("decode_tokens_per_s"),
+            ",.1f", lower=False)
     row("parameters", m.params, b.params if b else None, ",.0f")
+    if report.decode_break_even is not None:
+        table.caption = escape(break_even_line(report.decode_break_even))
     return table
+
+
+def break_even_line(even: dict) -> str:
+    """One sentence on `decode_break_even`'s result."""
+    measured = " and ".join(f"{n:,}" for n in even["measured"])
+    basis = f"(decode times measured after {measured} tokens, taken as linear in the context)"
+    if even["tokens"] is None:
+        return f"decode break-even: the model decodes slower than the baseline at every length {basis}"
+    if even["tokens"] == 0:
+        return f"decode break-even: the model decodes faster than the baseline at every length {basis}"
+    return f"decode break-even: the model decodes faster than the baseline beyond about {even['tokens']:,.0f} tokens {basis}"

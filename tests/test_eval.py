@@ -74,3 +74,38 @@ def test_eval_cli_json(capsys, tiny, corpus):
 def test_eval_rejects_a_corpus_that_does_not_exist(capsys, tiny, corpus):
     code, _, err = run_cli(capsys, "eval", tiny("llama"), "--corpus", "shakespear", "--no-speed")
     assert code != 0 and "did you mean 'shakespeare'" in err
+
+
+def test_decode_break_even_is_where_the_decode_time_lines_cross():
+    from effattn.evaluate import decode_break_even
+
+    def points(a, b):  # a decode step of a + b * n seconds after n tokens
+        return [{"context": n, "decode_tokens_per_s": 1 / (a + b * n)} for n in (512, 16384)]
+
+    # a constant-size cache (slope 0, 40 ms) against the original (30 ms + 5 us per cached token): 2,000 tokens
+    even = decode_break_even(points(0.040, 0.0), points(0.030, 5e-6))
+    assert even["tokens"] == pytest.approx(2000) and even["measured"] == [512, 16384]
+    assert decode_break_even(points(0.020, 0.0), points(0.030, 5e-6))["tokens"] == 0  # faster everywhere
+    assert decode_break_even(points(0.040, 6e-6), points(0.030, 5e-6))["tokens"] is None  # never faster
+    assert decode_break_even(points(0.040, 0.0)[:1], points(0.030, 5e-6)) is None  # one shared context
+
+
+def test_speed_context_times_both_models_after_a_long_prompt(capsys, tiny, corpus, tmp_path):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8, layers=2)
+    mqa = convert(src, tmp_path / "mqa", to="mqa", options={"method": "mean"}, measure=False).out
+    code, out, _ = run_cli(capsys, "eval", mqa, "--baseline", src, "--corpus", str(corpus), "--context", "64",
+                           "--max-tokens", "128", "--speed-context", "700", "--json")
+    data = json.loads(out)
+    assert code == 0
+    for who in ("model", "baseline"):
+        assert [p["context"] for p in data[who]["speed"]] == [64, 700]
+        assert all(p["prefill_tokens_per_s"] > 0 and p["decode_tokens_per_s"] > 0 for p in data[who]["speed"])
+    assert data["decode_break_even"]["measured"] == [64, 700]
+    code, out, _ = run_cli(capsys, "eval", mqa, "--baseline", src, "--corpus", str(corpus), "--context", "64",
+                           "--max-tokens", "128", "--speed-context", "300")
+    assert code == 0 and "decode tokens/s" in out and "(after 300" in out and "decode break-even" in out
+
+
+def test_speed_context_needs_speed(capsys, tiny, corpus):
+    code, _, err = run_cli(capsys, "eval", tiny("llama"), "--corpus", str(corpus), "--no-speed", "--speed-context", "512")
+    assert code == 2 and "--speed-context" in err and "--no-speed" in err

@@ -162,6 +162,10 @@ def test_a_vq_card_measures_at_long_context_and_states_the_break_even(tiny, tmp_
     assert "break-even" in card and "bytes/token now" not in card
     assert "blocks of 2,048" in card and "blocks of 8,192" in card
     assert "perplexity · shakespeare @ 8,192" in card
+    # speed at both lengths for both models, and where the VQ model starts decoding faster
+    assert "| decode tokens/s (after 8,192 tokens) |" in card and "| prefill tokens/s (2,048 tokens) |" in card
+    assert m["decode_break_even"]["measured"] == [2048, 8192]
+    assert "Decode break-even: the converted model decodes" in card and "than the original" in card
 
 
 def test_chunked_log_probabilities_equal_the_full_ones(tiny):

@@ -24,6 +24,8 @@ This module imports nothing from effattn but the kernels, so `effattn vq-init` c
 them into one `modeling_effattn_vq.py` that `trust_remote_code=True` loads without effattn.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +33,8 @@ from torch import nn
 from effattn.attention.wrapped import AdoptedAttention, StateCache, WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.vq.chunk import VQState, vq_attention_chunk
 from effattn.kernels.rope import apply_rope
-from effattn.kernels.vq.codes import nearest_codes
+from effattn.kernels.vq.codes import code_table, nearest_codes
+from effattn.kernels.vq.decode import VQDecodeState, can_decode, from_state, vq_decode_step
 from effattn.kernels.vq.naive import vq_attention_naive
 
 VQ_MODEL_TYPE = "effattn_vq"
@@ -192,6 +195,14 @@ class VQAttention(AdoptedAttention):
 
     def _kernel(self, args, sinks, state, stateful, key_means=False):
         cfg = self.config
+        q = args[0]
+        if stateful and self._decodes(q) and can_decode(state, q.shape[1]):  # one token: the decode step
+            if not isinstance(state, VQDecodeState):
+                state = from_state(state, args[3], args[7], args[8], self.scaling, q.shape[2], q.dtype)
+            q, k, v, _, codes, cos, sin = args[:7]
+            return vq_decode_step(q, k, v, codes, cos, sin, state)
+        if isinstance(state, VQDecodeState):  # several positions after decode steps: the plain state
+            state = state.to_state()
         settings = dict(window=cfg.vq_window, block_size=cfg.vq_block_size, sinks=sinks, scale=self.scaling,
                         key_means=key_means)
         if cfg.vq_kernel == "naive" and not stateful:  # the reference has no state: full sequences only
@@ -199,6 +210,24 @@ class VQAttention(AdoptedAttention):
         if stateful:
             return vq_attention_chunk(*args, **settings, state=state, return_state=True)
         return vq_attention_chunk(*args, **settings), None
+
+    def _decodes(self, q) -> bool:
+        """Whether a one-token call may take the decode step: inference (no autograd, the codebook fixed);
+        EFFATTN_VQ_DECODE=0 turns it off (the chunk kernel then runs, computing the same thing)."""
+        return (not self.training and not (torch.is_grad_enabled() and q.requires_grad)
+                and os.environ.get("EFFATTN_VQ_DECODE", "1") != "0")
+
+    def _code_table(self, codebook, metric, dtype, heads):
+        """`nearest_codes`' table of these heads' codebook, computed once while the codebook stays as it is
+        (in training the EMA moves it every step: computed anew each call)."""
+        if self.training:
+            return None
+        key = (self.codebook._version, self.code_metric._version, self.codebook.data_ptr(), dtype,
+               None if heads is None else tuple(heads))
+        cached = getattr(self, "_table", None)
+        if cached is None or cached[0] != key:
+            self._table = cached = (key, code_table(codebook, metric, dtype))
+        return cached[1]
 
     def _attend_rerope(self, q, k, v, rope, state, stateful):
         """ReRoPE alone: every key is kept exact (a cache that grows with the sequence)."""
@@ -211,7 +240,7 @@ class VQAttention(AdoptedAttention):
         cfg = self.config
         pick = (lambda t: t) if heads is None else (lambda t: t[heads])
         codebook, metric = pick(self.codebook), pick(self.code_metric)
-        codes = nearest_codes(k.detach(), codebook, metric)
+        codes = nearest_codes(k.detach(), codebook, metric, table=self._code_table(codebook, metric, k.dtype, heads))
         k_raw = k
         cos, sin, far_cos, far_sin = rope
         if cfg.vq_code_bias:

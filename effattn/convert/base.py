@@ -350,18 +350,21 @@ def _quick_measure(folder: Path, name: str, ref: ModelRef, eval_tokens: int, tru
                    contexts: tuple[int, ...]) -> dict[str, Any]:
     """A short original-vs-converted evaluation for the model card (`effattn eval` does the full one):
     the report at the first context, and one per longer context in `longer`."""
-    from ..evaluate import EvalSettings, measure
+    from ..evaluate import EvalSettings, decode_break_even, measure
     from ..io.load import load_model
 
     model, tokenizer, _ = load_model(str(folder), trust_remote_code=trust_remote_code)
     original, _, _ = load_model(ref, trust_remote_code=trust_remote_code, tokenizer=False)
     reports = []
-    for context in contexts:
-        settings = EvalSettings(context=context, max_tokens=max(eval_tokens, context), speed=False,
-                                batch_size=max(1, 1024 // context))
+    for context in contexts:  # speed timed once per context, after one block of it (`effattn eval` repeats it)
+        settings = EvalSettings(context=context, max_tokens=max(eval_tokens, context), speed=True, speed_repeats=1,
+                                decode_tokens=16, batch_size=max(1, 1024 // context))
         reports.append(measure(model, tokenizer, name=name, settings=settings, baseline=original,
                                baseline_name=ref.display).to_dict())
-    return reports[0] | ({"longer": reports[1:]} if len(reports) > 1 else {})
+    record = reports[0] | ({"longer": reports[1:]} if len(reports) > 1 else {})
+    speeds = [[p for r in reports for p in r[who]["speed"]] for who in ("model", "baseline")]
+    record["decode_break_even"] = decode_break_even(*speeds)
+    return record
 
 
 def read_record(folder: Path) -> dict[str, Any] | None:

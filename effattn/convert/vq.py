@@ -165,7 +165,7 @@ class _ReRoPEBase:
         model_type="effattn_vq", description="Transformer-VQ / ReRoPE attention (effattn_vq)",
         config_class=lambda: _vq_classes()[0], model_class=lambda: _vq_classes()[1],
         modeling_file="modeling_effattn_vq.py",
-        modules=("kernels/rope.py", "kernels/vq/naive.py", "kernels/vq/chunk.py", "kernels/vq/codes.py",
+        modules=("kernels/rope.py", "kernels/vq/naive.py", "kernels/vq/chunk.py", "kernels/vq/codes.py", "kernels/vq/decode.py",
                  "attention/wrapped.py", "attention/vq.py"))
 
 

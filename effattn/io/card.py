@@ -25,6 +25,13 @@ def measurement_rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append((f"KL(original‖converted) · {corpus}{at}", "0", f"{kl:.3f}"))
         rows.append((f"KV-cache bytes/token (measured{', after ' + format(mine.get('kv_context') or 0, ',') + ' tokens' if at else ''})",
                      _fmt(base.get("kv_bytes_per_token"), ",.0f"), _fmt(mine.get("kv_bytes_per_token"), ",.0f")))
+        base_speed = {p["context"]: p for p in base.get("speed") or []}
+        for p in mine.get("speed") or []:
+            other = base_speed.get(p["context"], {})
+            rows.append((f"prefill tokens/s ({p['context']:,} tokens)", _fmt(other.get("prefill_tokens_per_s"), ",.0f"),
+                         _fmt(p["prefill_tokens_per_s"], ",.0f")))
+            rows.append((f"decode tokens/s (after {p['context']:,} tokens)", _fmt(other.get("decode_tokens_per_s"), ",.1f"),
+                         _fmt(p["decode_tokens_per_s"], ",.1f")))
     return rows
 
 
@@ -69,6 +76,12 @@ def model_card(name: str, record: dict[str, Any], plan) -> str:
             *[f"| {a} | {b} | {c} |" for a, b, c in measurement_rows(m)],
             "",
         ]
+        if m.get("decode_break_even"):
+            from ..report import break_even_line
+
+            line = break_even_line(m["decode_break_even"]).replace("the model", "the converted model", 1)
+            line = line.replace("the baseline", "the original", 1)
+            lines += [line[0].upper() + line[1:] + "; batch 1, on the machine that converted it.", ""]
     elif record.get("measurement_skipped"):
         lines += ["## Measured", "", f"Not measured at conversion time: {record['measurement_skipped']}.", ""]
     else:

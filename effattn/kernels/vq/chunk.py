@@ -462,6 +462,8 @@ def vq_attention_chunk(
         (B, T, H, Dv) output in the dtype of ``q``, and the new :class:`VQState` if ``return_state``.
     """
     check_vq_inputs(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, block_size, sinks)
+    if hasattr(state, "to_state"):  # a VQDecodeState (decode.py): continue from its plain form
+        state = state.to_state()
     if state is None:
         state = _empty_state(q, k, v, codebook, cos, window, sinks, key_means)
     else:

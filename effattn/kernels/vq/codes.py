@@ -9,19 +9,32 @@ CHUNK = 1024
 
 
 @torch.no_grad()
-def nearest_codes(k: Tensor, codebook: Tensor, metric: Tensor | None = None) -> Tensor:
+def code_table(codebook: Tensor, metric: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor]:
+    """What ``nearest_codes`` scores keys against: the whitened codebook (G, C, E), the metric in ``dtype``
+    (or None) and ``-‖c‖² / 2`` (G, 1, C). Depends on the codebook only, so callers that keep it fixed
+    (inference) may compute it once and pass it as ``table``."""
+    codebook = codebook.to(dtype)
+    w = None if metric is None else metric.to(dtype)
+    if w is not None:
+        codebook = codebook @ w  # (G, C, E)
+    return codebook, w, -0.5 * codebook.square().sum(-1)[:, None, :]
+
+
+@torch.no_grad()
+def nearest_codes(k: Tensor, codebook: Tensor, metric: Tensor | None = None, table=None) -> Tensor:
     """Index of the nearest codeword of every key: k (B, T, G, D), codebook (G, C, D) -> (B, T, G) int64.
 
     ``metric`` (G, D, E) is a whitening map W: the distance is ``‖Wᵀ(k − c)‖²`` (W = I: the plain
     distance). The nearest codeword maximises ``<k, c> − ‖c‖² / 2`` (in whitened space), one batched
-    matrix product per ``CHUNK`` positions. Ties go to the lower index.
+    matrix product per ``CHUNK`` positions. Ties go to the lower index. ``table``: ``code_table``'s
+    result for this codebook, metric and k's dtype, if the caller keeps it.
     """
     B, T, G, D = k.shape
-    codebook = codebook.to(k.dtype)
-    w = None if metric is None else metric.to(k.dtype)
-    if w is not None:
-        codebook = codebook @ w  # (G, C, E)
-    neg_half_norms = -0.5 * codebook.square().sum(-1)[:, None, :]  # (G, 1, C)
+    codebook, w, neg_half_norms = table if table is not None else code_table(codebook, metric, k.dtype)
+    if B * T <= 16:  # a decode step: a few rows, where the plain argmax is the cheaper one
+        piece = k.reshape(B * T, G, D).transpose(0, 1)  # (G, B*T, D)
+        scores = torch.baddbmm(neg_half_norms, piece if w is None else piece @ w, codebook.mT)
+        return scores.argmax(-1).T.reshape(B, T, G)
     codes = torch.empty(B, T, G, dtype=torch.int64, device=k.device)
     scores = None
     for i in range(0, T, CHUNK):

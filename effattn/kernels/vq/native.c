@@ -244,3 +244,75 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
         }
     }
 }
+
+/* One decode step (decode.py's vq_decode_step, read it first): the query at position t of every
+ * key/value group bg reads the W ring rows of its window (rotated queries) and the C code rows and m
+ * sink rows (unrotated queries), with bias[bg, column] added; then the key leaving the window joins its
+ * code. Shapes, all float32 except the codes, rows of bg = b * G + g:
+ *   q (BG, R, D) pre-RoPE; k (BG, D) pre-RoPE; v (BG, Dv); z (BG) codes; cos, sin (D) position t;
+ *   keys (BG, N, D), bias (BG, N), values (BG, N, Dv) with N = W + C + m;
+ *   ring_k (BG, W, D), ring_z (BG, W), ring_cos, ring_sin (W, D); counts (BG, C); sums (BG, C, Dv);
+ *   key_sums, code_sums (BG, C, D) with key means (else NULL); far_cos, far_sin (D) the scaled -F turn;
+ *   out (BG, R, Dv); work: R * (N + D) floats.
+ * Per group: two sgemm for the logits (window, far columns), a softmax pass, one sgemm for the output. */
+static void rope_row(const float *x, const float *c, const float *s, float scale, int D, float *y) {
+    int h = D / 2;
+    for (int d = 0; d < h; d++) y[d] = (x[d] * c[d] - x[d + h] * s[d]) * scale;
+    for (int d = h; d < D; d++) y[d] = (x[d] * c[d] + x[d - h] * s[d]) * scale;
+}
+
+void vq_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int C, int m, long t, float scale,
+               int key_means, const float *q, const float *k, const float *v, const int64_t *z, const float *cos_t,
+               const float *sin_t, float *keys, float *bias, float *values, float *ring_k, int64_t *ring_z,
+               float *ring_cos, float *ring_sin, float *counts, float *sums, float *key_sums, float *code_sums,
+               const float *far_cos, const float *far_sin, float *out, float *work) {
+    int N = W + C + m;
+    int slot = (int)(t % W), leaving = (int)((t + 1) % W);
+    float *logits = work, *qn = work + (long)R * N; /* (R, N) logits, (R, D) rotated queries */
+    memcpy(ring_cos + (long)slot * D, cos_t, sizeof(float) * D);
+    memcpy(ring_sin + (long)slot * D, sin_t, sizeof(float) * D);
+    for (int bg = 0; bg < BG; bg++) {
+        float *K = keys + (long)bg * N * D, *V = values + (long)bg * N * Dv, *bs = bias + (long)bg * N;
+        const float *Q = q + (long)bg * R * D;
+        /* the new key (rotated to t, scaled) and value take the ring row of position t - W */
+        rope_row(k + (long)bg * D, cos_t, sin_t, scale, D, K + (long)slot * D);
+        memcpy(V + (long)slot * Dv, v + (long)bg * Dv, sizeof(float) * Dv);
+        memcpy(ring_k + ((long)bg * W + slot) * D, k + (long)bg * D, sizeof(float) * D);
+        ring_z[(long)bg * W + slot] = z[bg];
+        for (int r = 0; r < R; r++) rope_row(Q + (long)r * D, cos_t, sin_t, 1.0f, D, qn + (long)r * D);
+        gemm_abt(sgemm, R, W, D, qn, D, K, D, logits, N);
+        gemm_abt(sgemm, R, C + m, D, Q, D, K + (long)W * D, D, logits + W, N);
+        for (int r = 0; r < R; r++) { /* softmax, row by row: bias, max, exp (vectorized), sum */
+            float *row = logits + (long)r * N, top = MASKED, total = 0.0f;
+            for (int j = 0; j < N; j++) row[j] += bs[j];
+            for (int j = 0; j < N; j++) top = row[j] > top ? row[j] : top;
+            for (int j = 0; j < N; j++) row[j] = expf(row[j] - top);
+            for (int j = 0; j < N; j++) total += row[j];
+            float inv = 1.0f / total;
+            for (int j = 0; j < N; j++) row[j] *= inv;
+        }
+        gemm_ab(sgemm, R, Dv, N, logits, N, V, Dv, 0.0f, out + (long)bg * R * Dv, Dv);
+        /* position t - W + 1 leaves the window: it joins its code */
+        long c = ring_z[(long)bg * W + leaving];
+        float *cnt = counts + (long)bg * C + c, *sum = sums + ((long)bg * C + c) * Dv;
+        *cnt += 1.0f;
+        const float *vl = V + (long)leaving * Dv;
+        float *mean = V + (long)(W + c) * Dv;
+        for (int d = 0; d < Dv; d++) {
+            sum[d] += vl[d];
+            mean[d] = sum[d] / *cnt;
+        }
+        bs[W + c] = logf(*cnt);
+        if (key_means) {
+            const float *kl = ring_k + ((long)bg * W + leaving) * D;
+            float *ks = key_sums + ((long)bg * C + c) * D, *cs = code_sums + ((long)bg * C + c) * D;
+            float *ck = K + (long)(W + c) * D, *turned = qn; /* the rotated queries are no longer needed */
+            rope_row(kl, far_cos, far_sin, 1.0f, D, turned);
+            for (int d = 0; d < D; d++) {
+                ks[d] += kl[d];
+                cs[d] += turned[d];
+                ck[d] = cs[d] / *cnt;
+            }
+        }
+    }
+}

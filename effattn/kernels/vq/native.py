@@ -162,3 +162,42 @@ def run_segment(
     own = [tuple(x.clone() for x in stats) for _ in range(threads - 1)] + [stats]
     for future in [_workers(threads).submit(call, i, own[i]) for i in range(threads)]:
         future.result()
+
+
+_DECODE_ARGTYPES = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_long, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 21
+
+
+def decode_ready(state, q: Tensor) -> bool:
+    """Whether ``decode_step`` can run the decode step of ``state`` (decode.py's VQDecodeState) for ``q``."""
+    return (q.dtype == state.keys.dtype == state.ring_k.dtype == torch.float32 and q.device.type == "cpu"
+            and q.shape[-1] <= 512 and available())  # fmt: skip
+
+
+def decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """One decode step in C (``native.c``'s ``vq_decode``): the same as decode.py's ``vq_decode_step``,
+    whose state this advances in place (but for ``seen``, which the caller moves). Returns (B, 1, H, Dv)."""
+    B, _, H, D = q.shape
+    BG, N, _ = state.keys.shape
+    W, C = state.window, state.counts.shape[1]
+    Dv = state.values.shape[2]
+    if state.native_args is None:  # the state's own buffers: the same pointers every step
+        if _lib.vq_decode.argtypes is None:
+            _lib.vq_decode.argtypes, _lib.vq_decode.restype = _DECODE_ARGTYPES, None
+        key_means = state.key_sums is not None
+        buffers = (state.keys, state.bias, state.values, state.ring_k, state.ring_z, state.ring_cos, state.ring_sin,
+                   state.counts, state.sums, state.far_cos, state.far_sin)  # fmt: skip
+        if not all(x.is_contiguous() for x in buffers):
+            raise ValueError("the decode state's buffers must be contiguous")
+        state.work = torch.empty(H // (BG // B) * (N + D), dtype=torch.float32)
+        state.native_sgemm = ctypes.cast(_blas.sgemm_, ctypes.c_void_p).value
+        state.native_args = (
+            *(x.data_ptr() for x in buffers[:9]),
+            state.key_sums.data_ptr() if key_means else None, state.code_sums.data_ptr() if key_means else None,
+            *(x.data_ptr() for x in buffers[9:]),
+        )  # fmt: skip
+    out = q.new_empty(B, 1, H, Dv)
+    inputs = [x.contiguous() for x in (q, k, v, codes, cos, sin)]
+    _lib.vq_decode(state.native_sgemm, BG, H // (BG // B), D, Dv, W, C, N - W - C, state.seen,
+                   state.scale, int(state.key_sums is not None), *(x.data_ptr() for x in inputs),
+                   *state.native_args, out.data_ptr(), state.work.data_ptr())  # fmt: skip
+    return out
