@@ -51,8 +51,7 @@ class VQDecodeState:
 
     Besides the step's operands it keeps what ``to_state`` needs to give the plain state back: the
     window's pre-RoPE keys, codes and RoPE rows (rings like ``keys``), the per-code counts and sums (and
-    pre-RoPE key sums with ``key_means``), the sinks, and the far keys' running sums (``code_sums``,
-    rotated by -F and scaled) from which key means are divided.
+    pre-RoPE key sums with ``key_means``, from which a code's key is turned and divided), and the sinks.
     """
 
     seen: int
@@ -69,7 +68,6 @@ class VQDecodeState:
     counts: Tensor  # (BG, C)
     sums: Tensor  # (BG, C, Dv)
     key_sums: Tensor | None  # (BG, C, D) pre-RoPE, key means only
-    code_sums: Tensor | None  # (BG, C, D) rotated by -F and scaled, key means only
     sink_k: Tensor  # (B, G, m, D) pre-RoPE
     sink_v: Tensor  # (B, G, m, Dv)
     far_cos: Tensor  # (D,) the scaled rotation by -F
@@ -148,11 +146,10 @@ def from_state(state: VQState, codebook: Tensor, far_cos: Tensor, far_sin: Tenso
     values[:, slots] = flat(state.recent_v).to(dt)
 
     counts, sums = flat(state.counts).to(dt).clone(), flat(state.sums).to(dt).clone()
-    key_sums = code_sums = None
+    key_sums = None
     if state.key_sums is not None:
         key_sums = flat(state.key_sums).to(dt).clone()
-        code_sums = apply_rope(key_sums, fc, fs)
-        keys[:, W : W + C] = code_sums / counts.clamp(min=1.0)[..., None]
+        keys[:, W : W + C] = apply_rope(key_sums, fc, fs) / counts.clamp(min=1.0)[..., None]
     else:
         keys[:, W : W + C] = apply_rope(codebook.detach().to(dt), fc, fs).repeat(B, 1, 1)
     bias[:, 0, W : W + C] = counts.log().clamp(min=MASKED)
@@ -162,7 +159,7 @@ def from_state(state: VQState, codebook: Tensor, far_cos: Tensor, far_sin: Tenso
     return VQDecodeState(
         seen=t, window=W, sinks=state.sinks, batch=B, keys=keys, bias=bias, values=values, ring_k=ring_k,
         ring_z=ring_z, ring_cos=ring_cos, ring_sin=ring_sin, counts=counts, sums=sums, key_sums=key_sums,
-        code_sums=code_sums, sink_k=state.sink_k, sink_v=state.sink_v, far_cos=fc, far_sin=fs, scale=scale,
+        sink_k=state.sink_k, sink_v=state.sink_v, far_cos=fc, far_sin=fs, scale=scale,
         rows=torch.arange(BG, device=dev), logits=torch.zeros(BG, heads // G, W + C + m, dtype=dt, device=dev),
     )  # fmt: skip
 
@@ -209,9 +206,7 @@ def vq_decode_step(q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos: Tensor, 
     state.bias[rows, 0, W + z] = count.log()  # a code that gains a key is no longer empty
     state.values[rows, W + z] = state.sums[rows, z] / count[:, None]
     if state.key_sums is not None:
-        k_old = state.ring_k[:, leaving].to(dt)
-        state.key_sums[rows, z] += k_old
-        state.code_sums[rows, z] += apply_rope(k_old, state.far_cos, state.far_sin)
-        state.keys[rows, W + z] = state.code_sums[rows, z] / count[:, None]
+        state.key_sums[rows, z] += state.ring_k[:, leaving].to(dt)
+        state.keys[rows, W + z] = apply_rope(state.key_sums[rows, z], state.far_cos, state.far_sin) / count[:, None]
     state.seen = t + 1
     return out.view(B, G * R, -1)[:, None].to(q.dtype), state

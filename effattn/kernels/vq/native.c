@@ -252,7 +252,7 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
  *   q (BG, R, D) pre-RoPE; k (BG, D) pre-RoPE; v (BG, Dv); z (BG) codes; cos, sin (D) position t;
  *   keys (BG, N, D), bias (BG, N), values (BG, N, Dv) with N = W + C + m;
  *   ring_k (BG, W, D), ring_z (BG, W), ring_cos, ring_sin (W, D); counts (BG, C); sums (BG, C, Dv);
- *   key_sums, code_sums (BG, C, D) with key means (else NULL); far_cos, far_sin (D) the scaled -F turn;
+ *   key_sums (BG, C, D) pre-RoPE, with key means (else NULL); far_cos, far_sin (D) the scaled -F turn;
  *   out (BG, R, Dv); work: R * (N + D) floats.
  * Per group: two sgemm for the logits (window, far columns), a softmax pass, one sgemm for the output. */
 static void rope_row(const float *x, const float *c, const float *s, float scale, int D, float *y) {
@@ -264,7 +264,7 @@ static void rope_row(const float *x, const float *c, const float *s, float scale
 void vq_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int C, int m, long t, float scale,
                int key_means, const float *q, const float *k, const float *v, const int64_t *z, const float *cos_t,
                const float *sin_t, float *keys, float *bias, float *values, float *ring_k, int64_t *ring_z,
-               float *ring_cos, float *ring_sin, float *counts, float *sums, float *key_sums, float *code_sums,
+               float *ring_cos, float *ring_sin, float *counts, float *sums, float *key_sums,
                const float *far_cos, const float *far_sin, float *out, float *work) {
     int N = W + C + m;
     int slot = (int)(t % W), leaving = (int)((t + 1) % W);
@@ -303,16 +303,11 @@ void vq_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int C, int m
             mean[d] = sum[d] / *cnt;
         }
         bs[W + c] = logf(*cnt);
-        if (key_means) {
+        if (key_means) { /* the code's key: its pre-RoPE key sum turned by -F, scaled, over its count */
             const float *kl = ring_k + ((long)bg * W + leaving) * D;
-            float *ks = key_sums + ((long)bg * C + c) * D, *cs = code_sums + ((long)bg * C + c) * D;
-            float *ck = K + (long)(W + c) * D, *turned = qn; /* the rotated queries are no longer needed */
-            rope_row(kl, far_cos, far_sin, 1.0f, D, turned);
-            for (int d = 0; d < D; d++) {
-                ks[d] += kl[d];
-                cs[d] += turned[d];
-                ck[d] = cs[d] / *cnt;
-            }
+            float *ks = key_sums + ((long)bg * C + c) * D, *ck = K + (long)(W + c) * D;
+            for (int d = 0; d < D; d++) ks[d] += kl[d];
+            rope_row(ks, far_cos, far_sin, 1.0f / *cnt, D, ck);
         }
     }
 }

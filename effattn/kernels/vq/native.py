@@ -164,7 +164,7 @@ def run_segment(
         future.result()
 
 
-_DECODE_ARGTYPES = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_long, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 21
+_DECODE_ARGTYPES = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_long, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 20
 
 
 def decode_ready(state, q: Tensor) -> bool:
@@ -192,7 +192,7 @@ def decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos: Tens
         state.native_sgemm = ctypes.cast(_blas.sgemm_, ctypes.c_void_p).value
         state.native_args = (
             *(x.data_ptr() for x in buffers[:9]),
-            state.key_sums.data_ptr() if key_means else None, state.code_sums.data_ptr() if key_means else None,
+            state.key_sums.data_ptr() if key_means else None,
             *(x.data_ptr() for x in buffers[9:]),
         )  # fmt: skip
     out = q.new_empty(B, 1, H, Dv)
