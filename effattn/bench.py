@@ -85,7 +85,7 @@ def _sdpa(x: dict):
     return run
 
 
-def _vq(naive: bool = False, key_means: bool = False):
+def _vq(naive: bool = False, key_means: bool = False, bf16: bool = False):
     def build(x: dict):
         from effattn.kernels.vq import nearest_codes, vq_attention_chunk, vq_attention_naive
 
@@ -96,7 +96,8 @@ def _vq(naive: bool = False, key_means: bool = False):
         def run():
             codes = nearest_codes(x["k"], codebook)
             return kernel(x["q"], x["k"], x["v"], codebook, codes, x["cos"], x["sin"], x["far_cos"], x["far_sin"],
-                          window=spec["window"], block_size=spec["block_size"], sinks=spec["sinks"], key_means=key_means)
+                          window=spec["window"], block_size=spec["block_size"], sinks=spec["sinks"], key_means=key_means,
+                          **({"bf16_products": True} if bf16 else {}))
 
         return run
 
@@ -185,6 +186,9 @@ for _kind in (
     BenchKind("sdpa", "RoPE on q and k, then scaled_dot_product_attention (causal, GQA)", _sdpa),
     BenchKind("vq", "Transformer-VQ: nearest-codeword codes, then the chunked kernel (vq_attention_chunk)", _vq()),
     BenchKind("vq_means", "vq with key means (codes scored at the mean of their keys)", _vq(key_means=True)),
+    BenchKind("vq_bf16", "vq with the code products in bfloat16 (bf16_products; AMX / AVX-512 BF16 CPUs)",
+              _vq(bf16=True)),
+    BenchKind("vq_means_bf16", "vq_means with the code products in bfloat16", _vq(key_means=True, bf16=True)),
     BenchKind("vq_naive", "vq through the quadratic reference vq_attention_naive", _vq(naive=True), NAIVE_MAX_LENGTH,
               score_copies=4),
     BenchKind("sparse", "--pattern (longformer, bigbird, strided) on FlexAttention block masks, compiled",

@@ -100,3 +100,23 @@ def test_a_failed_build_falls_back_with_its_reason(monkeypatch, tmp_path, count_
         out = vq_attention_chunk(**inputs, window=4, block_size=2)
     torch.testing.assert_close(out, vq_attention_naive(**inputs, window=4, block_size=2), rtol=0, atol=2e-6)
     assert count_native_calls == []
+
+
+@pytest.mark.parametrize("key_means", [False, True], ids=["codewords", "key-means"])
+def test_bf16_code_products_stay_within_bfloat16_rounding_of_the_float32_kernel(key_means):
+    """bf16_products: the compiled loop's products with the code columns take bfloat16 inputs (MKL's
+    cblas_gemm_bf16bf16f32); the output stays within bfloat16's rounding of the float32 kernel's, and
+    the state (statistics, kept in float32) is the same."""
+    from effattn.kernels.vq import native
+
+    if not native.bf16_available():
+        pytest.skip("no bfloat16 matrix units (amx_bf16 / avx512_bf16) or compiled loop on this CPU")
+    from .test_vq_kernels import assert_close, make_inputs
+
+    inputs = make_inputs(2, 700, 9, 3, 64, 64, 64, 64, dtype=torch.float32, seed=3)
+    settings = dict(window=64, block_size=64, sinks=2, key_means=key_means, return_state=True)
+    ref, ref_state = vq_attention_chunk(**inputs, **settings)
+    out, state = vq_attention_chunk(**inputs, **settings, bf16_products=True)
+    assert_close("bf16 products", ref, out, 1e-2)
+    assert (ref - out).abs().max() > 0  # the products did run in bfloat16
+    assert torch.allclose(ref_state.sums, state.sums, rtol=1e-6, atol=1e-5)

@@ -53,6 +53,7 @@ VQ_DEFAULTS = {
     "vq_code_bias": False,
     "vq_exact_heads": [],  # [layer, KV head] pairs that keep their original attention (a growing cache on those heads)
     "vq_key_means": False,  # score a far key's code at the mean of the sequence's far keys sharing it, not its codeword
+    "vq_bf16_products": False,  # CPU inference: the code columns' products in bfloat16 where the CPU has AMX/AVX-512 BF16
 }
 
 
@@ -204,8 +205,9 @@ class VQAttention(AdoptedAttention):
         if isinstance(state, VQDecodeState):  # several positions after decode steps: the plain state
             state = state.to_state()
         settings = dict(window=cfg.vq_window, block_size=cfg.vq_block_size, sinks=sinks, scale=self.scaling,
-                        key_means=key_means)
+                        key_means=key_means, bf16_products=bool(getattr(cfg, "vq_bf16_products", False)))
         if cfg.vq_kernel == "naive" and not stateful:  # the reference has no state: full sequences only
+            settings.pop("bf16_products")
             return vq_attention_naive(*args, **settings), None
         if stateful:
             return vq_attention_chunk(*args, **settings, state=state, return_state=True)

@@ -436,6 +436,7 @@ def vq_attention_chunk(
     state: VQState | None = None,
     return_state: bool = False,
     key_means: bool = False,
+    bf16_products: bool = False,
 ) -> Tensor | tuple[Tensor, VQState]:
     """Blockwise linear-time Transformer-VQ attention with ReRoPE; same maths as ``vq_attention_naive``.
 
@@ -457,6 +458,9 @@ def vq_attention_chunk(
         return_state: also return the state after this chunk.
         key_means: score each far key's code at the mean of the far keys sharing it instead of at
             its codeword (see ``naive.py``); the state then also keeps per-code key sums.
+        bf16_products: in the compiled loop, where the CPU has bfloat16 matrix units, compute the
+            products with the code columns from bfloat16 inputs (float32 accumulation): faster, and
+            no longer float32-exact. Ignored (float32) wherever that loop does not run.
 
     Returns:
         (B, T, H, Dv) output in the dtype of ``q``, and the new :class:`VQState` if ``return_state``.
@@ -557,7 +561,8 @@ def vq_attention_chunk(
             _native.run_segment(q=q_native, cos=cos_native, sin=sin_native, rk=rk_bg, kq=kq_bg, v=v_bg, z=z_bg,
                                 codebook=codebook_bg, sink_k=sink_k_bg, sink_v=sink_v_bg,
                                 stats=(counts, sums, log_counts, means), code_k=code_k, out=out, R=R, W=W,
-                                Q=Q, n=n, seg_t0=t0, start=start, sinks=sinks)  # fmt: skip
+                                Q=Q, n=n, seg_t0=t0, start=start, sinks=sinks,
+                                bf16=bf16_products and _native.bf16_available())  # fmt: skip
         else:
             for j in range(n):
                 t_j, lo = t0 + j * Q, j * Q  # first position of the step, its span's start in the buffers

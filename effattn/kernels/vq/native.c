@@ -47,6 +47,26 @@ static void gemm_ab(sgemm_fn sgemm, int rows, int cols, int k, const float *a, i
     sgemm("N", "N", &cols, &rows, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
 }
 
+/* MKL's cblas_gemm_bf16bf16f32: row-major C (m x n, float32) = alpha A (m x k) B (k x n) + beta C with
+ * A and B in bfloat16 (AMX or AVX-512 BF16 where the CPU has them). */
+typedef void (*gemm16_fn)(int layout, int transa, int transb, int m, int n, int k, float alpha, const uint16_t *a,
+                          int lda, const uint16_t *b, int ldb, float beta, float *c, int ldc);
+#define ROW_MAJOR 101
+#define NO_TRANS 111
+#define TRANS 112
+
+/* float32 -> bfloat16, rounding to nearest even (the inputs are finite) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void rows_to_bf16(const float *x, long n, uint16_t *y) {
+    for (long i = 0; i < n; i++) y[i] = to_bf16(x[i]);
+}
+
 /* One segment's inputs for one key/value group bg = b * G + g (see vq_segment for the shapes). */
 typedef struct {
     int b, g, T, H, R, D, Dv, C, W, Q, key_means;
@@ -56,6 +76,11 @@ typedef struct {
     const int64_t *z;
     float *counts, *sums, *log_counts, *means, *code_k, *out;
     float *d_logit; /* 2 C scratch floats at the end of the work buffer, zero between rows */
+    /* bf16 code products (gemm16 set): bf16 copies of the code columns' keys (codewords, or key
+       means' key sums) and mean values, kept in step with the float32 ones, and scratch for the
+       step's unrotated queries and code probabilities */
+    gemm16_fn gemm16;
+    uint16_t *code16, *means16, *q16, *p16;
 } group_t;
 
 /* Attention of the step starting at absolute position t_j (span entries [lo, lo + P + Q)). */
@@ -72,6 +97,11 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
     float *inv_sum = o + (long)rows * Dv; /* rows */
     float *d_logit = a->d_logit;         /* C: key means, a row's far span logits summed per code */
     float *d_count = d_logit + C;         /* C: and their number (all zero between rows) */
+    float *inv_count = o + (long)rows * Dv + rows;     /* C: key means, 1 / count (0 for an empty code) */
+    float *join_value = inv_count + C;                 /* F: key means, the logits of the codes joined */
+    long *join_code = (long *)(join_value + (F > 0 ? F : 1) + 1); /* F: and those codes */
+    if (a->key_means)
+        for (int c = 0; c < C; c++) inv_count[c] = a->counts[c] > 0.0f ? 1.0f / a->counts[c] : 0.0f;
 
     /* the step's queries: unrotated and rotated to their positions */
     for (int row = 0; row < rows; row++) {
@@ -88,22 +118,27 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
     /* logits: span (near), far span, codes, sinks */
     gemm_abt(sgemm, rows, S, D, qn, D, a->rk + lo * D, D, logits, N);
     gemm_abt(sgemm, rows, F, D, qf, D, a->kq + lo * D, D, logits + S, N);
-    gemm_abt(sgemm, rows, C, D, qf, D, a->key_means ? a->code_k : a->cb, D, logits + S + F, N);
+    if (a->gemm16) {
+        rows_to_bf16(qf, (long)rows * D, a->q16);
+        a->gemm16(ROW_MAJOR, NO_TRANS, TRANS, rows, C, D, 1.0f, a->q16, D, a->code16, D, 0.0f, logits + S + F, N);
+    } else {
+        gemm_abt(sgemm, rows, C, D, qf, D, a->key_means ? a->code_k : a->cb, D, logits + S + F, N);
+    }
     gemm_abt(sgemm, rows, m, D, qf, D, a->sk, D, logits + S + F + C, N);
 
     /* masks and code biases, then exp(logit - row max) and the row sums */
     for (int row = 0; row < rows; row++) {
         const int i = row % Q;
         float *x = logits + (long)row * N;
-        /* span column c holds key position t_j - P + c, at distance P + i - c from query i */
-        for (int c = 0; c < S; c++) {
-            const long delta = P + i - c;
-            if (delta < 0 || delta >= W || t_j - P + c < 0) x[c] = MASKED;
-        }
-        for (int c = 0; c < F; c++) {
-            const long delta = P + i - c;
-            if (delta < W || t_j - P + c < 0) x[S + c] = MASKED;
-        }
+        /* span column c holds key position t_j - P + c, at distance P + i - c from query i: near for
+           i <= c <= P + i, far for c < i (far span column c is kept for c < i only); columns before
+           position 0 (c < P - t_j) are masked in both */
+        const int before = t_j < P ? (int)(P - t_j) : 0;
+        const int near_lo = i > before ? i : before;
+        for (int c = 0; c < near_lo && c < S; c++) x[c] = MASKED;
+        for (int c = P + i + 1; c < S; c++) x[c] = MASKED;
+        for (int c = 0; c < before && c < F; c++) x[S + c] = MASKED;
+        for (int c = i; c < F; c++) x[S + c] = MASKED;
         float *xc = x + S + F;
         if (a->key_means) {
             /* far span keys that are no sinks join their code: logit (sum + far) / (count + n) + log(count + n) */
@@ -114,10 +149,23 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
                 d_count[z] += 1.0f;
                 x[S + c] = MASKED;
             }
-            for (int c = 0; c < C; c++) {
-                const float n = a->counts[c] + d_count[c];
-                if (n == 0.0f) xc[c] = MASKED;
-                else xc[c] = (xc[c] + d_logit[c]) / n + (d_count[c] > 0.0f ? logf(n) : a->log_counts[c]);
+            /* the codes those keys joined (at most F): their logit from the raw dot product, before the
+               pass over every code below overwrites it */
+            int joined = 0;
+            for (int c = 0; c < F; c++) {
+                if (t_j - P + c < a->sinks || c >= i || t_j - P + c < 0) continue;
+                const long z = a->z[lo + c];
+                if (d_count[z] < 0.0f) continue; /* done already (marked negative below) */
+                const float n = a->counts[z] + d_count[z];
+                join_code[joined] = z;
+                join_value[joined++] = (xc[z] + d_logit[z]) / n + logf(n);
+                d_count[z] = -d_count[z];
+            }
+            /* every code from its aggregated keys alone: dot / count + log count (empty: MASKED) */
+            for (int c = 0; c < C; c++) xc[c] = xc[c] * inv_count[c] + a->log_counts[c];
+            for (int k = 0; k < joined; k++) {
+                xc[join_code[k]] = join_value[k];
+                d_count[join_code[k]] = -d_count[join_code[k]];
             }
         } else {
             for (int c = 0; c < C; c++) xc[c] += a->log_counts[c];
@@ -153,12 +201,16 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
                 }
             }
         }
+        if (a->gemm16) rows_to_bf16(xc, C, a->p16 + (long)row * C);
     }
 
     /* output: probabilities times span values, far values, code means, sink values */
     gemm_ab(sgemm, rows, Dv, S, logits, N, a->v + lo * Dv, Dv, 0.0f, o, Dv);
     gemm_ab(sgemm, rows, Dv, F, logits + S, N, a->v + lo * Dv, Dv, 1.0f, o, Dv);
-    gemm_ab(sgemm, rows, Dv, C, logits + S + F, N, a->means, Dv, 1.0f, o, Dv);
+    if (a->gemm16)
+        a->gemm16(ROW_MAJOR, NO_TRANS, NO_TRANS, rows, Dv, C, 1.0f, a->p16, C, a->means16, Dv, 1.0f, o, Dv);
+    else
+        gemm_ab(sgemm, rows, Dv, C, logits + S + F, N, a->means, Dv, 1.0f, o, Dv);
     gemm_ab(sgemm, rows, Dv, m, logits + S + F + C, N, a->sv, Dv, 1.0f, o, Dv);
     for (int row = 0; row < rows; row++) {
         const int r = row / Q, i = row % Q;
@@ -188,13 +240,22 @@ static void fold(const group_t *a, long t_j, long lo) {
         const float inv = 1.0f / a->counts[c];
         a->log_counts[c] = logf(a->counts[c]);
         for (int d = 0; d < Dv; d++) a->means[c * Dv + d] = a->sums[c * Dv + d] * inv;
+        if (a->gemm16) {
+            rows_to_bf16(a->means + c * Dv, Dv, a->means16 + c * Dv);
+            if (a->key_means) rows_to_bf16(a->code_k + c * a->D, a->D, a->code16 + c * a->D);
+        }
     }
+}
+
+/* Scratch bfloat16 values one call needs with bf16 code products (vq_segment's work16). */
+long vq_segment_work16(int R, int Q, int C, int D, int Dv) {
+    return (long)C * (D + Dv) + (long)R * Q * (D + C);
 }
 
 /* Scratch floats one call needs (attend's layout). */
 long vq_segment_work_floats(int R, int Q, int P, int C, int m_max, int D, int Dv) {
     const long rows = (long)R * Q, S = (long)P + Q, F = Q - 1;
-    return rows * (S + F + C + m_max) + 2 * rows * D + rows * Dv + rows + 2L * C;
+    return rows * (S + F + C + m_max) + 2 * rows * D + rows * Dv + rows + C + 4L * (F + 2) + 2L * C;
 }
 
 /*
@@ -222,8 +283,9 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
                 const float *q, const float *cos_t, const float *sin_t, const float *rk, const float *kq,
                 const float *v, const int64_t *z, const float *codebook, const float *sink_k, const float *sink_v,
                 float *counts, float *sums, float *log_counts, float *means, float *code_k, float *out,
-                float *work) {
+                float *work, gemm16_fn gemm16, uint16_t *work16) {
     const long span_len = (long)(W - 1) + (long)n * Q;
+    const long rows = (long)R * Q;
     for (int bg = 0; bg < B * G; bg++) {
         const group_t a = {
             .b = bg / G, .g = bg % G, .T = T, .H = G * R, .R = R, .D = D, .Dv = Dv, .C = C, .W = W, .Q = Q,
@@ -235,10 +297,16 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
             .log_counts = log_counts + (long)bg * C, .means = means + (long)bg * C * Dv, .out = out,
             .key_means = key_means, .code_k = key_means ? code_k + (long)bg * C * D : 0,
             .d_logit = work + vq_segment_work_floats(R, Q, W - 1, C, m_max, D, Dv) - 2L * C,
+            .gemm16 = gemm16, .code16 = work16, .means16 = work16 + (long)C * D,
+            .q16 = work16 + (long)C * (D + Dv), .p16 = work16 + (long)C * (D + Dv) + rows * D,
         };
         memset(a.d_logit, 0, sizeof(float) * 2 * C);
         for (int j = 0; j < j_hi; j++) {
             const long t_j = seg_t0 + (long)j * Q, lo = (long)j * Q;
+            if (gemm16 && j == j_lo) { /* the bf16 copies of the code columns, as the statistics are now */
+                rows_to_bf16(key_means ? a.code_k : a.cb, (long)C * D, a.code16);
+                rows_to_bf16(a.means, (long)C * Dv, a.means16);
+            }
             if (j >= j_lo) attend(sgemm, &a, t_j, lo, work);
             fold(&a, t_j, lo);
         }

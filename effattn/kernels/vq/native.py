@@ -98,9 +98,23 @@ def _load():
     lib = ctypes.CDLL(str(target))
     lib.vq_segment.restype = None
     lib.vq_segment_work_floats.restype = ctypes.c_long
+    lib.vq_segment_work16.restype = ctypes.c_long
     blas.MKL_Set_Num_Threads_Local.restype = ctypes.c_int
     blas.MKL_Set_Num_Threads_Local.argtypes = [ctypes.c_int]
     return lib, blas
+
+
+def bf16_available() -> bool:
+    """Whether the compiled loop can run its code products in bfloat16 (MKL's cblas_gemm_bf16bf16f32,
+    on AMX or AVX-512 BF16 where the CPU has them; MKL emulates it elsewhere, slowly)."""
+    if not available() or not hasattr(_blas, "cblas_gemm_bf16bf16f32"):
+        return False
+    flags = ""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def _single_threaded_blas() -> None:
@@ -124,6 +138,7 @@ def run_segment(
     *, q: Tensor, cos: Tensor, sin: Tensor, rk: Tensor, kq: Tensor, v: Tensor, z: Tensor, codebook: Tensor,
     sink_k: Tensor, sink_v: Tensor, stats: tuple[Tensor, Tensor, Tensor, Tensor], out: Tensor,
     R: int, W: int, Q: int, n: int, seg_t0: int, start: int, sinks: int, code_k: Tensor | None = None,
+    bf16: bool = False,
 ) -> None:  # fmt: skip
     """Run the ``n`` steps of ``Q`` queries of one segment; arguments as in ``native.c``'s ``vq_segment``.
 
@@ -131,7 +146,8 @@ def run_segment(
     these must be contiguous, and so must ``code_k`` (key means: the per-code key sums rotated by -F
     and scaled, updated in place like the statistics; ``kq`` then holds exact keys). Every tensor is
     float32 (``z`` int64) on the CPU. ``-inf`` log counts (empty codes) become ``MASKED``, which the C
-    code treats alike.
+    code treats alike. ``bf16``: the two products with the code columns (logits and output, over half
+    the step's arithmetic) take bfloat16 inputs and accumulate in float32 (``bf16_available``).
     """
     B, T, H, D = q.shape
     G, Dv, C, m_max = H // R, v.shape[-1], codebook.shape[1], sink_k.shape[1]
@@ -147,12 +163,14 @@ def run_segment(
     def call(i: int, own_stats) -> None:
         lo, hi = bounds[i], bounds[i + 1]
         work = torch.empty(_lib.vq_segment_work_floats(R, Q, W - 1, C, m_max, D, Dv), dtype=torch.float32)
+        work16 = torch.empty(_lib.vq_segment_work16(R, Q, C, D, Dv) if bf16 else 0, dtype=torch.int16)
         _lib.vq_segment(
             ctypes.cast(_blas.sgemm_, ctypes.c_void_p), *(ctypes.c_int(x) for x in (B, T, G, R, D, Dv, C, W, Q, n)),
             ctypes.c_long(seg_t0), ctypes.c_long(start), ctypes.c_long(sinks), ctypes.c_int(m_max),
             ctypes.c_int(lo), ctypes.c_int(hi), ctypes.c_int(key_means), *(_ptr(x) for x in inputs),
             *(_ptr(x) for x in own_stats[:4]), _ptr(own_stats[4]) if key_means else ctypes.c_void_p(0),
-            _ptr(out), _ptr(work),
+            _ptr(out), _ptr(work), ctypes.cast(_blas.cblas_gemm_bf16bf16f32, ctypes.c_void_p) if bf16 else None,
+            _ptr(work16) if bf16 else None,
         )  # fmt: skip
 
     if threads == 1:
