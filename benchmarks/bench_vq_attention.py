@@ -110,7 +110,8 @@ def combine(rounds: list[dict]) -> dict:
     results = []
     measured = [key for key in MEASURED if key != "threads"]
     for points in zip(*(r["results"] for r in rounds)):
-        results.append({**points[0], **{key: statistics.median(p[key] for p in points) for key in measured}})
+        results.append({**points[0], **{key: statistics.median(p[key] for p in points) for key in measured
+                                         if key in points[0]}})  # e.g. density: sparse kinds only
     load = dict(before=rounds[0]["load_average"]["before"], after=rounds[-1]["load_average"]["after"])
     return {**rounds[0], "load_average": load, "results": results, "rounds": [r["results"] for r in rounds]}
 

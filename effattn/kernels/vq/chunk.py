@@ -459,7 +459,7 @@ def vq_attention_chunk(
         key_means: score each far key's code at the mean of the far keys sharing it instead of at
             its codeword (see ``naive.py``); the state then also keeps per-code key sums.
         bf16_products: in the compiled loop, where the CPU has bfloat16 matrix units, compute the
-            products with the code columns from bfloat16 inputs (float32 accumulation): faster, and
+            products with the span and code columns from bfloat16 inputs (float32 accumulation): faster, and
             no longer float32-exact. Ignored (float32) wherever that loop does not run.
 
     Returns:

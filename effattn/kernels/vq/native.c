@@ -67,6 +67,17 @@ static void rows_to_bf16(const float *x, long n, uint16_t *y) {
     for (long i = 0; i < n; i++) y[i] = to_bf16(x[i]);
 }
 
+/* Row-major C (rows x cols) (+)= A (rows x k) @ B^T, B (cols x k), or @ B, B (k x cols): bfloat16 inputs. */
+static void gemm16_abt(gemm16_fn g, int rows, int cols, int k, const uint16_t *a, int lda, const uint16_t *b, int ldb,
+                       float *c, int ldc) {
+    if (rows > 0 && cols > 0) g(ROW_MAJOR, NO_TRANS, TRANS, rows, cols, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+}
+
+static void gemm16_ab(gemm16_fn g, int rows, int cols, int k, const uint16_t *a, int lda, const uint16_t *b, int ldb,
+                      float beta, float *c, int ldc) {
+    if (rows > 0 && k > 0) g(ROW_MAJOR, NO_TRANS, NO_TRANS, rows, cols, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+}
+
 /* One segment's inputs for one key/value group bg = b * G + g (see vq_segment for the shapes). */
 typedef struct {
     int b, g, T, H, R, D, Dv, C, W, Q, key_means;
@@ -76,11 +87,11 @@ typedef struct {
     const int64_t *z;
     float *counts, *sums, *log_counts, *means, *code_k, *out;
     float *d_logit; /* 2 C scratch floats at the end of the work buffer, zero between rows */
-    /* bf16 code products (gemm16 set): bf16 copies of the code columns' keys (codewords, or key
-       means' key sums) and mean values, kept in step with the float32 ones, and scratch for the
-       step's unrotated queries and code probabilities */
+    /* bf16 products (gemm16 set): bf16 copies of the span's keys and values, of the code columns'
+       keys (codewords, or key means' key sums) and mean values (kept in step with the float32 ones),
+       and scratch for the step's queries and probabilities (sinks stay float32) */
     gemm16_fn gemm16;
-    uint16_t *code16, *means16, *q16, *p16;
+    uint16_t *code16, *means16, *q16, *qn16, *p16, *rk16, *kq16, *v16;
 } group_t;
 
 /* Attention of the step starting at absolute position t_j (span entries [lo, lo + P + Q)). */
@@ -116,12 +127,16 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
     }
 
     /* logits: span (near), far span, codes, sinks */
-    gemm_abt(sgemm, rows, S, D, qn, D, a->rk + lo * D, D, logits, N);
-    gemm_abt(sgemm, rows, F, D, qf, D, a->kq + lo * D, D, logits + S, N);
+    const int P16 = S + F + C; /* row length of the bf16 probabilities */
     if (a->gemm16) {
+        rows_to_bf16(qn, (long)rows * D, a->qn16);
         rows_to_bf16(qf, (long)rows * D, a->q16);
-        a->gemm16(ROW_MAJOR, NO_TRANS, TRANS, rows, C, D, 1.0f, a->q16, D, a->code16, D, 0.0f, logits + S + F, N);
+        gemm16_abt(a->gemm16, rows, S, D, a->qn16, D, a->rk16 + lo * D, D, logits, N);
+        gemm16_abt(a->gemm16, rows, F, D, a->q16, D, a->kq16 + lo * D, D, logits + S, N);
+        gemm16_abt(a->gemm16, rows, C, D, a->q16, D, a->code16, D, logits + S + F, N);
     } else {
+        gemm_abt(sgemm, rows, S, D, qn, D, a->rk + lo * D, D, logits, N);
+        gemm_abt(sgemm, rows, F, D, qf, D, a->kq + lo * D, D, logits + S, N);
         gemm_abt(sgemm, rows, C, D, qf, D, a->key_means ? a->code_k : a->cb, D, logits + S + F, N);
     }
     gemm_abt(sgemm, rows, m, D, qf, D, a->sk, D, logits + S + F + C, N);
@@ -201,16 +216,19 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
                 }
             }
         }
-        if (a->gemm16) rows_to_bf16(xc, C, a->p16 + (long)row * C);
+        if (a->gemm16) rows_to_bf16(x, P16, a->p16 + (long)row * P16);
     }
 
     /* output: probabilities times span values, far values, code means, sink values */
-    gemm_ab(sgemm, rows, Dv, S, logits, N, a->v + lo * Dv, Dv, 0.0f, o, Dv);
-    gemm_ab(sgemm, rows, Dv, F, logits + S, N, a->v + lo * Dv, Dv, 1.0f, o, Dv);
-    if (a->gemm16)
-        a->gemm16(ROW_MAJOR, NO_TRANS, NO_TRANS, rows, Dv, C, 1.0f, a->p16, C, a->means16, Dv, 1.0f, o, Dv);
-    else
+    if (a->gemm16) {
+        gemm16_ab(a->gemm16, rows, Dv, S, a->p16, P16, a->v16 + lo * Dv, Dv, 0.0f, o, Dv);
+        gemm16_ab(a->gemm16, rows, Dv, F, a->p16 + S, P16, a->v16 + lo * Dv, Dv, 1.0f, o, Dv);
+        gemm16_ab(a->gemm16, rows, Dv, C, a->p16 + S + F, P16, a->means16, Dv, 1.0f, o, Dv);
+    } else {
+        gemm_ab(sgemm, rows, Dv, S, logits, N, a->v + lo * Dv, Dv, 0.0f, o, Dv);
+        gemm_ab(sgemm, rows, Dv, F, logits + S, N, a->v + lo * Dv, Dv, 1.0f, o, Dv);
         gemm_ab(sgemm, rows, Dv, C, logits + S + F, N, a->means, Dv, 1.0f, o, Dv);
+    }
     gemm_ab(sgemm, rows, Dv, m, logits + S + F + C, N, a->sv, Dv, 1.0f, o, Dv);
     for (int row = 0; row < rows; row++) {
         const int r = row / Q, i = row % Q;
@@ -247,9 +265,10 @@ static void fold(const group_t *a, long t_j, long lo) {
     }
 }
 
-/* Scratch bfloat16 values one call needs with bf16 code products (vq_segment's work16). */
-long vq_segment_work16(int R, int Q, int C, int D, int Dv) {
-    return (long)C * (D + Dv) + (long)R * Q * (D + C);
+/* Scratch bfloat16 values one call needs with bf16 products (vq_segment's work16), span_len = P + n Q. */
+long vq_segment_work16(int R, int Q, int P, int C, int D, int Dv, long span_len) {
+    const long rows = (long)R * Q, S = (long)P + Q, F = Q - 1;
+    return (long)C * (D + Dv) + rows * (2L * D + S + F + C) + span_len * (2L * D + Dv);
 }
 
 /* Scratch floats one call needs (attend's layout). */
@@ -287,7 +306,7 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
     const long span_len = (long)(W - 1) + (long)n * Q;
     const long rows = (long)R * Q;
     for (int bg = 0; bg < B * G; bg++) {
-        const group_t a = {
+        group_t a = {
             .b = bg / G, .g = bg % G, .T = T, .H = G * R, .R = R, .D = D, .Dv = Dv, .C = C, .W = W, .Q = Q,
             .sinks = sinks, .start = start, .q = q, .cos_t = cos_t, .sin_t = sin_t,
             .rk = rk + bg * span_len * D, .kq = kq + bg * span_len * D, .v = v + bg * span_len * Dv,
@@ -297,9 +316,24 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
             .log_counts = log_counts + (long)bg * C, .means = means + (long)bg * C * Dv, .out = out,
             .key_means = key_means, .code_k = key_means ? code_k + (long)bg * C * D : 0,
             .d_logit = work + vq_segment_work_floats(R, Q, W - 1, C, m_max, D, Dv) - 2L * C,
-            .gemm16 = gemm16, .code16 = work16, .means16 = work16 + (long)C * D,
-            .q16 = work16 + (long)C * (D + Dv), .p16 = work16 + (long)C * (D + Dv) + rows * D,
+            .gemm16 = gemm16,
         };
+        if (gemm16) { /* work16: code16 | means16 | q16 | qn16 | p16 | rk16 | kq16 | v16 */
+            const long P16 = (long)(W - 1) + Q + (Q - 1) + C;
+            a.code16 = work16;
+            a.means16 = a.code16 + (long)C * D;
+            a.q16 = a.means16 + (long)C * Dv;
+            a.qn16 = a.q16 + rows * D;
+            a.p16 = a.qn16 + rows * D;
+            a.rk16 = a.p16 + rows * P16;
+            a.kq16 = a.rk16 + span_len * D;
+            a.v16 = a.kq16 + span_len * D;
+            if (j_hi > j_lo) { /* the span's keys and values, once per group and call */
+                rows_to_bf16(a.rk, span_len * D, a.rk16);
+                rows_to_bf16(a.kq, span_len * D, a.kq16);
+                rows_to_bf16(a.v, span_len * Dv, a.v16);
+            }
+        }
         memset(a.d_logit, 0, sizeof(float) * 2 * C);
         for (int j = 0; j < j_hi; j++) {
             const long t_j = seg_t0 + (long)j * Q, lo = (long)j * Q;

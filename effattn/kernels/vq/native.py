@@ -146,8 +146,8 @@ def run_segment(
     these must be contiguous, and so must ``code_k`` (key means: the per-code key sums rotated by -F
     and scaled, updated in place like the statistics; ``kq`` then holds exact keys). Every tensor is
     float32 (``z`` int64) on the CPU. ``-inf`` log counts (empty codes) become ``MASKED``, which the C
-    code treats alike. ``bf16``: the two products with the code columns (logits and output, over half
-    the step's arithmetic) take bfloat16 inputs and accumulate in float32 (``bf16_available``).
+    code treats alike. ``bf16``: the step's products with the span and the code columns (all its
+    arithmetic but the sinks') take bfloat16 inputs and accumulate in float32 (``bf16_available``).
     """
     B, T, H, D = q.shape
     G, Dv, C, m_max = H // R, v.shape[-1], codebook.shape[1], sink_k.shape[1]
@@ -163,7 +163,8 @@ def run_segment(
     def call(i: int, own_stats) -> None:
         lo, hi = bounds[i], bounds[i + 1]
         work = torch.empty(_lib.vq_segment_work_floats(R, Q, W - 1, C, m_max, D, Dv), dtype=torch.float32)
-        work16 = torch.empty(_lib.vq_segment_work16(R, Q, C, D, Dv) if bf16 else 0, dtype=torch.int16)
+        work16 = torch.empty(_lib.vq_segment_work16(R, Q, W - 1, C, D, Dv, ctypes.c_long(rk.shape[1])) if bf16 else 0,
+                             dtype=torch.int16)  # fmt: skip
         _lib.vq_segment(
             ctypes.cast(_blas.sgemm_, ctypes.c_void_p), *(ctypes.c_int(x) for x in (B, T, G, R, D, Dv, C, W, Q, n)),
             ctypes.c_long(seg_t0), ctypes.c_long(start), ctypes.c_long(sinks), ctypes.c_int(m_max),
