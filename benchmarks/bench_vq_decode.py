@@ -1,6 +1,7 @@
 """End-to-end prefill and decode of a Transformer-VQ model against the original (issue 23).
 
-    python benchmarks/bench_vq_decode.py --vq out/vq64 --contexts 8192,16384,32768 --original-contexts 512,8192,16384
+    python benchmarks/bench_vq_decode.py --vq out/vq64,out/vq64-bf16 --contexts 8192,16384,32768 \
+        --original-contexts 512,8192,16384 --old-path 8192
 
 For each model and context, in a fresh process: plain `transformers` after `import effattn`, batch 1,
 float32; a prompt of Shakespeare tokens (repeated to length) prefilled in chunks of 4,096 through the
@@ -101,7 +102,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vq", required=True, help="the VQ model folder (effattn vq-init llama ...)")
+    parser.add_argument("--vq", required=True, help="VQ model folders (effattn vq-init llama ...), comma-separated")
     parser.add_argument("--contexts", default="8192,16384,32768")
     parser.add_argument("--original-contexts", default="512,8192,16384")
     parser.add_argument("--tokens", type=int, default=16, help="cached greedy steps per run")
@@ -110,10 +111,13 @@ def main() -> None:
     rows = []
     for context in (int(c) for c in args.original_contexts.split(",") if c):
         rows.append(run("original", "llama", context, args.tokens))
-    for context in (int(c) for c in args.contexts.split(",") if c):
-        rows.append(run("vq", args.vq, context, args.tokens))
+    folders = args.vq.split(",")
+    for folder in folders:
+        for context in (int(c) for c in args.contexts.split(",") if c):
+            rows.append(run(f"vq ({Path(folder).name})", folder, context, args.tokens))
     for context in (int(c) for c in args.old_path.split(",") if c):
-        rows.append(run("vq, chunk kernel per step", args.vq, context, args.tokens, {"EFFATTN_VQ_DECODE": "0"}))
+        rows.append(run(f"vq ({Path(folders[0]).name}), chunk kernel per step", folders[0], context, args.tokens,
+                        {"EFFATTN_VQ_DECODE": "0"}))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     RESULTS.write_text(json.dumps({"machine": machine(), "commit": commit, "vq": args.vq, "rows": rows}, indent=1))
     print(table(rows))
