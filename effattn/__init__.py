@@ -1,5 +1,12 @@
 """effattn: attention surgery on pretrained LLMs."""
 
+import os
+
+# MKL may otherwise run a product on fewer threads than torch asks for when the machine is busy, and a
+# different split rounds differently: a conversion or a resumed fine-tune would then depend on the
+# load. Set before torch loads MKL; a user's own MKL_DYNAMIC wins.
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+
 __version__ = "0.1.0"
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # as effattn sets it, before torch loads MKL (subprocesses inherit it)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from effattn.testing import FAMILY_CONFIGS, byte_tokenizer, make_model
 
