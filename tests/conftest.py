@@ -6,10 +6,8 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # as effattn sets it, before torch loads MKL (subprocesses inherit it)
-# The exactness tests compare runs in different processes bit for bit (a resumed fine-tune, a reproduced
-# conversion). MKL's kernels on Intel CPUs may round differently with the alignment of their inputs,
-# which differs between processes: its strict reproducibility mode removes that (tiny models: no
-# slower here; effattn itself does not set it, it costs real models speed).
+# MKL's reproducibility mode for every test process; the exact cross-process comparisons also run
+# pinned to one thread (tests/exact.py), which this alone did not make reliable on an Intel CI machine.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import pytest  # noqa: E402

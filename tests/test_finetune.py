@@ -28,6 +28,7 @@ from effattn.finetune.losses import AttentionOutputs, attention_output_error, di
 from effattn.finetune.config import Loss, Schedule
 
 from .aux_model import make_aux_model, register
+from .exact import one_thread, pinned_env
 from .test_cli_errors import assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -347,7 +348,7 @@ def test_sigkill_at_a_random_moment_then_resume_matches_the_uninterrupted_run(he
     where an uninterrupted run ends, to the bit (test_resume_kill.py kills at each named moment)."""
     recipe = ["train.max_steps=60", "checkpoint.every=2", "checkpoint.keep=1", "eval.every=0", "optimizer.lr=1e-3"]
     out = heal.root / "killed"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = pinned_env(PYTHONPATH=str(REPO))  # pinned, as the runs below (tests/exact.py)
     proc = subprocess.Popen([sys.executable, "-m", "effattn.cli", "finetune", str(heal.recipe_file), "-o", str(out), *recipe],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
@@ -358,9 +359,10 @@ def test_sigkill_at_a_random_moment_then_resume_matches_the_uninterrupted_run(he
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "effattn.json").exists()
-    resumed = finetune(heal(*recipe, output="killed"))
-    assert resumed.resumed_from is not None and 0 < resumed.resumed_from <= 60
-    reference = finetune(heal(*recipe, "checkpoint.every=0", output="reference"))  # checkpoints change no weights
+    with one_thread():
+        resumed = finetune(heal(*recipe, output="killed"))
+        assert resumed.resumed_from is not None and 0 < resumed.resumed_from <= 60
+        reference = finetune(heal(*recipe, "checkpoint.every=0", output="reference"))  # checkpoints change no weights
     assert_same_weights(reference.model.state_dict(), resumed.model.state_dict())
     assert resumed.final_loss == reference.final_loss
     steps = [r["step"] for r in metrics(out) if r["kind"] == "train"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from effattn.finetune import finetune, load_recipe
 from effattn.io.writer import atomic_output, finish_interrupted_swap
 from effattn.killpoints import ENV, POINTS, matches
 
+from .exact import one_thread, pinned_env
 from .test_finetune import write_heal_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,13 +63,14 @@ def setup(tmp_path_factory):
     return root, reference
 
 
-def run_cli(root: Path, out: Path, kill_at: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def run_cli(root: Path, out: Path, kill_at: str | None = None, *args: str) -> subprocess.CompletedProcess:
+    """The fine-tune command in a process of its own, pinned (tests/exact.py), optionally killed at `kill_at`."""
+    env = pinned_env(PYTHONPATH=str(REPO))
     env.pop(ENV, None)
     if kill_at:
         env[ENV] = kill_at.replace("OUT", out.name)
     return subprocess.run([sys.executable, "-m", "effattn.cli", "finetune", str(root / "heal.yaml"), "-o", str(out),
-                           *RECIPE], env=env, capture_output=True, text=True)
+                           *RECIPE, *args], env=env, capture_output=True, text=True)
 
 
 def weights(out: Path) -> dict:
@@ -98,7 +101,8 @@ def test_the_same_run_twice_is_identical_to_the_bit(setup):
     """Floating point is deterministic here: the uninterrupted run in this process equals the one in
     its own process, so any difference after a kill is lost or mixed state, not rounding."""
     root, reference = setup
-    again = finetune(load_recipe(root / "heal.yaml", RECIPE, output=root / "again"))
+    with one_thread():
+        again = finetune(load_recipe(root / "heal.yaml", RECIPE, output=root / "again"))
     assert again.resumed_from is None
     assert_same_run(root / "again", reference)
 
@@ -113,7 +117,8 @@ def test_deterministic_algorithms_are_on_for_the_run_only_and_change_nothing_on_
     real = loop.optimizer_step
     monkeypatch.setattr(loop, "optimizer_step", lambda *a, **k: seen.append(torch.are_deterministic_algorithms_enabled())
                         or real(*a, **k))
-    finetune(load_recipe(root / "heal.yaml", [*RECIPE, "train.deterministic=true"], output=root / "deterministic"))
+    with one_thread():
+        finetune(load_recipe(root / "heal.yaml", [*RECIPE, "train.deterministic=true"], output=root / "deterministic"))
     assert seen and all(seen) and not torch.are_deterministic_algorithms_enabled()
     a, b = weights(root / "deterministic"), weights(reference)
     assert all(a[k].equal(b[k]) for k in a)
@@ -126,13 +131,16 @@ def test_kill_at_a_named_moment_then_rerun_ends_exactly_like_the_uninterrupted_r
     out = root / kill_at.replace(":", "-").replace("@", "-")
     killed = run_cli(root, out, kill_at)
     assert killed.returncode == -signal.SIGKILL, f"never reached {kill_at}: {killed.stderr[-500:]}"
-    notes = []
-    resumed = finetune(load_recipe(root / "heal.yaml", RECIPE, output=out), log=notes.append)
-    assert resumed.resumed_from == resumes_from  # nothing complete is lost, nothing partial is used
-    assert_same_run(out, reference)
-    assert resumed.steps == STEPS
+    resumed = run_cli(root, out)  # the same command again
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    said = resumed.stdout + resumed.stderr
     if kill_at.startswith("output.sw"):  # the final model had been written whole: nothing left to do
-        assert any("nothing to do" in n for n in notes)
+        assert "nothing to do" in said and "resuming" not in said
+    else:  # nothing complete is lost, nothing partial is used
+        resumed_from = re.findall(r"resuming from step-\d+ \(step (\d+)\)", said)
+        assert resumed_from == ([] if resumes_from is None else [str(resumes_from)])
+    assert_same_run(out, reference)
+    assert json.loads((out / "effattn.json").read_text())["finetune"]["steps"] == STEPS
 
 
 def test_a_replacement_cut_short_is_finished_or_undone(tmp_path):
@@ -175,7 +183,7 @@ def test_resume_with_a_changed_learning_rate_trains_at_the_recorded_one(setup):
     root, reference = setup
     out = root / "relr"
     assert run_cli(root, out, kill_at="train.logged@3").returncode == -9
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = pinned_env(PYTHONPATH=str(REPO))
     env.pop(ENV, None)
     args = [a if not a.startswith("optimizer.lr=") else "optimizer.lr=2e-3" for a in RECIPE]
     done = subprocess.run([sys.executable, "-m", "effattn.cli", "finetune", str(root / "heal.yaml"), "-o", str(out),

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from effattn.io.load import TOKENIZER_FILES
 from effattn.io.card import measurement_rows
 from effattn.testing import make_model
+from tests.exact import pinned_env
 from tests.test_cli_errors import assert_one_line_error, run_cli
 
 EFFATTN = str(Path(sys.executable).parent / "effattn")
@@ -126,7 +127,7 @@ def test_the_reproduce_line_reproduces_the_output(tiny, tmp_path):
     src = tiny("llama")
     out = tmp_path / "first"
     code = subprocess.run([EFFATTN, "convert", str(src), "--to", "mqa", "--calib-tokens", "1024", "--no-eval",
-                           "-o", str(out)], capture_output=True, text=True)
+                           "-o", str(out)], capture_output=True, text=True, env=pinned_env())
     assert code.returncode == 0, code.stderr
     line = record(out)["reproduce"]
     card = (out / "README.md").read_text()
@@ -135,7 +136,7 @@ def test_the_reproduce_line_reproduces_the_output(tiny, tmp_path):
     assert argv[:2] == ["effattn", "convert"] and "--calib-tokens" in argv and "--method" in argv  # defaults spelled out
     again = tmp_path / "again"
     argv[argv.index("-o") + 1] = str(again)
-    rerun = subprocess.run([EFFATTN, *argv[1:], "--no-eval"], capture_output=True, text=True)
+    rerun = subprocess.run([EFFATTN, *argv[1:], "--no-eval"], capture_output=True, text=True, env=pinned_env())
     assert rerun.returncode == 0, rerun.stderr
     a, b = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
