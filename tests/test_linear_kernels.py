@@ -190,6 +190,56 @@ def test_chunks_continuing_a_state_match_naive(window, cuts, segment):
                                    atol=1e-12)
 
 
+@pytest.mark.parametrize("window, cuts, segment", [(16, (1, 40, 90), 64), (17, (5, 90), 33), (64, (90,), 4096),
+                                                  (64, (63, 64, 90), 20), (100, (30, 90), 4096), (16, (90,), 7)])
+def test_the_no_grad_fast_path_matches_naive_and_the_general_path(window, cuts, segment, monkeypatch):
+    """Without autograd, windows of 16-256 run `_fast_segment` (blocks of `window`): outputs and the
+    returned state equal the reference's, in pieces continuing a state and in segments, at sizes that
+    are no multiple of the window; EFFATTN_LINEAR_FAST=0 runs the general path to the same results."""
+    import effattn.kernels.linear.chunk as chunk
+
+    B, T, H, D = 2, 90, 3, 6
+    inputs = {**make_inputs(B, T, H, D, 5, 7, seed=5), **factors(H)}
+    ref = hybrid_attention_naive(**inputs, window=window, scale=D**-0.5)
+    calls, fast = [], chunk._fast_segment
+    monkeypatch.setattr(chunk, "_fast_segment", lambda *a, **k: calls.append(1) or fast(*a, **k))
+
+    def pieces():
+        outs, state, start = [], None, 0
+        for end in cuts:
+            x = {n: t[:, start:end] for n, t in inputs.items() if n not in ("window_factor", "linear_factor")}
+            out, state = hybrid_attention_chunk(**x, window=window, scale=D**-0.5, window_factor=inputs["window_factor"],
+                                                linear_factor=inputs["linear_factor"], state=state,
+                                                segment_size=segment, return_state=True)
+            outs.append(out)
+            start = end
+        return torch.cat(outs, dim=1), state
+
+    with torch.no_grad():
+        out, state = pieces()
+        assert calls, "the fast path did not run"
+        monkeypatch.setenv("EFFATTN_LINEAR_FAST", "0")
+        calls.clear()
+        general, general_state = pieces()
+        assert not calls
+    assert_close("fast path", ref, out, 1e-12)
+    assert_close("general path", ref, general, 1e-12)
+    prefilled = state_from_prefill(inputs["k"], inputs["v"], inputs["fk"], window)
+    for name in ("S", "z", "k", "v", "fk"):
+        torch.testing.assert_close(getattr(state, name), getattr(prefilled, name), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(getattr(general_state, name), getattr(prefilled, name), rtol=1e-12, atol=1e-12)
+
+
+def test_the_fast_path_is_not_taken_with_autograd(monkeypatch):
+    import effattn.kernels.linear.chunk as chunk
+
+    monkeypatch.setattr(chunk, "_fast_segment", lambda *a, **k: pytest.fail("fast path under autograd"))
+    inputs = {**make_inputs(1, 40, 2, 4, 3, 5), **factors(2)}
+    inputs["q"].requires_grad_(True)
+    hybrid_attention_chunk(**inputs, window=16, scale=0.5).sum().backward()
+    assert inputs["q"].grad is not None
+
+
 def test_state_size_stops_growing_after_the_window():
     window, T = 5, 16
     inputs = make_inputs(1, T, 2, 4, 3, 6)

@@ -8,7 +8,6 @@ steps that do not coincide, and a checkpoint kept at a time (pruning)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess

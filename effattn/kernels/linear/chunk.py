@@ -25,9 +25,18 @@ before leaves (``recurrent.HybridState``: the window's keys, values and feature 
 the working memory is one segment's, flat in T; a call can also continue a given state (a chunked
 prefill after a cached prefix) and return the state after its positions.
 
+Without autograd, for windows of 16-256 positions (``FAST_WINDOWS``), ``_fast_segment`` computes the
+same in blocks of exactly ``window`` positions: a block's window then lies in itself and the block
+before (one [C, 2C] product with an overlapping strided view of the keys, no span copies), the far
+keys in the block before are the complementary triangle, and S is carried by a scan over the blocks
+instead of being stored per block; about half the memory traffic of the general path.
+``EFFATTN_LINEAR_FAST=0`` turns it off.
+
 Cost: ``O(T * (C * (D + Dv) + w * (D + Dv) + F * Dv))`` time and, per segment of G positions,
 ``O(G * (C + w + F * Dv / C))`` memory. Plain PyTorch ops: autograd gives the backward pass.
 """
+
+import os
 
 import torch
 from torch import Tensor
@@ -142,6 +151,81 @@ def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tup
 # positions per segment: the working memory of a long sequence stays that of one segment
 SEGMENT_SIZE = 4096
 
+# Without autograd and with a window of FAST_WINDOWS, `hybrid_attention_chunk` runs `_fast_segment`;
+# EFFATTN_LINEAR_FAST=0 keeps the general path (same results within rounding; tests compare them).
+FAST_WINDOWS = range(16, 257)
+
+
+def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tuple, *, window: int,
+                  wf: Tensor, lf: Tensor, scale: float, eps: float, dt: torch.dtype) -> tuple[Tensor, tuple]:
+    """`_segment` without autograd, in blocks of C = window positions, with fewer passes over memory.
+
+    Inputs batch-major [B, T, H, *] (any dtype); state head-major as in `_segment`. The rows are laid
+    out as `ext`: C rows before the segment (the kept window, front-padded with zeros while shorter),
+    then the segment's T rows (end-padded to whole blocks); query block b is ext block b + 1.
+
+    Window: query i of block b reads ext rows bC + j' for i < j' <= C + i (its own block up to itself
+    and the later part of the block before), so each block's logits are one [C, 2C] product with a
+    span of 2C rows, an overlapping strided view (no copy), and one band mask.
+    Far: the earlier part of the block before (j <= i: `window` back or more), one [C, C] product, plus
+    every older block through S, kept by a scan over the blocks: S ([F, Dv + 1] per head; the values
+    carry a column of ones for the normaliser) instead of a state per block. The window's and the
+    in-block terms run one head (all its blocks) at a time; the scan runs all heads at once.
+    """
+    B, T, H, D = q.shape
+    Dv, Fd, BH, C = v.shape[3], fq.shape[3], q.shape[0] * q.shape[2], window
+    E = Dv + 1
+    seen, k_prev, v_prev, fk_prev, S, z = state
+    n = k_prev.shape[1]  # kept rows, <= C
+    N = -(-T // C)
+
+    def ext(x: Tensor, prev: Tensor | None, width: int, front: int = C) -> Tensor:  # [BH, rows, width]
+        buf = x.new_empty((BH, front + N * C, width), dtype=dt)
+        if front:
+            buf[:, : C - n].zero_()
+            buf[:, C - n : C, : x.shape[3]] = prev
+        buf[:, front + T :].zero_()
+        buf[:, front : front + T, : x.shape[3]].view(B, H, T, x.shape[3]).copy_(x.transpose(1, 2))
+        return buf
+
+    qb = ext(q, None, D, front=0).mul_(scale).view(BH, N, C, D)  # the scale folded into the queries
+    fqb = ext(fq, None, Fd, front=0).mul_(lf.view(BH, 1, 1)).view(BH, N, C, Fd)  # the linear factor likewise
+    kb, fkb, vb = ext(k, k_prev, D), ext(fk, fk_prev, Fd), ext(v, v_prev, E)
+    vb[:, :, Dv] = 1.0  # the normaliser's column (padded rows weigh nothing: masked, or fk = 0)
+
+    def span(x: Tensor) -> Tensor:  # one head's [L, W] rows -> [N, 2C, W]: block b's rows bC .. bC + 2C - 1
+        return x.as_strided((N, 2 * C, x.shape[1]), (C * x.shape[1], x.shape[1], 1))
+
+    def blocks(x: Tensor) -> Tensor:  # one head's [L, W] rows -> [N + 1, C, W]
+        return x.view(N + 1, C, x.shape[1])
+
+    i = torch.arange(C, device=q.device)[:, None]
+    j = torch.arange(2 * C, device=q.device)[None, :]
+    outside = (j <= i) | (j > i + C)  # [C, 2C]: not in query i's window
+    res = q.new_empty((BH, N, C, E), dtype=dt)
+    for h in range(BH):  # window and in-block far terms, one head (all its blocks) at a time
+        logits = torch.matmul(qb[h], span(kb[h]).transpose(1, 2)).masked_fill_(outside, float("-inf"))  # [N, C, 2C]
+        if n < C:  # the first block's rows before the sequence start
+            logits[0, :, : C - n] = float("-inf")
+        a = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # m_t: the max over the window
+        out = torch.matmul(a, span(vb[h]), out=res[h]).mul_(wf[h])
+        near = torch.matmul(fqb[h], blocks(fkb[h])[:-1].transpose(1, 2)).tril_()  # far keys of the block before
+        out.baddbmm_(near, blocks(vb[h])[:-1])
+    # older blocks: S before query block b sums ext blocks < b (and every key before the kept window)
+    S = torch.cat((S.to(dt), z.to(dt)[..., None]), dim=-1)  # [BH, F, E]
+    fk_blocks, v_blocks = fkb.view(BH, N + 1, C, Fd), vb.view(BH, N + 1, C, E)
+    inter = q.new_empty((N, BH, C, E), dtype=dt)
+    for b in range(N):
+        torch.bmm(fqb[:, b], S, out=inter[b])
+        rows = C if b < N - 1 else T - (N - 1) * C  # the last block adds only keys that left the window
+        S.baddbmm_(fk_blocks[:, b, :rows].transpose(1, 2), v_blocks[:, b, :rows])
+    res.add_(inter.transpose(0, 1))
+    res = res.view(BH, N * C, E)[:, :T]
+    out = res[..., :Dv] / (res[..., Dv:] + eps)  # [BH, T, Dv]
+    keep = min(C, n + T)  # the kept window: the last `keep` real rows
+    kept = tuple(x[:, C + T - keep : C + T, :width].clone() for x, width in ((kb, D), (vb, Dv), (fkb, Fd)))
+    return out, (seen + T, *kept, S[..., :Dv].contiguous(), S[..., Dv].contiguous())
+
 
 def hybrid_attention_chunk(
     q: Tensor,
@@ -204,16 +288,22 @@ def hybrid_attention_chunk(
     def heads_major(x: Tensor) -> Tensor:  # [B, T, H, E] -> [B * H, T, E]
         return x.to(dt).transpose(1, 2).reshape(B * H, x.shape[1], x.shape[3])
 
-    q, k, v, fq, fk = map(heads_major, (q, k, v, fq, fk))
     wf = head_weights(window_factor, H, dt, q.device).repeat(B)[:, None]  # [B * H, 1]
     lf = head_weights(linear_factor, H, dt, q.device).repeat(B)[:, None]  # [B * H, 1]
     hm = (state.seen, *map(heads_major, (state.k, state.v, state.fk)), state.S.to(dt).reshape(B * H, Fd, Dv),
           state.z.to(dt).reshape(B * H, Fd))
+    fast = not grad and window in FAST_WINDOWS and os.environ.get("EFFATTN_LINEAR_FAST", "1") != "0"
+    if not fast:
+        q, k, v, fq, fk = map(heads_major, (q, k, v, fq, fk))
     outs = []
     for a in range(0, T, segment_size):
         part = slice(a, a + segment_size)
-        out, hm = _segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk[:, part], hm, window=window,
-                           wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad)
+        if fast:  # batch-major inputs: the fast path lays them out itself
+            out, hm = _fast_segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk[:, part], hm, window=window,
+                                    wf=wf, lf=lf, scale=scale, eps=eps, dt=dt)
+        else:
+            out, hm = _segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk[:, part], hm, window=window,
+                               wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad)
         outs.append(out)
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B * H, T, Dv]
     out = out.view(B, H, T, Dv).transpose(1, 2).to(in_dtype)  # [B, T, H, Dv]

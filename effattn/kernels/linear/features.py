@@ -165,10 +165,14 @@ class HedgehogFeatureMap(_FeatureMap):
         """x: [B, T, H, D] -> [B, T, H, 2P] in the dtype of x (softmax in float32 at least)."""
         self._check(x)
         dt = compute_dtype(x.dtype)
-        proj = torch.einsum("bthd,hdp->bthp", x.to(dt), self.weight.to(dt))  # [B, T, H, P]
+        w = self.weight.to(dt)
+        # [x W, -(x W)] from one product with [W, -W] (negation is exact), then both softmaxes at once
+        proj = torch.einsum("bthd,hdp->bthp", x.to(dt), torch.cat((w, -w), dim=-1))  # [B, T, H, 2P]
         if self.bias is not None:
-            proj = proj + self.bias.to(dt)
-        return torch.cat((proj.softmax(-1), (-proj).softmax(-1)), dim=-1).to(x.dtype)  # [B, T, H, 2P]
+            b = self.bias.to(dt)
+            proj = proj + torch.cat((b, -b), dim=-1)
+        P = self.projection_dim
+        return proj.unflatten(-1, (2, P)).softmax(-1).flatten(-2).to(x.dtype)  # [B, T, H, 2P]
 
 
 FEATURE_MAPS: dict[str, type[_FeatureMap]] = {
