@@ -191,15 +191,20 @@ def test_chunks_continuing_a_state_match_naive(window, cuts, segment):
 
 
 @pytest.mark.parametrize("window, cuts, segment", [(16, (1, 40, 90), 64), (17, (5, 90), 33), (64, (90,), 4096),
-                                                  (64, (63, 64, 90), 20), (100, (30, 90), 4096), (16, (90,), 7)])
-def test_the_no_grad_fast_path_matches_naive_and_the_general_path(window, cuts, segment, monkeypatch):
+                                                  (64, (63, 64, 90), 20), (100, (30, 90), 4096), (16, (90,), 7),
+                                                  (16, (16, 80, 90), 32)])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_the_no_grad_fast_path_matches_naive_and_the_general_path(window, cuts, segment, head_major, monkeypatch):
     """Without autograd, windows of 16-256 run `_fast_segment` (blocks of `window`): outputs and the
-    returned state equal the reference's, in pieces continuing a state and in segments, at sizes that
-    are no multiple of the window; EFFATTN_LINEAR_FAST=0 runs the general path to the same results."""
+    returned state equal the reference's, in pieces continuing a state and in segments, in whole blocks
+    and not, with feature maps batch-major or lying head-major (as hedgehog returns them, read in place);
+    EFFATTN_LINEAR_FAST=0 runs the general path to the same results."""
     import effattn.kernels.linear.chunk as chunk
 
     B, T, H, D = 2, 90, 3, 6
     inputs = {**make_inputs(B, T, H, D, 5, 7, seed=5), **factors(H)}
+    if head_major:  # [B, T, H, F] views of [B, H, T, F] memory
+        inputs |= {n: inputs[n].transpose(1, 2).contiguous().transpose(1, 2) for n in ("fq", "fk")}
     ref = hybrid_attention_naive(**inputs, window=window, scale=D**-0.5)
     calls, fast = [], chunk._fast_segment
     monkeypatch.setattr(chunk, "_fast_segment", lambda *a, **k: calls.append(1) or fast(*a, **k))

@@ -189,16 +189,22 @@ def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state
         return buf
 
     qb = ext(q, None, D, front=0).mul_(scale).view(BH, N, C, D)  # the scale folded into the queries
-    fqb = ext(fq, None, Fd, front=0).mul_(lf.view(BH, 1, 1)).view(BH, N, C, Fd)  # the linear factor likewise
-    kb, fkb, vb = ext(k, k_prev, D), ext(fk, fk_prev, Fd), ext(v, v_prev, E)
+    kb, vb = ext(k, k_prev, D), ext(v, v_prev, E)
     vb[:, :, Dv] = 1.0  # the normaliser's column (padded rows weigh nothing: masked, or fk = 0)
+    if T % C == 0:  # whole blocks: the feature maps as they lie (a view when head-major, as hedgehog's)
+        fqb = fq.transpose(1, 2).reshape(BH, T, Fd).to(dt).view(BH, N, C, Fd)
+        fk_rest = fk.transpose(1, 2).reshape(BH, T, Fd).to(dt).view(BH, N, C, Fd)
+        fk_first = fk_prev.new_zeros((BH, C, Fd), dtype=dt)
+        fk_first[:, C - n :] = fk_prev
+    else:
+        fqb = ext(fq, None, Fd, front=0).view(BH, N, C, Fd)
+        fkb = ext(fk, fk_prev, Fd)
+        fk_first, fk_rest = fkb[:, :C], fkb[:, C:].view(BH, N, C, Fd)
 
     def span(x: Tensor) -> Tensor:  # one head's [L, W] rows -> [N, 2C, W]: block b's rows bC .. bC + 2C - 1
         return x.as_strided((N, 2 * C, x.shape[1]), (C * x.shape[1], x.shape[1], 1))
 
-    def blocks(x: Tensor) -> Tensor:  # one head's [L, W] rows -> [N + 1, C, W]
-        return x.view(N + 1, C, x.shape[1])
-
+    v_blocks = vb.view(BH, N + 1, C, E)  # ext block b: the values of the block before query block b
     i = torch.arange(C, device=q.device)[:, None]
     j = torch.arange(2 * C, device=q.device)[None, :]
     outside = (j <= i) | (j > i + C)  # [C, 2C]: not in query i's window
@@ -209,21 +215,27 @@ def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state
             logits[0, :, : C - n] = float("-inf")
         a = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # m_t: the max over the window
         out = torch.matmul(a, span(vb[h]), out=res[h]).mul_(wf[h])
-        near = torch.matmul(fqb[h], blocks(fkb[h])[:-1].transpose(1, 2)).tril_()  # far keys of the block before
-        out.baddbmm_(near, blocks(vb[h])[:-1])
+        # far keys of the block before (j <= i): for block 0 the kept window, for block b the block b - 1
+        out[0].addmm_(torch.mm(fqb[h, 0], fk_first[h].T).tril_().mul_(lf[h]), v_blocks[h, 0])
+        if N > 1:
+            near = torch.matmul(fqb[h, 1:], fk_rest[h, :-1].transpose(1, 2)).tril_().mul_(lf[h])
+            out[1:].baddbmm_(near, v_blocks[h, 1:N])
     # older blocks: S before query block b sums ext blocks < b (and every key before the kept window)
     S = torch.cat((S.to(dt), z.to(dt)[..., None]), dim=-1)  # [BH, F, E]
-    fk_blocks, v_blocks = fkb.view(BH, N + 1, C, Fd), vb.view(BH, N + 1, C, E)
+    lfs = lf.view(BH, 1, 1)
     inter = q.new_empty((N, BH, C, E), dtype=dt)
     for b in range(N):
-        torch.bmm(fqb[:, b], S, out=inter[b])
+        torch.bmm(fqb[:, b], S * lfs, out=inter[b])
         rows = C if b < N - 1 else T - (N - 1) * C  # the last block adds only keys that left the window
-        S.baddbmm_(fk_blocks[:, b, :rows].transpose(1, 2), v_blocks[:, b, :rows])
+        fk_b = fk_first if b == 0 else fk_rest[:, b - 1]
+        S.baddbmm_(fk_b[:, :rows].transpose(1, 2), v_blocks[:, b, :rows])
     res.add_(inter.transpose(0, 1))
     res = res.view(BH, N * C, E)[:, :T]
     out = res[..., :Dv] / (res[..., Dv:] + eps)  # [BH, T, Dv]
     keep = min(C, n + T)  # the kept window: the last `keep` real rows
-    kept = tuple(x[:, C + T - keep : C + T, :width].clone() for x, width in ((kb, D), (vb, Dv), (fkb, Fd)))
+    fk_all = fk_rest.view(BH, -1, Fd)[:, :T]
+    fk_kept = fk_all[:, T - keep :] if keep <= T else torch.cat((fk_first[:, C - (keep - T) :], fk_all), dim=1)
+    kept = (kb[:, C + T - keep : C + T].clone(), vb[:, C + T - keep : C + T, :Dv].clone(), fk_kept.clone())
     return out, (seen + T, *kept, S[..., :Dv].contiguous(), S[..., Dv].contiguous())
 
 

@@ -166,13 +166,14 @@ class HedgehogFeatureMap(_FeatureMap):
         self._check(x)
         dt = compute_dtype(x.dtype)
         w = self.weight.to(dt)
-        # [x W, -(x W)] from one product with [W, -W] (negation is exact), then both softmaxes at once
-        proj = torch.einsum("bthd,hdp->bthp", x.to(dt), torch.cat((w, -w), dim=-1))  # [B, T, H, 2P]
+        # [x W, -(x W)] from one product with [W, -W] (negation is exact), then both softmaxes at once, in
+        # head-major memory: the result is a [B, T, H, 2P] view of [B, H, T, 2P], as the kernels read it
+        proj = torch.matmul(x.to(dt).transpose(1, 2), torch.cat((w, -w), dim=-1))  # [B, H, T, 2P]
         if self.bias is not None:
             b = self.bias.to(dt)
-            proj = proj + torch.cat((b, -b), dim=-1)
-        P = self.projection_dim
-        return proj.unflatten(-1, (2, P)).softmax(-1).flatten(-2).to(x.dtype)  # [B, T, H, 2P]
+            proj = proj + torch.cat((b, -b), dim=-1)[:, None]
+        phi = proj.unflatten(-1, (2, self.projection_dim)).softmax(-1).flatten(-2)  # [B, H, T, 2P]
+        return phi.transpose(1, 2).to(x.dtype)
 
 
 FEATURE_MAPS: dict[str, type[_FeatureMap]] = {
