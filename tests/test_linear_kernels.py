@@ -139,6 +139,24 @@ def test_steps_token_by_token_match_naive(window):
     assert states[-1].seen == T
 
 
+@pytest.mark.parametrize("window", [0, 1, 7, 100])
+def test_steps_token_by_token_give_the_reference_gradients(window):
+    """Gradients flow through the recurrent step's state (S, z and the window cache) as through the reference."""
+    B, T, H, D = 2, 20, 3, 4
+    inputs = {**make_inputs(B, T, H, D, 6, 5, seed=6), **factors(H)}
+    grad_out = torch.randn(B, T, H, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref, ref_grads = run_with_grads(hybrid_attention_naive, inputs, grad_out, window=window, scale=D**-0.5)
+
+    def steps(window_factor, linear_factor, **x):
+        return run_steps(x, None, 0, window=window, window_factor=window_factor, linear_factor=linear_factor,
+                         scale=D**-0.5)[0]
+
+    out, grads = run_with_grads(steps, inputs, grad_out)
+    assert_close("steps", ref, out, 1e-12)
+    for name in LEAVES:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("window, prefill", [(7, 1), (7, 3), (7, 20), (0, 10), (100, 20), (1, 29)])
 def test_prefill_state_then_steps_match_naive(window, prefill):
     B, T, H, D = 2, 30, 3, 6

@@ -161,17 +161,34 @@ class HedgehogFeatureMap(_FeatureMap):
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(torch.zeros(heads, projection_dim)) if bias else None
 
+    def _signed(self, dt: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """([W, -W] [H, D, 2P], [b, -b] [H, 2P] or None) in `dt`; without autograd, kept until the
+        parameters change (a decoding step would otherwise build them once per token and layer)."""
+        params = (self.weight,) if self.bias is None else (self.weight, self.bias)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            w = self.weight.to(dt)
+            b = None if self.bias is None else self.bias.to(dt)
+            return torch.cat((w, -w), dim=-1), None if b is None else torch.cat((b, -b), dim=-1)
+        key = (dt, *((p.data_ptr(), p._version, p.device) for p in params))
+        cached = self.__dict__.get("_signed_cache")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                w = self.weight.to(dt)
+                b = None if self.bias is None else self.bias.to(dt)
+                value = (torch.cat((w, -w), dim=-1), None if b is None else torch.cat((b, -b), dim=-1))
+            self.__dict__["_signed_cache"] = cached = (key, value)
+        return cached[1]
+
     def forward(self, x: Tensor) -> Tensor:
         """x: [B, T, H, D] -> [B, T, H, 2P] in the dtype of x (softmax in float32 at least)."""
         self._check(x)
         dt = compute_dtype(x.dtype)
-        w = self.weight.to(dt)
         # [x W, -(x W)] from one product with [W, -W] (negation is exact), then both softmaxes at once, in
         # head-major memory: the result is a [B, T, H, 2P] view of [B, H, T, 2P], as the kernels read it
-        proj = torch.matmul(x.to(dt).transpose(1, 2), torch.cat((w, -w), dim=-1))  # [B, H, T, 2P]
-        if self.bias is not None:
-            b = self.bias.to(dt)
-            proj = proj + torch.cat((b, -b), dim=-1)[:, None]
+        w, b = self._signed(dt)
+        proj = torch.matmul(x.to(dt).transpose(1, 2), w)  # [B, H, T, 2P]
+        if b is not None:
+            proj = proj + b[:, None]
         phi = proj.unflatten(-1, (2, self.projection_dim)).softmax(-1).flatten(-2)  # [B, H, T, 2P]
         return phi.transpose(1, 2).to(x.dtype)
 

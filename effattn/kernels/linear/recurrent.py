@@ -179,27 +179,32 @@ def hybrid_attention_step(
     wf = head_weights(window_factor, H, dt, q.device)  # [H]
     lf = head_weights(linear_factor, H, dt, q.device)  # [H]
 
-    # 1. the new key joins the window cache
-    k_win = torch.cat((state.k, k.to(state.k.dtype)), dim=1)  # [B, n + 1, H, D]
-    v_win = torch.cat((state.v, v.to(state.v.dtype)), dim=1)  # [B, n + 1, H, Dv]
-    fk_win = torch.cat((state.fk, fk.to(state.fk.dtype)), dim=1)  # [B, n + 1, H, F]
+    # 1. the new key joins the window cache; 2. a full cache overflows by one: its oldest key (position
+    # t - window) enters F_t and is folded into S, z
     S, z = state.S, state.z
-    # 2. a full cache overflows by one: its oldest key (position t - window) enters F_t, fold it into S, z
-    if k_win.shape[1] > window:
-        fk_old, v_old = fk_win[:, 0].to(dt), v_win[:, 0].to(dt)  # [B, H, F], [B, H, Dv]
-        S = S + fk_old[..., :, None] * v_old[..., None, :]  # [B, H, F, Dv]
+    full = state.k.shape[1] + 1 > window
+    if full and state.k.shape[1]:
+        fk_old, v_old = state.fk[:, 0].to(dt), state.v[:, 0].to(dt)  # [B, H, F], [B, H, Dv]
+        S = torch.addcmul(S, fk_old[..., :, None], v_old[..., None, :])  # S + fk_old v_old^T, [B, H, F, Dv]
         z = z + fk_old  # [B, H, F]
-        k_win, v_win, fk_win = k_win[:, 1:], v_win[:, 1:], fk_win[:, 1:]  # [B, min(n + 1, window), H, *]
+    elif full:  # window 0: the new key itself goes straight into S, z
+        fk_old, v_old = fk[:, 0].to(dt), v[:, 0].to(dt)
+        S = torch.addcmul(S, fk_old[..., :, None], v_old[..., None, :])
+        z = z + fk_old
+    drop = 1 if full else 0
+    k_win, v_win, fk_win = (torch.cat((old[:, drop:], new.to(old.dtype)), dim=1)[:, : max(window, 0)]
+                            for old, new in ((state.k, k), (state.v, v), (state.fk, fk)))  # [B, min(n + 1, window), H, *]
 
-    # 3. attend: linear terms from the state, softmax terms over the cache (= W_t)
-    q_t, fq_t = q[:, 0].to(dt), fq[:, 0].to(dt)  # [B, H, D], [B, H, F]
-    num = lf[:, None] * torch.einsum("bhf,bhfe->bhe", fq_t, S)  # [B, H, Dv]
-    den = lf * torch.einsum("bhf,bhf->bh", fq_t, z)  # [B, H]
-    if window > 0:
-        logits = torch.einsum("bhd,bnhd->bhn", q_t, k_win.to(dt)) * scale  # [B, H, n]
-        a = torch.exp(logits - logits.amax(-1, keepdim=True))  # [B, H, n], m_t subtracted
-        num = num + wf[:, None] * torch.einsum("bhn,bnhe->bhe", a, v_win.to(dt))
-        den = den + wf * a.sum(-1)
-    out = num / (den + eps)[..., None]  # [B, H, Dv]
+    # 3. attend: linear terms from the state, softmax terms over the cache (= W_t); [B, H, 1, *] matrices
+    q_t, fq_t = q.to(dt).transpose(1, 2), fq.to(dt).transpose(1, 2)  # [B, H, 1, D], [B, H, 1, F]
+    num = torch.matmul(fq_t, S) * lf[:, None, None]  # [B, H, 1, Dv]
+    den = torch.matmul(fq_t, z[..., None]) * lf[:, None, None]  # [B, H, 1, 1]
+    if window > 0:  # (not in place: gradients flow through the step)
+        logits = torch.matmul(q_t, k_win.to(dt).permute(0, 2, 3, 1)) * scale  # [B, H, 1, n]
+        a = torch.exp(logits - logits.amax(-1, keepdim=True))  # m_t subtracted
+        w = wf[:, None, None]
+        num = num + torch.matmul(a, v_win.to(dt).transpose(1, 2)) * w
+        den = den + a.sum(-1, keepdim=True) * w
+    out = (num / (den + eps))[:, :, 0]  # [B, H, Dv]
     new_state = HybridState(seen=state.seen + 1, window=window, S=S, z=z, k=k_win, v=v_win, fk=fk_win)
     return out[:, None].to(in_dtype), new_state  # [B, 1, H, Dv]
