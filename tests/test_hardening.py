@@ -338,3 +338,29 @@ def test_a_killed_conversion_leaves_nothing_a_later_run_does_not_remove(tiny, tm
         assert (out / "model.safetensors").exists() and not (out / ".out.tmp-live.lock").exists()
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists() or __import__("platform").libc_ver()[0] != "glibc",
+                    reason="the heap setting is glibc's")
+def test_effattn_keeps_freed_memory_in_the_heap_unless_told_not_to():
+    """`import effattn` serves a 20 MB buffer from the heap and keeps it after it is freed (no page faults
+    the next time); EFFATTN_KEEP_HEAP=0 leaves glibc's adaptive defaults, which hand it back."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import effattn, torch\n"
+              "def rss():\n"
+              "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS')) << 10\n"
+              "x = torch.ones(5 << 20)\n"  # 20 MB, every page touched
+              "held = rss()\n"
+              "del x\n"
+              "print(held - rss())\n")
+
+    def returned(**env) -> int:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              env={k: v for k, v in os.environ.items() if k != "EFFATTN_KEEP_HEAP"} | env)
+        return int(done.stdout.split()[-1])
+
+    assert returned() < 1 << 20  # kept
+    assert returned(EFFATTN_KEEP_HEAP="0") > 16 << 20  # handed back
