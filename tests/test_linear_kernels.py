@@ -420,3 +420,25 @@ def test_invalid_step_and_state_arguments_raise_explanations():
         state_from_prefill(inputs["k"], inputs["v"], inputs["fk"], window=-2)
     with pytest.raises(ValueError, match="k, v and fk must share batch, time and heads"):
         state_from_prefill(inputs["k"], inputs["v"][:, :5], inputs["fk"], window=3)
+
+
+def test_hedgehog_keeps_its_signed_weights_only_while_the_parameters_are_unchanged():
+    """Without autograd hedgehog keeps [W, -W] between calls: a change of W in place is seen at once, and
+    maps made in inference mode (no version counter) work too."""
+    fmap = feature_map("hedgehog", 4, 2, projection_dim=3, bias=True)
+    x = torch.randn(1, 5, 2, 4)
+
+    def reference(m):
+        proj = torch.einsum("bthd,hdp->bthp", x, m.weight) + (0 if m.bias is None else m.bias)
+        return torch.cat((proj.softmax(-1), (-proj).softmax(-1)), dim=-1)
+
+    with torch.no_grad():
+        torch.testing.assert_close(fmap(x), reference(fmap))
+        fmap.weight.mul_(3.0)
+        fmap.bias.add_(0.5)
+        torch.testing.assert_close(fmap(x), reference(fmap))
+    with torch.inference_mode():
+        made_here = feature_map("hedgehog", 4, 2, projection_dim=3)
+        torch.testing.assert_close(made_here(x), reference(made_here))
+        made_here.weight.mul_(2.0)  # in place in inference mode: no version counter, nothing kept
+        torch.testing.assert_close(made_here(x), reference(made_here))

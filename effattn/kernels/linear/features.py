@@ -165,7 +165,8 @@ class HedgehogFeatureMap(_FeatureMap):
         """([W, -W] [H, D, 2P], [b, -b] [H, 2P] or None) in `dt`; without autograd, kept until the
         parameters change (a decoding step would otherwise build them once per token and layer)."""
         params = (self.weight,) if self.bias is None else (self.weight, self.bias)
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        # under autograd, or parameters made in inference mode (no version counter to tell a change by)
+        if (torch.is_grad_enabled() and any(p.requires_grad for p in params)) or any(p.is_inference() for p in params):
             w = self.weight.to(dt)
             b = None if self.bias is None else self.bias.to(dt)
             return torch.cat((w, -w), dim=-1), None if b is None else torch.cat((b, -b), dim=-1)
