@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,26 @@ def setup(tmp_path_factory):
     reference = root / "reference"
     assert run_cli(root, reference).returncode == 0
     return root, reference
+
+
+def kill_dir(root: Path, kill_at: str) -> Path:
+    return root / kill_at.replace(":", "-").replace("@", "-")
+
+
+@pytest.fixture(scope="module")
+def kill_runs(setup, request) -> dict[str, tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]]:
+    """kill_at -> (the run killed there, the same command run again), for the kill points this session
+    selected. The processes are pinned to one thread, so two pairs run at a time (one per core)."""
+    root, _ = setup
+    wanted = [item.callspec.params["kill_at"] for item in request.session.items
+              if item.originalname == "test_kill_at_a_named_moment_then_rerun_ends_exactly_like_the_uninterrupted_run"]
+
+    def pair(kill_at: str):
+        out = kill_dir(root, kill_at)
+        return run_cli(root, out, kill_at), run_cli(root, out)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(wanted, pool.map(pair, wanted)))
 
 
 def run_cli(root: Path, out: Path, kill_at: str | None = None, *args: str) -> subprocess.CompletedProcess:
@@ -125,12 +146,12 @@ def test_deterministic_algorithms_are_on_for_the_run_only_and_change_nothing_on_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_at, resumes_from", KILLS, ids=[k for k, _ in KILLS])
-def test_kill_at_a_named_moment_then_rerun_ends_exactly_like_the_uninterrupted_run(setup, kill_at, resumes_from):
+def test_kill_at_a_named_moment_then_rerun_ends_exactly_like_the_uninterrupted_run(setup, kill_runs, kill_at,
+                                                                                   resumes_from):
     root, reference = setup
-    out = root / kill_at.replace(":", "-").replace("@", "-")
-    killed = run_cli(root, out, kill_at)
+    out = kill_dir(root, kill_at)
+    killed, resumed = kill_runs[kill_at]  # killed at kill_at, then the same command again
     assert killed.returncode == -signal.SIGKILL, f"never reached {kill_at}: {killed.stderr[-500:]}"
-    resumed = run_cli(root, out)  # the same command again
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     said = resumed.stdout + resumed.stderr
     if kill_at.startswith("output.sw"):  # the final model had been written whole: nothing left to do
