@@ -165,19 +165,19 @@ class HedgehogFeatureMap(_FeatureMap):
         """([W, -W] [H, D, 2P], [b, -b] [H, 2P] or None) in `dt`; without autograd, kept until the
         parameters change (a decoding step would otherwise build them once per token and layer)."""
         params = (self.weight,) if self.bias is None else (self.weight, self.bias)
+
+        def build() -> tuple[Tensor, Tensor | None]:
+            w, b = (None if p is None else p.to(dt) for p in (self.weight, self.bias))
+            return torch.cat((w, -w), dim=-1), None if b is None else torch.cat((b, -b), dim=-1)
+
         # under autograd, or parameters made in inference mode (no version counter to tell a change by)
         if (torch.is_grad_enabled() and any(p.requires_grad for p in params)) or any(p.is_inference() for p in params):
-            w = self.weight.to(dt)
-            b = None if self.bias is None else self.bias.to(dt)
-            return torch.cat((w, -w), dim=-1), None if b is None else torch.cat((b, -b), dim=-1)
+            return build()
         key = (dt, *((p.data_ptr(), p._version, p.device) for p in params))
         cached = self.__dict__.get("_signed_cache")
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                w = self.weight.to(dt)
-                b = None if self.bias is None else self.bias.to(dt)
-                value = (torch.cat((w, -w), dim=-1), None if b is None else torch.cat((b, -b), dim=-1))
-            self.__dict__["_signed_cache"] = cached = (key, value)
+                self.__dict__["_signed_cache"] = cached = (key, build())
         return cached[1]
 
     def forward(self, x: Tensor) -> Tensor:

@@ -179,21 +179,17 @@ def hybrid_attention_step(
     wf = head_weights(window_factor, H, dt, q.device)  # [H]
     lf = head_weights(linear_factor, H, dt, q.device)  # [H]
 
-    # 1. the new key joins the window cache; 2. a full cache overflows by one: its oldest key (position
-    # t - window) enters F_t and is folded into S, z
+    # 1. the new key joins the window cache
+    k_win = torch.cat((state.k, k.to(state.k.dtype)), dim=1)  # [B, n + 1, H, D]
+    v_win = torch.cat((state.v, v.to(state.v.dtype)), dim=1)  # [B, n + 1, H, Dv]
+    fk_win = torch.cat((state.fk, fk.to(state.fk.dtype)), dim=1)  # [B, n + 1, H, F]
     S, z = state.S, state.z
-    full = state.k.shape[1] + 1 > window
-    if full and state.k.shape[1]:
-        fk_old, v_old = state.fk[:, 0].to(dt), state.v[:, 0].to(dt)  # [B, H, F], [B, H, Dv]
+    # 2. a full cache overflows by one: its oldest key (position t - window) enters F_t, fold it into S, z
+    if k_win.shape[1] > window:
+        fk_old, v_old = fk_win[:, 0].to(dt), v_win[:, 0].to(dt)  # [B, H, F], [B, H, Dv]
         S = torch.addcmul(S, fk_old[..., :, None], v_old[..., None, :])  # S + fk_old v_old^T, [B, H, F, Dv]
         z = z + fk_old  # [B, H, F]
-    elif full:  # window 0: the new key itself goes straight into S, z
-        fk_old, v_old = fk[:, 0].to(dt), v[:, 0].to(dt)
-        S = torch.addcmul(S, fk_old[..., :, None], v_old[..., None, :])
-        z = z + fk_old
-    drop = 1 if full else 0
-    k_win, v_win, fk_win = (torch.cat((old[:, drop:], new.to(old.dtype)), dim=1)[:, : max(window, 0)]
-                            for old, new in ((state.k, k), (state.v, v), (state.fk, fk)))  # [B, min(n + 1, window), H, *]
+        k_win, v_win, fk_win = k_win[:, 1:], v_win[:, 1:], fk_win[:, 1:]  # [B, min(n + 1, window), H, *]
 
     # 3. attend: linear terms from the state, softmax terms over the cache (= W_t); [B, H, 1, *] matrices
     q_t, fq_t = q.to(dt).transpose(1, 2), fq.to(dt).transpose(1, 2)  # [B, H, 1, D], [B, H, 1, F]
