@@ -2,13 +2,13 @@
 uninterrupted one, a conversion against its reproduce line) run pinned: one thread and a fixed hash
 seed, in every process of the comparison.
 
-Why: on the CPUs CI draws, a run's floating point is not always the same from process to process
-with two threads. Clean-clone runs on an Intel Xeon saw the same MQA conversion of a tiny model (the
-student of the kill tests, the reproduce line's rerun) differ by 5e-7-2e-6 in about one comparison in
-a hundred, MKL's reproducibility mode (MKL_CBWR) on or off, while hundreds of the same comparisons on
-an AMD EPYC never differed. Whatever splits the work between threads, one thread removes it; what
-these tests check is that no state is lost or mixed, which rounding on another thread count would hide
-or fake. (effattn itself keeps the threads torch picks: MKL_DYNAMIC=FALSE only.)"""
+Why: clean-clone runs failed such a comparison in three of four (two on an Intel Xeon, one in CI),
+with MKL's reproducibility mode (MKL_CBWR) off and on. Each time one comparison of about twenty differed, by
+5e-7 to 2e-6: a resumed fine-tune, or the reproduce line's rerun of an MQA conversion (two processes,
+neither of them pytest). On an AMD EPYC, 26 fine-tunes and 6 conversions in processes of their own
+were bit-identical. Whatever splits the work between threads, one thread removes it. What these tests
+check is that no state is lost or mixed, and rounding from another thread split would hide or fake
+that. effattn itself keeps the threads torch picks."""
 
 from __future__ import annotations
 

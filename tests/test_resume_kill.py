@@ -31,7 +31,9 @@ RECIPE = [f"train.max_steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=1",
           "train.grad_accum=2", "train.params=lora", "train.lora.dropout=0.1", "loss.ce=0.5"]
 
 # Every point, at a step where it is reached (OUT stands for the output folder's name), and the
-# checkpoint the rerun must resume from: the newest one complete at the kill (None: from the start).
+# checkpoint the rerun must resume from: the newest one complete at the kill (None: from the start;
+# DONE: the final model was complete, nothing is left to do).
+DONE = "done"
 KILLS = [
     ("train.step@3", 2),  # mid-run: an optimizer step done, not logged
     ("train.logged@3", 2),
@@ -48,8 +50,8 @@ KILLS = [
     ("checkpoint.state@8", 6),  # the final checkpoint
     ("output.written:student", None),  # the student's conversion, before training
     ("output.written:OUT", 8),  # the final model, every file written, not yet in place
-    ("output.swap:OUT", 8),  # OUT renamed away, the final model not yet in its place
-    ("output.swapped:OUT", 8),
+    ("output.swap:OUT", DONE),  # OUT renamed away, the final model not yet in its place
+    ("output.swapped:OUT", DONE),
 ]
 
 
@@ -73,7 +75,7 @@ def kill_runs(setup, request) -> dict[str, tuple[subprocess.CompletedProcess, su
     selected. The processes are pinned to one thread, so two pairs run at a time (one per core)."""
     root, _ = setup
     wanted = [item.callspec.params["kill_at"] for item in request.session.items
-              if item.originalname == "test_kill_at_a_named_moment_then_rerun_ends_exactly_like_the_uninterrupted_run"]
+              if item.originalname == test_kill_at_a_named_moment_then_rerun_ends_exactly_like_the_uninterrupted_run.__name__]
 
     def pair(kill_at: str):
         out = kill_dir(root, kill_at)
@@ -83,14 +85,14 @@ def kill_runs(setup, request) -> dict[str, tuple[subprocess.CompletedProcess, su
         return dict(zip(wanted, pool.map(pair, wanted)))
 
 
-def run_cli(root: Path, out: Path, kill_at: str | None = None, *args: str) -> subprocess.CompletedProcess:
+def run_cli(root: Path, out: Path, kill_at: str | None = None) -> subprocess.CompletedProcess:
     """The fine-tune command in a process of its own, pinned (tests/exact.py), optionally killed at `kill_at`."""
     env = pinned_env(PYTHONPATH=str(REPO))
     env.pop(ENV, None)
     if kill_at:
         env[ENV] = kill_at.replace("OUT", out.name)
     return subprocess.run([sys.executable, "-m", "effattn.cli", "finetune", str(root / "heal.yaml"), "-o", str(out),
-                           *RECIPE, *args], env=env, capture_output=True, text=True)
+                           *RECIPE], env=env, capture_output=True, text=True)
 
 
 def weights(out: Path) -> dict:
@@ -154,7 +156,7 @@ def test_kill_at_a_named_moment_then_rerun_ends_exactly_like_the_uninterrupted_r
     assert killed.returncode == -signal.SIGKILL, f"never reached {kill_at}: {killed.stderr[-500:]}"
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     said = resumed.stdout + resumed.stderr
-    if kill_at.startswith("output.sw"):  # the final model had been written whole: nothing left to do
+    if resumes_from == DONE:
         assert "nothing to do" in said and "resuming" not in said
     else:  # nothing complete is lost, nothing partial is used
         resumed_from = re.findall(r"resuming from step-\d+ \(step (\d+)\)", said)
