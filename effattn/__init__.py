@@ -17,9 +17,9 @@ def _keep_freed_memory() -> None:
     Long-sequence layers allocate and free tens of MB per chunk. With glibc's adaptive defaults some of
     it goes back to the system at every free and is faulted in again, page by page, at the next chunk,
     depending on how the heap happens to lie: measured on 2 cores, one linear-attention layer at 32K
-    tokens took 0.59 s or 0.93 s from process to process (0.3M or 1.1M minor page faults); kept, 0.56-0.62
-    s every time (0.2M). PyTorch's CPU tuning guides give the same advice (jemalloc or tcmalloc). The
-    cost: a process's resident memory stays at its peak once reached."""
+    tokens took 0.59 s to 0.93 s from process to process (0.3M to 1.2M minor page faults); kept, 0.55-0.59
+    s in every process (0.2M). Intel's PyTorch tuning guide swaps in another allocator (jemalloc or
+    tcmalloc) to the same end. The cost: a process's resident memory stays at its peak once reached."""
     if os.environ.get("EFFATTN_KEEP_HEAP", "1") == "0":
         return
     try:
