@@ -28,8 +28,7 @@ from ..data.corpora import DEFAULT_CALIB
 from .base import Plan, kv_bytes_per_token, passthrough, read_time, same_specs
 from .calibrate import CalibSettings, batches, refit_o_proj
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
-from .options import ConversionOptions
-from .refine import RefineSettings, Target, refine_flops
+from .refine import RefineOptions, Steps, refine_flops
 from .headmerge import KeyMerge, align_keys, align_values, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
 
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -312,18 +311,14 @@ METHODS: dict[str, GQAMethod] = {m.name: m for m in [
 DEFAULT_METHOD = "calibrated"
 
 
-class GQAOptions(ConversionOptions):
+class GQAOptions(RefineOptions):
     kv_heads: int | Literal["heads"] | None = Field(None, description="KV heads after conversion (required; mqa sets 1, "
                                                                      "mha the number of query heads)")
     method: str = Field(DEFAULT_METHOD, description=f"how heads are merged: {', '.join(METHODS)}")
     calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file (calibrated methods)")
     calib_tokens: int = Field(16384, ge=1, description="calibration tokens (calibrated methods)")
-    refine_steps: int = Field(0, ge=0, description="local refinement: optimizer steps per layer fitting the original "
-                                                   "attention output on the calibration activations (calibrated methods)")
-    refine_lr: float = Field(1e-4, gt=0, description="learning rate of local refinement (Adam)")
-    refine_target: Target = Field("attention", description="what refinement fits: attention (the original "
-                                  "attention's output on the same inputs) or stream (the original model's "
-                                  "activations after the layer)")
+    refine_steps: Steps = Field(0, description="local refinement: optimizer steps per layer fitting the original "
+                                               "attention output on the calibration activations (calibrated methods)")
 
     @field_validator("method")
     @classmethod
@@ -399,7 +394,7 @@ class GQAConversion:
             state["calib"] = calib
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
                          "ridge": calib.ridge if method.refit_o else None}
-            refine = RefineSettings(steps=opts.refine_steps, lr=opts.refine_lr, target=opts.refine_target)
+            refine = opts.refine_settings()
             state["refine"] = refine
             settings |= {"refine_steps": refine.steps, "refine_lr": refine.lr if refine.steps else None,
                          "refine_target": refine.target if refine.steps else None}

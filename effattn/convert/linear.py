@@ -53,8 +53,7 @@ from ..resources import Dims, compute_seconds
 from .base import Plan, kv_bytes_per_token, out_dtype, read_time, same_specs
 from .calibrate import CalibSettings
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
-from .options import ConversionOptions
-from .refine import RefineSettings, Target, refine_flops
+from .refine import LearningRate, RefineOptions, Steps, Target, refine_flops
 
 FeatureMapName = Literal["hedgehog", "elu", "performer", "taylor"]
 # the options each feature map reads (refused with the others)
@@ -69,7 +68,7 @@ LINFORMER = ("Linformer projects keys and values along the sequence axis (a fixe
 LINEAR_FORWARD_EXTRA = 1.0
 
 
-class LinearOptions(ConversionOptions):
+class LinearOptions(RefineOptions):
     feature_map: FeatureMapName = Field(
         "hedgehog", description="phi: hedgehog (LoLCATs' learned map [softmax(xW), softmax(-xW)]), elu (elu + 1), "
                                 "performer (FAVOR+ random features) or taylor (2nd-order Taylor of exp, as in Based)")
@@ -87,9 +86,9 @@ class LinearOptions(ConversionOptions):
     # 4,096 calibration tokens in 512-token sequences, 2 busy cores): relative error 0.99 untrained -> 0.26
     # after 20 steps, 0.17 after 40, 0.16 after 40 at lr 3e-2. With 2,048-token sequences and 40 steps the
     # mean error over the 30 layers is 0.155 (0.183 with 512 and 20). 0: no attention transfer.
-    refine_steps: int = Field(40, ge=0, description="attention transfer: optimizer steps per layer training the "
-                                                    "feature maps and the window/linear mix (0: off, zero-shot maps)")
-    refine_lr: float = Field(1e-2, gt=0, description="learning rate of attention transfer (Adam; LoLCATs' 1e-2)")
+    refine_steps: Steps = Field(40, description="attention transfer: optimizer steps per layer training the "
+                                                "feature maps and the window/linear mix (0: off, zero-shot maps)")
+    refine_lr: LearningRate = Field(1e-2, description="learning rate of attention transfer (Adam; LoLCATs' 1e-2)")
     refine_target: Target = Field("attention", description="what attention transfer fits: attention (the original "
                                   "attention's output on the same inputs, LoLCATs) or stream (the original model's "
                                   "activations after the layer)")
@@ -247,7 +246,7 @@ class LinearConversion:
                 raise EffattnError(f"calibration sequences ({calib.seq_len} tokens) must be longer than the window "
                                    f"({opts.window}) for attention transfer to see far keys",
                                    f"use --calib-seq-len {max(4 * opts.window, 512)} or a smaller --window")
-            refine = RefineSettings(steps=steps, lr=opts.refine_lr, target=opts.refine_target)
+            refine = opts.refine_settings()
             state |= {"calib": calib, "refine": refine}
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
                          "refine_steps": refine.steps, "refine_lr": refine.lr, "refine_target": refine.target}

@@ -76,8 +76,7 @@ from .calibrate import CalibSettings, batches, ridge_solve
 from .gqa import LayerAttention, _Moments
 from .headmerge import complex_rows, merge_keys, merged_key_rows
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers
-from .options import ConversionOptions
-from .refine import RefineSettings, Target, refine_flops
+from .refine import LearningRate, RefineOptions, Steps, Target, refine_flops
 
 LATENT_EPS = 1e-6  # transformers' kv_a_layernorm eps, whatever the config says (transformers #44261)
 LINEAR_MARGIN = 1e-6  # ms(latent) <= LINEAR_MARGIN * eps for every input: the norm is linear within 5e-7
@@ -85,7 +84,7 @@ ROPE_TYPES = ("default", "linear", "llama3")  # types whose frequencies depend o
 ATTN_NAMES = ("q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 
 
-class MLAOptions(ConversionOptions):
+class MLAOptions(RefineOptions):
     kv_size: int | None = Field(None, ge=2, description="numbers cached per token and layer: latent + rotary key "
                                                         "(required; the source caches 2 x kv_heads x head_dim)")
     kv_rank: int | None = Field(None, ge=1, description="latent size (DeepSeek's kv_lora_rank); default: kv_size "
@@ -103,9 +102,9 @@ class MLAOptions(ConversionOptions):
                                             "original attention's output from the converted heads)")
     # Refinement is on by default: on SmolLM2 at kv_size 128 it takes held-out perplexity from 1.70x / 2.28x /
     # 1.99x to 1.51x / 1.99x / 1.75x (BENCHMARKS.md, MLA), for ~6 minutes of conversion on 2 cores.
-    refine_steps: int = Field(30, ge=0, description="local refinement: optimizer steps per layer fitting the original "
-                                                    "model's activations after the layer (0: off, a faster conversion)")
-    refine_lr: float = Field(3e-4, gt=0, description="learning rate of local refinement (Adam)")
+    refine_steps: Steps = Field(30, description="local refinement: optimizer steps per layer fitting the original "
+                                                "model's activations after the layer (0: off, a faster conversion)")
+    refine_lr: LearningRate = Field(3e-4, description="learning rate of local refinement (Adam)")
     refine_target: Target = Field("stream", description="what refinement fits: stream (the original model's "
                                                         "activations after the layer) or attention (the original "
                                                         "attention's output on the same inputs)")
@@ -462,7 +461,7 @@ class MLAConversion:
                 name = f"{family.prefix(i)}self_attn.{suffix}"
                 specs.append(TensorSpec(name, shp, float_dtype))
         calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens).validate(ckpt.folder)
-        refine = RefineSettings(steps=opts.refine_steps, lr=opts.refine_lr, target=opts.refine_target)
+        refine = opts.refine_settings()
         dims = Dims.of(config)
         N, T = calib.tokens, calib.seq_len
         per_layer = dims.attention_flops(N, T) + dims.layer_flops(N, T) + refine_flops(dims, refine, N, T)

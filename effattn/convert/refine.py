@@ -21,9 +21,12 @@ energy that is wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
+from pydantic import Field
+
+from .options import ConversionOptions
 
 Target = Literal["attention", "stream"]
 
@@ -35,6 +38,39 @@ class RefineSettings:
     target: Target = "attention"
     batch_size: int = 2  # calibration sequences per step
     seed: int = 0
+
+
+# The options' types carry their checks, so a conversion that redeclares a field (its own default or
+# help) keeps them: `refine_steps: Steps = Field(30, description=...)`.
+Steps = Annotated[int, Field(ge=0)]
+LearningRate = Annotated[float, Field(gt=0)]
+
+
+class RefineOptions(ConversionOptions):
+    """The local-refinement options, declared once: a conversion that refines subclasses this and
+    redeclares only what differs (a default, a description) with the types above.
+
+    Pydantic lists a base's fields before the subclass's own; these are moved after them, so every
+    conversion's flags and `--help` read its own options first and refinement last."""
+
+    refine_steps: Steps = Field(0, description="local refinement: optimizer steps per layer fitting the original "
+                                               "attention output on the calibration activations (0: off)")
+    refine_lr: LearningRate = Field(1e-4, description="learning rate of local refinement (Adam)")
+    refine_target: Target = Field("attention", description="what refinement fits: attention (the original "
+                                  "attention's output on the same inputs) or stream (the original model's "
+                                  "activations after the layer)")
+
+    REFINE_FIELDS: ClassVar[tuple[str, ...]] = ("refine_steps", "refine_lr", "refine_target")
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        fields = cls.__pydantic_fields__
+        cls.__pydantic_fields__ = ({k: f for k, f in fields.items() if k not in cls.REFINE_FIELDS}
+                                   | {k: fields[k] for k in cls.REFINE_FIELDS})
+
+    def refine_settings(self) -> RefineSettings:
+        return RefineSettings(steps=self.refine_steps, lr=self.refine_lr, target=self.refine_target)
 
 
 def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int) -> float:
