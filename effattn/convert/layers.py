@@ -82,6 +82,9 @@ class LayerOutput:
     forward_kwargs: dict[str, Any] = field(default_factory=dict)  # extra arguments of module's forward
     refinable: bool = True  # whether local refinement may train this module's attention
     note: str = ""  # shown in the progress line
+    # called after refinement, just before the activations go through `module` (hooks that must see the
+    # final layer, and only its propagation: refinement runs `module` too)
+    before: Callable[[], None] | None = None
     after: Callable[[], None] | None = None  # called once the activations went through `module`
     # The converted layer's own RoPE tables (cos, sin) where they differ from the original's (a conversion
     # that changes the rotary dims, e.g. MLA's shared rotary key): propagation and refinement use them.
@@ -117,7 +120,7 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         new_rope = out.rope or (cos, sin)
         if refine is not None and out.refinable and out.module is not None:
             losses.append(refine_layer(out.module, original, x, cos, sin, refine, x0=x0, trainable=out.trainable,
-                                       converted_rope=out.rope))
+                                       converted_rope=out.rope, forward_kwargs=out.forward_kwargs))
             state = out.module.state_dict()
             for name in out.tensors:
                 if name[len(prefix):] in state:
@@ -127,6 +130,8 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
             written.add(name)
         written |= set(tensors)  # the layer's tensors not returned are dropped, not copied
         ckpt.release()
+        if out.before is not None:
+            out.before()
         if x is not None:
             x = torch.cat([out.module(x[sl], position_embeddings=new_rope, **out.forward_kwargs)
                            for sl in batches(x, calib.batch_size)])

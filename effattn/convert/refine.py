@@ -50,8 +50,9 @@ class RefineOptions(ConversionOptions):
     """The local-refinement options, declared once: a conversion that refines subclasses this and
     redeclares only what differs (a default, a description) with the types above.
 
-    Pydantic lists a base's fields before the subclass's own; these are moved after them, so every
-    conversion's flags and `--help` read its own options first and refinement last."""
+    Pydantic lists a base's fields before the subclass's own; these are moved after them (and the
+    validator rebuilt in that order, for `model_dump`), so every conversion's flags, `--help` and
+    recorded command line read its own options first and refinement last."""
 
     refine_steps: Steps = Field(0, description="local refinement: optimizer steps per layer fitting the original "
                                                "attention output on the calibration activations (0: off)")
@@ -68,6 +69,7 @@ class RefineOptions(ConversionOptions):
         fields = cls.__pydantic_fields__
         cls.__pydantic_fields__ = ({k: f for k, f in fields.items() if k not in cls.REFINE_FIELDS}
                                    | {k: fields[k] for k in cls.REFINE_FIELDS})
+        cls.model_rebuild(force=True)
 
     def refine_settings(self) -> RefineSettings:
         return RefineSettings(steps=self.refine_steps, lr=self.refine_lr, target=self.refine_target)
@@ -82,14 +84,15 @@ def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int) -> f
     return once + fit(tokens, seq_len) + settings.steps * 3 * fit(settings.batch_size * seq_len, seq_len)  # fwd + bwd
 
 
-def attention_out(layer: torch.nn.Module, x: torch.Tensor, cos, sin) -> torch.Tensor:
-    """A transformers decoder layer's attention output (before the residual) on layer inputs x [B, T, D]."""
+def attention_out(layer: torch.nn.Module, x: torch.Tensor, cos, sin, **kwargs) -> torch.Tensor:
+    """A transformers decoder layer's attention output (before the residual) on layer inputs x [B, T, D];
+    kwargs go to the attention's forward."""
     h = layer.input_layernorm(x)
-    return layer.self_attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)[0]  # (B, T, D)
+    return layer.self_attn(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None, **kwargs)[0]  # (B, T, D)
 
 
-def layer_out(layer: torch.nn.Module, x: torch.Tensor, cos, sin) -> torch.Tensor:
-    return layer(x, position_embeddings=(cos, sin))  # (B, T, D)
+def layer_out(layer: torch.nn.Module, x: torch.Tensor, cos, sin, **kwargs) -> torch.Tensor:
+    return layer(x, position_embeddings=(cos, sin), **kwargs)  # (B, T, D); the layer hands kwargs to its attention
 
 
 def _map(fn, x: torch.Tensor, batch: int) -> torch.Tensor:
@@ -99,7 +102,8 @@ def _map(fn, x: torch.Tensor, batch: int) -> torch.Tensor:
 def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, settings: RefineSettings, x0: torch.Tensor | None = None,
                  trainable: list[str] | None = None,
-                 converted_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
+                 converted_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 forward_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
     """Train `converted`'s attention parameters in place (see the module docstring); x [N, T, D] are its
     inputs, x0 the original model's activations at this depth (target `stream`). Returns the relative
     squared error over all of x before and after.
@@ -107,8 +111,14 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     trainable: names of `converted.self_attn`'s parameters to train (default: the q/k/v/o
     projections' weights and biases; norms stay as they are).
     converted_rope: the converted layer's own (cos, sin) where its rotary dims differ from the original's.
+    forward_kwargs: extra arguments of the converted layer's forward (e.g. VQ's `vq_far`); the original
+    layer runs without them.
+
+    Modules stay in the mode they come in (eval for every conversion here: a VQ layer in training mode
+    would move its codebook by EMA at every forward).
     """
     ccos, csin = converted_rope or (cos, sin)
+    kwargs = forward_kwargs or {}
     batch = settings.batch_size
     with torch.no_grad():
         if settings.target == "stream":
@@ -122,7 +132,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
 
     def error() -> float:
         with torch.no_grad():
-            out = _map(lambda xb: predict(converted, xb, ccos, csin), x, batch)
+            out = _map(lambda xb: predict(converted, xb, ccos, csin, **kwargs), x, batch)
             return ((out - targets).pow(2).sum() / scale.clamp_min(1e-30)).item()
 
     before = error()
@@ -137,7 +147,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     for _ in range(settings.steps):
         pick = torch.randint(len(x), (batch,), generator=gen)
         with torch.enable_grad():
-            residual = predict(converted, x[pick], ccos, csin) - targets[pick]
+            residual = predict(converted, x[pick], ccos, csin, **kwargs) - targets[pick]
             loss = residual.pow(2).sum(-1).mean() / energy
             loss.backward()
         optimizer.step()
