@@ -18,7 +18,8 @@ distance), sink positions never quantized (`--sinks`), the k-means implementatio
 (`--kmeans torch|sklearn`), and exact heads (`--exact-heads K`): the K (layer, KV head) pairs whose
 ReRoPE + VQ costs most, ranked by the relative error it causes in their attention output on the
 calibration text, keep their original attention (full RoPE over every key: a cache that grows on those
-heads only; DuoAttention's and RazorAttention's retrieval heads).
+heads only; DuoAttention's and RazorAttention's retrieval heads). With `--refine-steps N` each layer's
+q/k/v/o are then refined through its VQ attention (refine.py, run by run_layers), the codebooks kept.
 
 The output loads with `AutoModelForCausalLM.from_pretrained(OUT)` after `import effattn`, and with
 `trust_remote_code=True` without effattn: the modeling code is bundled into the folder.
@@ -45,6 +46,7 @@ from ..models import ModelSpec
 from .calibrate import batches
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .options import ConversionOptions
+from .refine import RefineOptions, Steps, refine_flops
 
 # Default far position (`--far-position`) as a multiple of the window. ReRoPE classically sees far keys
 # at the window's own distance; on SmolLM2 a larger constant costs much less (BENCHMARKS.md, vq-quality:
@@ -79,7 +81,7 @@ class ReRoPEOptions(ConversionOptions):
     block_size: int = Field(64, ge=1, description="query/key tile of the attention kernel")
 
 
-class VQOptions(ReRoPEOptions):
+class VQOptions(ReRoPEOptions, RefineOptions):  # ReRoPE's options, VQ's own, then refinement's (rerope has none)
     codebook_size: int = Field(512, ge=1, description="codewords per layer and KV head")
     sinks: int = Field(0, ge=0, description="first positions of a sequence that are never quantized")
     calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file")
@@ -95,6 +97,11 @@ class VQOptions(ReRoPEOptions):
                                                   "on the calibration text keep their original attention")
     key_means: bool | None = Field(None, description="score each code at the mean of the sequence's far keys it holds "
                                                      "(default, unless code_bias) rather than at its codeword")
+    # Off until measured on a real model; the other defaults (lr 1e-4, target attention) are GQA's.
+    refine_steps: Steps = Field(0, description="local refinement: Adam steps per layer on q/k/v/o through the VQ "
+                                               "attention, fitting the original attention (or model, with "
+                                               "--refine-target stream) on the calibration activations; the "
+                                               "codebooks stay as fitted (0: off)")
 
 
 @dataclass(frozen=True)
@@ -224,6 +231,17 @@ def _vq_cache_line(kv: float, state: float, exact: float, exact_heads: int) -> s
 # about a third of matmul speed.
 VQ_FORWARD_EXTRA = 5.0
 KMEANS_SLOWDOWN = 3.0
+# Refinement (refine.py) runs the VQ attention forward and backward through the PyTorch step loop. Measured
+# on one layer of SmolLM2's shape (random weights, T 1024, W 256, C 512, batch 2, 2 shared cores): a step
+# took 0.24 s fitting the attention output and 0.39 s fitting the stream, where refine_flops alone says
+# 0.16 s and 0.46 s; so its passes cost about this many of refine_flops' (the plan's time only).
+VQ_REFINE_EXTRA = 1.5
+# The autograd graph of one refinement batch through that loop, per (token, query head): about this many
+# bytes per column a step scores (window, step, codes) plus a fixed part. Fitted to the peak RSS the same
+# layer added: +175 MiB at W = C = 128, +230-255 MiB at W 256, C 512.
+REFINE_GRAPH_BYTES_PER_COLUMN, REFINE_GRAPH_BYTES_FIXED = 8, 7680
+_REFINE_WORDS = {"attention": "original attention's output on the same inputs",
+                 "stream": "original model's activations after the layer"}
 
 
 class VQConversion(_ReRoPEBase):
@@ -275,14 +293,24 @@ class VQConversion(_ReRoPEBase):
         kmeans_flops = KMEANS_SLOWDOWN * 15 * shape.kv_heads * 4 * N * size * shape.head_dim
         per_layer = (dims.attention_flops(N, T) * (2 if exact_heads else 1) + kmeans_flops
                      + dims.layer_flops(N, T) + VQ_FORWARD_EXTRA * dims.attention_flops(N, T))
+        refine = opts.refine_settings()
+        # refinement's passes run the VQ attention (and its backward: the PyTorch step loop)
+        per_layer += VQ_REFINE_EXTRA * refine_flops(dims, refine, N, T)
         est = read_time(ckpt) + compute_seconds(shape.layers * per_layer)
-        est_peak = calibrated_bytes(ckpt, family, calib) + 3 * shape.kv_heads * N * shape.head_dim * 4
+        est_peak = calibrated_bytes(ckpt, family, calib, refine) + 3 * shape.kv_heads * N * shape.head_dim * 4
+        if refine.steps:
+            from ..kernels.vq.chunk import TILE
+
+            est_peak += refine.batch_size * T * shape.heads * (
+                REFINE_GRAPH_BYTES_PER_COLUMN * (window + sinks + TILE + size) + REFINE_GRAPH_BYTES_FIXED)
         return Plan(
             conversion=self.name,
             settings={"codebook_size": size, "window": window, "far_position": c.far, "sinks": sinks,
                       "block_size": c.block, "metric": metric, "code_bias": c.config["vq_code_bias"], "key_means": key_means,
                       "kmeans": method, "calib": calib.corpus, "calib_tokens": calib.tokens,
-                      "calib_seq_len": calib.seq_len, "exact_heads": exact_heads},
+                      "calib_seq_len": calib.seq_len, "exact_heads": exact_heads, "refine_steps": refine.steps,
+                      "refine_lr": refine.lr if refine.steps else None,
+                      "refine_target": refine.target if refine.steps else None},
             config=c.config, specs=c.specs,
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
                      ("attention", f"ReRoPE window {window} (exact; relative position {c.far} beyond) + VQ beyond it, "
@@ -292,6 +320,9 @@ class VQConversion(_ReRoPEBase):
                                    + (f", {sinks} sink positions never quantized" if sinks else "")),
                      ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
                                    f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
+                     *([("refinement", f"{refine.steps} Adam steps per layer at lr {refine.lr:g} on q/k/v/o through the "
+                                       f"VQ attention, fitting the {_REFINE_WORDS[refine.target]}; codebooks kept")]
+                       if refine.steps else []),
                      ("KV cache", _vq_cache_line(kv, state_bytes, exact_bytes, exact_heads)),
                      ("VQ kernel", _kernel_line()),
                      *([("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose attention output "
@@ -300,7 +331,7 @@ class VQConversion(_ReRoPEBase):
             kv_bytes_per_token=(kv, state_bytes / (4 * window) + exact_bytes),
             est_seconds=est, est_peak_bytes=est_peak,
             state={"shape": shape, "target": c.target, "size": size, "calib": calib, "metric": metric,
-                   "kmeans": method, "exact_heads": exact_heads,
+                   "kmeans": method, "exact_heads": exact_heads, "refine": refine,
                    # a query reads its window's keys, the sinks and one summary per code
                    "attention_span": lambda context: window + sinks + size},
         )
@@ -322,7 +353,8 @@ class VQConversion(_ReRoPEBase):
             return self.fit_layer(plan, cfg, layer, far[0], errors)
 
         plan.measured |= run_layers(ckpt, family, writer, fit, layers=shape.layers, target=st["target"],
-                                    calib=st["calib"], progress=progress, description="fitting codebooks")
+                                    calib=st["calib"], refine=st["refine"], progress=progress,
+                                    description="fitting codebooks" + (" and refining" if st["refine"].steps else ""))
         if st["exact_heads"]:
             relative = errors[:, 0] / errors[:, 1].clamp_min(1e-30)  # (layers, G)
             top = relative.flatten().argsort(descending=True)[: st["exact_heads"]]
@@ -385,7 +417,7 @@ class VQConversion(_ReRoPEBase):
         module.self_attn = attn
         base = f"{layer.prefix}self_attn."
         tensors = dict(layer.tensors) | {base + name: buf.float() for name, buf in attn.named_buffers()}
-        after = None
+        before = after = None
         if st["exact_heads"]:  # score each head's VQ output (what o_proj receives) while the activations pass
             taken: dict[str, torch.Tensor] = {}
 
@@ -399,11 +431,22 @@ class VQConversion(_ReRoPEBase):
                 h = module.input_layernorm(taken["x"])
                 errors[layer.index] += quantization_error(attn, h, taken.pop("quantized"), cos, sin)
 
-            hooks = [module.register_forward_pre_hook(take_input, with_kwargs=True),
-                     attn.o_proj.register_forward_pre_hook(take_output), module.register_forward_hook(score)]
+            hooks = []
+
+            def before():  # after refinement (which runs the module too): only the propagation, of the final layer
+                hooks.extend([module.register_forward_pre_hook(take_input, with_kwargs=True),
+                              attn.o_proj.register_forward_pre_hook(take_output), module.register_forward_hook(score)])
+
             after = lambda: [hook.remove() for hook in hooks]  # noqa: E731
-        return LayerOutput(tensors, module=module, forward_kwargs={"vq_far": far}, refinable=False,
-                           note=f"error {result.error:.3g}", after=after)
+        # Refinement (--refine-steps, run_layers) trains q/k/v/o through this module in eval mode (no EMA
+        # step) and keeps the codebook fitted above on the unrefined keys. With key means (the default)
+        # the codebook only partitions the far keys and each code is scored at the mean of the keys it
+        # holds, so it stays a valid partition of the refined keys; refitting it would also change the
+        # partition the refinement was fitted through. With codewords as scores (--no-key-means) the
+        # refinement fits the layer to this codebook as it is (and --code-bias's corrections, fitted on the
+        # unrefined keys above, stay as they are).
+        return LayerOutput(tensors, module=module, forward_kwargs={"vq_far": far}, note=f"error {result.error:.3g}",
+                           before=before, after=after)
 
 
 def quantization_error(attn, h: torch.Tensor, quantized: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
