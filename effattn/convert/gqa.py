@@ -396,8 +396,7 @@ class GQAConversion:
                          "ridge": calib.ridge if method.refit_o else None}
             refine = opts.refine_settings()
             state["refine"] = refine
-            settings |= {"refine_steps": refine.steps, "refine_lr": refine.lr if refine.steps else None,
-                         "refine_target": refine.target if refine.steps else None}
+            settings |= refine.record()
             dims = Dims.of(ckpt.config)
             N, T = calib.tokens, calib.seq_len
             # per layer: q/k/v statistics, the o_proj refit (old and new attention, Gram matrix), the

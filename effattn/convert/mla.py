@@ -478,9 +478,7 @@ class MLAConversion:
         ]
         settings = {"kv_size": opts.kv_size, "kv_rank": kv_rank, "rope_dim": rope_dim, "rope_stride": opts.rope_stride,
                     "latent_fit": opts.latent_fit, "refit_o": opts.refit_o, "calib": calib.corpus, "calib_tokens": calib.tokens,
-                    "calib_seq_len": calib.seq_len, "refine_steps": refine.steps,
-                    "refine_lr": refine.lr if refine.steps else None,
-                    "refine_target": refine.target if refine.steps else None}
+                    "calib_seq_len": calib.seq_len, **refine.record()}
         state = {"shape": shape, "kv_rank": kv_rank, "rope_dim": rope_dim, "stride": opts.rope_stride,
                  "latent_fit": opts.latent_fit, "refit_o": opts.refit_o, "untie": untie, "bias": bias, "target": target, "calib": calib, "refine": refine}
         return Plan(conversion=self.name, settings=settings, config=new, specs=specs, summary=summary,

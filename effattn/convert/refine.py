@@ -39,6 +39,11 @@ class RefineSettings:
     batch_size: int = 2  # calibration sequences per step
     seed: int = 0
 
+    def record(self) -> dict:
+        """The settings as a conversion's record states them (lr and target only when refinement runs)."""
+        on = bool(self.steps)
+        return {"refine_steps": self.steps, "refine_lr": self.lr if on else None, "refine_target": self.target if on else None}
+
 
 # The options' types carry their checks, so a conversion that redeclares a field (its own default or
 # help) keeps them: `refine_steps: Steps = Field(30, description=...)`.

@@ -308,9 +308,7 @@ class VQConversion(_ReRoPEBase):
             settings={"codebook_size": size, "window": window, "far_position": c.far, "sinks": sinks,
                       "block_size": c.block, "metric": metric, "code_bias": c.config["vq_code_bias"], "key_means": key_means,
                       "kmeans": method, "calib": calib.corpus, "calib_tokens": calib.tokens,
-                      "calib_seq_len": calib.seq_len, "exact_heads": exact_heads, "refine_steps": refine.steps,
-                      "refine_lr": refine.lr if refine.steps else None,
-                      "refine_target": refine.target if refine.steps else None},
+                      "calib_seq_len": calib.seq_len, "exact_heads": exact_heads, **refine.record()},
             config=c.config, specs=c.specs,
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
                      ("attention", f"ReRoPE window {window} (exact; relative position {c.far} beyond) + VQ beyond it, "
