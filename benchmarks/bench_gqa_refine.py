@@ -3,8 +3,8 @@ calibration tokens.
 
     python benchmarks/bench_gqa_refine.py --configs 0:0:16384,100:1e-4:16384 [--tokens 8192] [--tag NAME]
 
-Each config is STEPS:LR:CALIB_TOKENS[:TARGET] for `effattn convert llama --to mqa --refine-steps STEPS
---refine-lr LR --calib-tokens CALIB_TOKENS [--refine-target TARGET]` (the default calibrated method; STEPS=0 is no
+Each config is STEPS:LR:CALIB_TOKENS[:TARGET[:SCHEDULE]] for `effattn convert llama --to mqa --refine-steps STEPS
+--refine-lr LR --calib-tokens CALIB_TOKENS [--refine-target TARGET] [--refine-schedule SCHEDULE]` (the default calibrated method; STEPS=0 is no
 refinement). Every conversion runs in this process one after another; the original is evaluated once.
 Perplexity on --tokens tokens per corpus (blocks of 512, evenly spread), the same blocks for every
 model. Results: benchmarks/results/gqa-refine[-TAG].json; the table is printed and written there.
@@ -47,11 +47,11 @@ def main() -> None:
     out_json = ROOT / "benchmarks" / "results" / f"gqa-refine{'-' + args.tag if args.tag else ''}.json"
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in args.configs.split(","):
-            steps, lr, calib_tokens, *target = cfg.split(":")
+            steps, lr, calib_tokens, *rest = cfg.split(":")
             options = {"refine_steps": int(steps), "calib_tokens": int(calib_tokens)}
             if int(steps):
                 options["refine_lr"] = float(lr)
-                options |= {"refine_target": target[0]} if target else {}
+                options |= dict(zip(("refine_target", "refine_schedule"), rest))
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
             result = convert("llama", Path(tmp) / cfg.replace(":", "_"), to="mqa", options=options, measure=False)
@@ -68,11 +68,13 @@ def main() -> None:
             print(json.dumps({k: run[k] for k in ("config", "convert_seconds", "load_before", "ratio")}), flush=True)
             out_json.write_text(json.dumps(results, indent=1))
             del model
-    header = ["steps", "lr", "target", "calib tokens", "convert s (load)", *[f"ppl {c}" for c in corpora]]
+    header = ["steps", "lr", "target", "schedule", "calib tokens", "convert s (load)", *[f"ppl {c}" for c in corpora]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results["runs"]:
-        steps, lr, calib, *target = r["config"].split(":")
-        lines.append("| " + " | ".join([steps, lr if int(steps) else "—", (target or ["attention"])[0] if int(steps) else "—",
+        steps, lr, calib, *rest = r["config"].split(":")
+        target, schedule = (rest + ["attention", "constant"][len(rest):])[:2]
+        lines.append("| " + " | ".join([steps, lr if int(steps) else "—", target if int(steps) else "—",
+                                        schedule if int(steps) else "—",
                                         f"{int(calib):,}",
                                         f"{r['convert_seconds']:.0f} ({r['load_before']:.1f})",
                                         *[f"{r['perplexity'][c]:.2f} ({r['ratio'][c]:.2f}x)" for c in corpora]]) + " |")

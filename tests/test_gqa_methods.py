@@ -199,6 +199,27 @@ def test_local_refinement_lowers_every_layers_error_and_the_logit_error(tiny, tm
     assert "conversion_run" not in json.loads((plain / "effattn.json").read_text())  # off by default: nothing measured
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_refinement_schedule_sets_every_steps_learning_rate(tiny, tmp_path, calib_file, monkeypatch, schedule):
+    """--refine-schedule cosine: step i of n runs at lr (1 + cos(pi i / n)) / 2, per layer; constant keeps lr."""
+    import math
+
+    seen = []
+    step = torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", spy)
+    options = _opts("calibrated", calib_file, refine_steps=4, refine_lr=1e-3, refine_schedule=schedule)
+    out = convert(tiny("llama", layers=2), tmp_path / "out", to="mqa", options=options, measure=False).out
+    one = [1e-3 * ((1 + math.cos(math.pi * i / 4)) / 2 if schedule == "cosine" else 1) for i in range(4)]
+    assert seen == pytest.approx(one * 2)
+    record = json.loads((out / "effattn.json").read_text())["conversion"]
+    assert (record["refine_schedule"], record["refine_lr"]) == (schedule, 1e-3)
+
+
 def test_refinement_needs_a_calibrated_method(tiny, tmp_path):
     from effattn.errors import EffattnError
 

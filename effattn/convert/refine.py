@@ -29,6 +29,7 @@ from pydantic import Field
 from .options import ConversionOptions
 
 Target = Literal["attention", "stream"]
+Schedule = Literal["constant", "cosine"]
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,20 @@ class RefineSettings:
     steps: int = 0  # optimizer steps per layer; 0 = off
     lr: float = 1e-4  # Adam's learning rate
     target: Target = "attention"
+    schedule: Schedule = "constant"  # the learning rate over the steps: constant, or a cosine decay to 0
     batch_size: int = 2  # calibration sequences per step
     seed: int = 0
 
+    @property
+    def steps_words(self) -> str:
+        """'30 Adam steps per layer at lr 0.0003' (+ ', cosine decay'), for a plan's summary."""
+        return f"{self.steps} Adam steps per layer at lr {self.lr:g}" + (", cosine decay" if self.schedule == "cosine" else "")
+
     def record(self) -> dict:
-        """The settings as a conversion's record states them (lr and target only when refinement runs)."""
+        """The settings as a conversion's record states them (lr, target and schedule only when refinement runs)."""
         on = bool(self.steps)
-        return {"refine_steps": self.steps, "refine_lr": self.lr if on else None, "refine_target": self.target if on else None}
+        return {"refine_steps": self.steps, "refine_lr": self.lr if on else None, "refine_target": self.target if on else None,
+                "refine_schedule": self.schedule if on else None}
 
 
 # The options' types carry their checks, so a conversion that redeclares a field (its own default or
@@ -65,8 +73,10 @@ class RefineOptions(ConversionOptions):
     refine_target: Target = Field("attention", description="what refinement fits: attention (the original "
                                   "attention's output on the same inputs) or stream (the original model's "
                                   "activations after the layer)")
+    refine_schedule: Schedule = Field("constant", description="learning rate of local refinement over the steps: "
+                                      "constant, or cosine (decays to 0 by the last step)")
 
-    REFINE_FIELDS: ClassVar[tuple[str, ...]] = ("refine_steps", "refine_lr", "refine_target")
+    REFINE_FIELDS: ClassVar[tuple[str, ...]] = ("refine_steps", "refine_lr", "refine_target", "refine_schedule")
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -77,7 +87,8 @@ class RefineOptions(ConversionOptions):
         cls.model_rebuild(force=True)
 
     def refine_settings(self) -> RefineSettings:
-        return RefineSettings(steps=self.refine_steps, lr=self.refine_lr, target=self.refine_target)
+        return RefineSettings(steps=self.refine_steps, lr=self.refine_lr, target=self.refine_target,
+                              schedule=self.refine_schedule)
 
 
 def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int) -> float:
@@ -148,6 +159,8 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     for n in names:
         params[n].requires_grad_(True)
     optimizer = torch.optim.Adam([params[n] for n in names], lr=settings.lr)
+    schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=settings.steps)
+                if settings.schedule == "cosine" else None)
     gen = torch.Generator().manual_seed(settings.seed)
     for _ in range(settings.steps):
         pick = torch.randint(len(x), (batch,), generator=gen)
@@ -157,5 +170,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if schedule is not None:
+            schedule.step()
     converted.requires_grad_(False)
     return {"before": before, "after": error()}

@@ -318,7 +318,7 @@ class VQConversion(_ReRoPEBase):
                                    + (f", {sinks} sink positions never quantized" if sinks else "")),
                      ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
                                    f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
-                     *([("refinement", f"{refine.steps} Adam steps per layer at lr {refine.lr:g} on q/k/v/o through the "
+                     *([("refinement", f"{refine.steps_words} on q/k/v/o through the "
                                        f"VQ attention, fitting the {_REFINE_WORDS[refine.target]}; codebooks kept")]
                        if refine.steps else []),
                      ("KV cache", _vq_cache_line(kv, state_bytes, exact_bytes, exact_heads)),
