@@ -26,7 +26,7 @@ demo: setup
 	$(VENV)/bin/effattn eval out/llama-mqa --baseline llama
 
 # Two pytest workers (one per core), a test file's tests on one worker (module fixtures are built once),
-# one thread each. Idle, on 2 cores: 682 s against 969 s for one process with two threads.
+# one thread each. Idle, on 2 cores (AMD EPYC): 682 s; the last one-process run (two threads) took 969 s.
 WORKERS ?= 2
 PYTEST  := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(WORKERS) --dist loadfile
 
