@@ -232,8 +232,7 @@ class LinearConversion:
         learned = any(n != "window_factors" and n.endswith(("weight", "bias")) for n in tensors)
         steps = opts.refine_steps
         if not learned and not opts.window:  # nothing to fit: no map parameters, and no window to mix with
-            given = opts.given() & {"refine_steps", "calib", "calib_tokens", "calib_seq_len", "refine_lr", "refine_target",
-                                    "refine_schedule"}
+            given = opts.given() & {"calib", "calib_tokens", "calib_seq_len", *RefineOptions.REFINE_FIELDS}
             if given and steps:
                 flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
                 raise EffattnError(f"{flags}: --feature-map {spec['name']} has no parameters and --window 0 no "
@@ -250,8 +249,7 @@ class LinearConversion:
             refine = opts.refine_settings()
             state |= {"calib": calib, "refine": refine}
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
-                         "refine_steps": refine.steps, "refine_lr": refine.lr, "refine_target": refine.target,
-                         "refine_schedule": refine.schedule}
+                         **refine.record()}
             dims, N, T = Dims.of(config), calib.tokens, calib.seq_len
             per_layer = (dims.layer_flops(N, T) + LINEAR_FORWARD_EXTRA * refine_flops(dims, refine, N, T)
                          + LINEAR_FORWARD_EXTRA * dims.attention_flops(N, T))
@@ -265,7 +263,7 @@ class LinearConversion:
             settings["refine_steps"] = 0
             summary.append(("attention transfer", f"none: {spec['name']} has no parameters and window 0 no mix to fit"))
         else:
-            given = opts.given() & {"calib", "calib_tokens", "calib_seq_len", "refine_lr", "refine_target", "refine_schedule"}
+            given = opts.given() & ({"calib", "calib_tokens", "calib_seq_len", *RefineOptions.REFINE_FIELDS} - {"refine_steps"})
             if given:
                 flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
                 raise EffattnError(f"{flags} set attention transfer, which --refine-steps 0 turns off",
