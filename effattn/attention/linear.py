@@ -51,7 +51,9 @@ from effattn.kernels.rope import apply_rope
 from effattn.kernels.linear.naive import hybrid_attention_naive
 from effattn.kernels.linear.chunk import hybrid_attention_chunk
 from effattn.kernels.linear.recurrent import HybridState, hybrid_attention_step, state_from_prefill
-from effattn.kernels.linear.features import FEATURE_MAPS, feature_map
+from effattn.kernels.linear.features import FEATURE_MAPS, HedgehogFeatureMap, feature_map
+from effattn.kernels.linear.decode import LinearDecodeState, can_decode, from_state
+from effattn.kernels.linear.decode import decode_step as native_decode_step
 
 LINEAR_MODEL_TYPE = "effattn_linear"
 # every linear-attention setting lives in the config under these names; all other keys belong to the base model
@@ -141,6 +143,13 @@ class LinearAttention(AdoptedAttention):
         cfg = self.config
         B, T, _ = hidden_states.shape
         q, k, v = self.project(hidden_states)  # [B, T, H, D], [B, T, G, D], [B, T, G, D]
+        state = cache.states.get(self.layer_idx) if cache is not None else None
+        hedgehog = isinstance(self.feature_map_q, HedgehogFeatureMap)
+        maps = (self.feature_map_q.weight, self.feature_map_k.weight) if hedgehog else ()
+        if can_decode(state, q, *maps):  # one token after a cached prefix, inference: the compiled step
+            return self.o_proj(self._decode(q, k, v, position_embeddings, cache, state).reshape(B, T, -1)), None
+        if isinstance(state, LinearDecodeState):  # anything else continues from the plain state
+            state = state.to_state()
         cos, sin = (x[0].to(q.dtype)[:, None] for x in position_embeddings)  # [T, 1, D]: one layout per batch
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = repeat_heads(k, self.groups), repeat_heads(v, self.groups)  # [B, T, H, D] each
@@ -148,7 +157,6 @@ class LinearAttention(AdoptedAttention):
         wf, lf = self.mix()  # [H] each
         settings = dict(window=cfg.linear_window, window_factor=wf, linear_factor=lf, scale=self.scaling,
                         eps=float(cfg.linear_eps))
-        state = cache.states.get(self.layer_idx) if cache is not None else None
         if state is not None and T == 1:  # one token after a cached prefix: the recurrent step
             out, state = hybrid_attention_step(q, k, v, fq, fk, state, **settings)
         elif cfg.linear_kernel == "naive" and state is None:  # the quadratic reference
@@ -166,6 +174,21 @@ class LinearAttention(AdoptedAttention):
         if cache is not None:
             cache.states[self.layer_idx] = _stored(state)
         return self.o_proj(out.reshape(B, T, -1)), None  # [B, T, H * D] -> [B, T, hidden]
+
+    def _decode(self, q, k, v, position_embeddings, cache, state) -> torch.Tensor:
+        """One token through the compiled step (kernels/linear/decode.py), the layer's state kept in the
+        cache in the step's ring layout; returns [B, 1, H, D]."""
+        if not isinstance(state, LinearDecodeState):
+            state = cache.states[self.layer_idx] = from_state(state)
+        cos, sin = (x[0, 0].to(q.dtype) for x in position_embeddings)  # [D]: this position's row
+        settings = dict(scale=self.scaling, eps=float(self.config.linear_eps))
+        fmq, fmk = self.feature_map_q, self.feature_map_k
+        if isinstance(fmq, HedgehogFeatureMap):  # RoPE and the maps run in the step too
+            return native_decode_step(state, q, k, v, cos, sin, self.window_factors,
+                                      hedgehog=(fmq.weight, fmq.bias, fmk.weight, fmk.bias), **settings)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        fq, fk = fmq(q), fmk(repeat_heads(k, self.groups))
+        return native_decode_step(state, q, k, v, cos, sin, self.window_factors, fq=fq, fk=fk, rope=False, **settings)
 
 
 class EffattnLinearForCausalLM(WrappedCausalLM):

@@ -101,6 +101,15 @@ class LinearOptions(RefineOptions):
         return v
 
 
+def _decode_line() -> str:
+    """Which decode step runs here (said once, at planning; the step also warns when it falls back)."""
+    from ..kernels.linear import native
+
+    why = native.why_unavailable()
+    return ("compiled, one call per layer and token (kernels/linear/native.c)" if not why
+            else f"PyTorch (hybrid_attention_step): the compiled one is unavailable ({why})")
+
+
 def _linear_classes():
     from ..attention.linear import EffattnLinearConfig, EffattnLinearForCausalLM
 
@@ -167,8 +176,8 @@ class LinearConversion:
         model_type="effattn_linear", description="LoLCATs hybrid sliding-window + linear attention (effattn_linear)",
         config_class=lambda: _linear_classes()[0], model_class=lambda: _linear_classes()[1],
         modeling_file="modeling_effattn_linear.py",
-        modules=("kernels/rope.py", "kernels/linear/naive.py", "kernels/linear/recurrent.py", "kernels/linear/chunk.py",
-                 "kernels/linear/features.py", "attention/wrapped.py", "attention/linear.py"))
+        modules=("kernels/rope.py", "kernels/linear/naive.py", "kernels/linear/recurrent.py", "kernels/linear/decode.py",
+                 "kernels/linear/chunk.py", "kernels/linear/features.py", "attention/wrapped.py", "attention/linear.py"))
     Options = LinearOptions
     memory_options = ("calib_tokens",)
     # the constant cache pays off at long context
@@ -271,6 +280,7 @@ class LinearConversion:
             settings["refine_steps"] = 0
             summary.append(("attention transfer", "none (--refine-steps 0): the feature maps keep their initial values"))
         summary.append(("KV cache", cache_line(before, state_bytes, window_bytes, opts.window, trained)))
+        summary.append(("decode step", _decode_line()))
         return Plan(conversion=self.name, config=new, specs=same_specs(ckpt, target, extra=extra), settings=settings,
                     summary=summary, kv_bytes_per_token=(before, after), est_seconds=est_seconds,
                     est_peak_bytes=est_peak,

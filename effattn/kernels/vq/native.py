@@ -14,12 +14,8 @@ keys alone), so the threads never wait for each other.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +23,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from effattn.kernels.build import load_library
+
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 MASKED = -1e30  # native.c's finite stand-in for -inf (it is built with -ffast-math)
 
 _lib = None  # the loaded library, False once it failed
@@ -58,44 +55,12 @@ def available() -> bool:
     return bool(_lib) and os.environ.get("EFFATTN_NATIVE", "1") != "0"
 
 
-def _machine_tag() -> str:
-    """The source, flags and CPU: -march=native code is only valid on the CPU that built it."""
-    cpu = ""
-    try:
-        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
-    text = SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode() + cpu.encode()
-    return hashlib.sha256(text).hexdigest()[:16]
-
-
-def _build(target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
-        if result.returncode:
-            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}: {result.stderr.strip()[-500:]}")
-        os.replace(built, target)  # atomic: another process may be building the same file
-
-
 def _load():
-    if platform.system() != "Linux":
-        raise RuntimeError("the compiled VQ loop is built for Linux only")
     blas = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
     for name in ("sgemm_", "MKL_Set_Num_Threads_Local"):
         if not hasattr(blas, name):
             raise RuntimeError(f"torch's BLAS does not export {name} (not MKL)")
-    from effattn.io.cache import cache_dir
-
-    target = cache_dir() / "kernels" / f"vq_native-{_machine_tag()}.so"
-    if not target.exists():
-        _build(target)
-    lib = ctypes.CDLL(str(target))
+    lib = load_library(SOURCE, "vq_native")
     lib.vq_segment.restype = None
     lib.vq_segment_work_floats.restype = ctypes.c_long
     lib.vq_segment_work16.restype = ctypes.c_long

@@ -1,0 +1,58 @@
+"""Build and load effattn's small C kernels (``kernels/*/native.c``) on the machine that runs them.
+
+A library is compiled once per source, flags and CPU (``-march=native`` code is only valid on the CPU
+that built it) into effattn's cache folder, by ``$CC``, ``cc`` or ``gcc``; an atomic rename lets
+several processes build the same file at once. Callers fall back to their PyTorch code when this
+raises (no compiler, not Linux).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+
+
+def machine_tag(source: Path) -> str:
+    """A hash of the source, the flags and the CPU."""
+    cpu = ""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    text = source.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode() + cpu.encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def build(source: Path, target: Path) -> None:
+    """Compile `source` into the shared library `target`; RuntimeError when it cannot."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"],
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        if result.returncode:
+            raise RuntimeError(f"{compiler} failed to build {source.name}: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: another process may be building the same file
+
+
+def load_library(source: Path, stem: str) -> ctypes.CDLL:
+    """The compiled `source`, built on first use as ``<cache>/kernels/<stem>-<machine tag>.so``."""
+    if platform.system() != "Linux":
+        raise RuntimeError("effattn's compiled kernels are built for Linux only")
+    from effattn.io.cache import cache_dir
+
+    target = cache_dir() / "kernels" / f"{stem}-{machine_tag(source)}.so"
+    if not target.exists():
+        build(source, target)
+    return ctypes.CDLL(str(target))

@@ -1,0 +1,162 @@
+"""The compiled decode step of the hybrid attention (kernels/linear/native.c, decode.py) against the
+readable step (recurrent.py's hybrid_attention_step), and the model decoding through it against its
+full forward pass and its PyTorch step. float32 (the compiled step's dtype), odd sizes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from effattn.attention.linear import LinearCache
+from effattn.kernels.linear import decode, native
+from effattn.kernels.linear.decode import LinearDecodeState, can_decode, from_state
+from effattn.kernels.linear.features import feature_map
+from effattn.kernels.linear.recurrent import hybrid_attention_step, state_from_prefill
+from effattn.kernels.rope import apply_rope, rope_tables
+
+from .test_linear_model import IDS, MAPS, linear_folder, perturb
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"no compiled step here: {native.why_unavailable()}")
+
+B, H, G, D = 2, 6, 3, 8
+
+
+def maps(name: str, seed: int):
+    torch.manual_seed(seed)
+    kw = {"projection_dim": 5, "bias": True} if name == "hedgehog" else {}
+    fq, fk = feature_map(name, D, H, **kw), feature_map(name, D, H, **kw)
+    if name == "hedgehog":  # trained-looking maps: not the identity, a non-zero bias
+        with torch.no_grad():
+            for m in (fq, fk):
+                m.weight.normal_(0, 0.5)
+                m.bias.normal_(0, 0.5)
+    return fq, fk
+
+
+def reference_inputs(q, k, v, cos, sin, fmq, fmk):
+    """What LinearAttention hands hybrid_attention_step: rotated q, k, the KV heads repeated, the maps."""
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = (x.repeat_interleave(H // G, dim=2) for x in (k, v))
+    return q, k, v, fmq(q), fmk(k)
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 16])
+@pytest.mark.parametrize("name", ["hedgehog", "elu"])
+def test_the_compiled_step_equals_the_readable_step(name, window):
+    """Prefill shorter and longer than the window, then 2 * window + 3 steps: outputs and the state
+    (given back in the plain layout) agree with hybrid_attention_step's at every step."""
+    fmq, fmk = maps(name, seed=window)
+    g = torch.Generator().manual_seed(7)
+    steps, prefill = 2 * window + 3, 3
+    T = prefill + steps
+    q, k, v = (torch.randn(B, T, n, D, generator=g) for n in (H, G, G))
+    wfac = torch.randn(H, generator=g)
+    wf = torch.sigmoid(wfac)
+    cos, sin = rope_tables(T, D)
+    settings = dict(window=window, window_factor=wf, linear_factor=1 - wf, scale=D**-0.5, eps=1e-6)
+    with torch.no_grad():
+        rq, rk, rv, rfq, rfk = reference_inputs(q, k, v, cos[:, None], sin[:, None], fmq, fmk)
+        ref = state_from_prefill(rk[:, :prefill], rv[:, :prefill], rfk[:, :prefill], window)
+        fast = from_state(ref)
+        assert isinstance(fast, LinearDecodeState) and fast.nbytes() == ref.nbytes()
+        for t in range(prefill, T):
+            pick = slice(t, t + 1)
+            want, ref = hybrid_attention_step(rq[:, pick], rk[:, pick], rv[:, pick], rfq[:, pick], rfk[:, pick],
+                                              ref, **settings)  # fmt: skip
+            if name == "hedgehog":  # RoPE and the maps in C
+                got = decode.decode_step(fast, q[:, pick], k[:, pick], v[:, pick], cos[t], sin[t], wfac,
+                                         scale=D**-0.5, eps=1e-6,
+                                         hedgehog=(fmq.weight, fmq.bias, fmk.weight, fmk.bias))  # fmt: skip
+            else:  # rotated inputs and the caller's features
+                kr = apply_rope(k[:, pick], cos[t], sin[t])
+                got = decode.decode_step(fast, rq[:, pick], kr, v[:, pick], cos[t], sin[t], wfac, scale=D**-0.5,
+                                         eps=1e-6, fq=rfq[:, pick], fk=rfk[:, pick], rope=False)  # fmt: skip
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {t}: {m}")
+            assert fast.seen == ref.seen == t + 1 and fast.nbytes() == ref.nbytes()
+        back = fast.to_state()
+        for field in ("k", "v", "fk", "S", "z"):
+            torch.testing.assert_close(getattr(back, field), getattr(ref, field), rtol=1e-5, atol=1e-5)
+
+
+def test_the_ring_layout_round_trips_exactly():
+    g = torch.Generator().manual_seed(0)
+    for seen, window in [(3, 8), (8, 8), (13, 8), (5, 0)]:
+        n = min(seen, window)
+        k, v, fk = (torch.randn(B, seen, H, d, generator=g) for d in (D, D, 10))
+        state = state_from_prefill(k, v, fk, window)
+        back = from_state(state).to_state()
+        assert back.seen == seen and back.k.shape == (B, n, H, D)
+        for field in ("k", "v", "fk", "S", "z"):
+            assert torch.equal(getattr(back, field), getattr(state, field)), (seen, window, field)
+
+
+def test_only_inference_in_float32_takes_the_compiled_step():
+    state = state_from_prefill(*(torch.randn(1, 4, H, D) for _ in range(3)), window=2)
+    q = torch.randn(1, 1, H, D)
+    with torch.no_grad():
+        assert can_decode(state, q)
+        assert not can_decode(state, q.double())
+        assert not can_decode(None, q)
+        assert not can_decode(state, torch.randn(1, 2, H, D))  # several tokens: the chunked kernel
+    assert not can_decode(state, q)  # autograd on: the readable step, which backpropagates
+
+
+def load32(tiny, tmp_path, name, **settings):
+    from effattn.attention.linear import EffattnLinearForCausalLM
+
+    src = tiny("llama", heads=H, kv_heads=G, head_dim=D)
+    model = EffattnLinearForCausalLM.from_pretrained(linear_folder(src, tmp_path / name, **settings),
+                                                     dtype=torch.float32).eval()  # fmt: skip
+    perturb(model)
+    return model
+
+
+def pieces_logits(model, pieces):
+    out, cache, start = [], None, 0
+    with torch.no_grad():
+        for n in pieces:
+            step = model(input_ids=IDS[:, start:start + n], cache=cache, use_cache=True)
+            cache, start = step.cache, start + n
+            assert isinstance(cache, LinearCache) and cache.get_seq_length() == start
+            out.append(step.logits)
+    return torch.cat(out, 1), cache
+
+
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("fmap", list(MAPS))
+def test_the_model_decodes_through_the_compiled_step(tiny, tmp_path, monkeypatch, fmap, window):
+    """Token by token, prefill + decode, and a chunk after decoded tokens (the ring given back to the
+    chunked kernel): the full forward's logits, and the PyTorch step's (EFFATTN_NATIVE=0)."""
+    model = load32(tiny, tmp_path, "lin", linear_window=window, linear_feature_map=MAPS[fmap], linear_chunk_size=16)
+    with torch.no_grad():
+        full = model(input_ids=IDS).logits
+    cases = {"token by token": [1] * 40, "prefill + decode": [13] + [1] * 27,
+             "decode, then a chunk, then decode": [9] + [1] * 12 + [7] + [1] * 12}  # fmt: skip
+    for name, pieces in cases.items():
+        fast, cache = pieces_logits(model, pieces)
+        assert all(isinstance(s, LinearDecodeState) for s in cache.states.values()), name
+        torch.testing.assert_close(fast, full, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        monkeypatch.setenv("EFFATTN_NATIVE", "0")
+        slow, slow_cache = pieces_logits(model, pieces)
+        monkeypatch.delenv("EFFATTN_NATIVE")
+        assert not any(isinstance(s, LinearDecodeState) for s in slow_cache.states.values())
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert cache.nbytes() == slow_cache.nbytes()  # the same state, counted alike
+
+
+def test_a_copied_cache_decodes_on_its_own(tiny, tmp_path):
+    """Generation and the benchmarks copy a cache (deepcopy) and decode each copy: the ring is updated
+    in place, so a copy must own its buffers."""
+    model = load32(tiny, tmp_path, "lin", linear_window=4, linear_feature_map=MAPS["hedgehog"])
+    with torch.no_grad():
+        cache = model(input_ids=IDS[:, :10], use_cache=True).cache
+        cache = model(input_ids=IDS[:, 10:11], cache=cache, use_cache=True).cache  # now in the ring layout
+        twin = copy.deepcopy(cache)
+        a = model(input_ids=IDS[:, 11:12], cache=cache, use_cache=True).logits
+        b = model(input_ids=IDS[:, 11:12], cache=twin, use_cache=True).logits
+        assert torch.equal(a, b) and cache.get_seq_length() == twin.get_seq_length() == 12
+        generated = model.generate(IDS[:1, :6], max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        full = model(input_ids=generated).logits[0, 5:-1].argmax(-1)
+    assert torch.equal(full, generated[0, 6:])
