@@ -128,6 +128,42 @@ def _far_part(fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor
     return num.view(BH, N * C, Dv)[:, :T], den.view(BH, N * C)[:, :T], S_incl[:, -1], z_incl[:, -1]
 
 
+def fla_kernel(device: torch.device):
+    """flash-linear-attention's chunked linear attention (``fla.ops.linear_attn.chunk_linear_attn``) where
+    the far part should run through it: on CUDA, with fla-core installed (``pip install effattn[fla]``)
+    and ``EFFATTN_FLA`` not 0; None elsewhere (the PyTorch far part runs)."""
+    if torch.device(device).type != "cuda" or os.environ.get("EFFATTN_FLA", "1") == "0":
+        return None
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except ImportError:
+        return None
+    return chunk_linear_attn
+
+
+def _far_part_fla(kernel, fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor, lag: int, S0: Tensor,
+                  z0: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`_far_part` through flash-linear-attention: the same delayed keys and values, the values with a
+    column of ones (the normaliser: [num, den] from one unnormalised call), the state [S, z] as fla's
+    initial and final state. `kernel` has the signature of ``fla.ops.linear_attn.chunk_linear_attn``
+    (its ``fused_recurrent_linear_attn`` computes the same, and runs in Triton's CPU interpreter)."""
+    BH, T, Fd = fq.shape
+    Dv, n = v.shape[2], fk_prev.shape[1]
+    zeros, old, new = min(lag, T), min(max(T - lag, 0), n), max(T - lag - n, 0)
+    fk_d = _rows(fk, zeros, fk_prev[:, :old], fk[:, :new])  # [BH, T, F], row u: the key that leaves at query u
+    v_d = _rows(v, zeros, v_prev[:, :old], v[:, :new])  # [BH, T, Dv]
+    v1 = torch.cat((v_d, torch.ones_like(v_d[..., :1])), dim=-1)  # [BH, T, Dv + 1]
+
+    def fla_layout(x: Tensor) -> Tensor:  # [BH, T, E] -> [1, T, BH, E]: the B * H heads as fla's heads
+        return x.transpose(0, 1)[None].contiguous()
+
+    state = torch.cat((S0, z0[..., None]), dim=-1)[None].contiguous()  # [1, BH, F, Dv + 1]
+    out, state = kernel(fla_layout(fq), fla_layout(fk_d), fla_layout(v1), scale=1.0, initial_state=state,
+                        output_final_state=True, normalize=False)  # fmt: skip
+    out = out[0].transpose(0, 1)  # [BH, T, Dv + 1]
+    return out[..., :Dv], out[..., Dv], state[0, ..., :Dv], state[0, ..., Dv]
+
+
 def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tuple, *, window: int, wf: Tensor,
              lf: Tensor, scale: float, eps: float, C: int, grad: bool) -> tuple[Tensor, tuple]:
     """The T positions after ``state`` (head-major inputs in the compute dtype; state = (seen, k, v, fk, S, z),
@@ -140,7 +176,11 @@ def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tup
         win_num, win_den = _window_part(q, k, v, k_prev, v_prev, min(window, L), scale, min(C, L), grad)
         num, den = wf[:, :, None] * win_num, wf * win_den
     if seen + T > window:  # some key leaves the window in this segment (or already has)
-        far_num, far_den, S, z = _far_part(fq, fk, v, fk_prev, v_prev, window - n, min(C, T), S, z)
+        fla = fla_kernel(q.device)
+        if fla is not None:  # CUDA: flash-linear-attention's chunked kernel
+            far_num, far_den, S, z = _far_part_fla(fla, fq, fk, v, fk_prev, v_prev, window - n, S, z)
+        else:
+            far_num, far_den, S, z = _far_part(fq, fk, v, fk_prev, v_prev, window - n, min(C, T), S, z)
         num, den = num + lf[:, :, None] * far_num, den + lf * far_den
     keep = min(window, L)  # the window keeps the last `keep` positions: of this call's, and the kept ones before
     kept = tuple(new[:, T - keep:] if keep <= T else _rows(new, prev[:, n - (keep - T):], new)
@@ -304,7 +344,8 @@ def hybrid_attention_chunk(
     lf = head_weights(linear_factor, H, dt, q.device).repeat(B)[:, None]  # [B * H, 1]
     hm = (state.seen, *map(heads_major, (state.k, state.v, state.fk)), state.S.to(dt).reshape(B * H, Fd, Dv),
           state.z.to(dt).reshape(B * H, Fd))
-    fast = not grad and window in FAST_WINDOWS and os.environ.get("EFFATTN_LINEAR_FAST", "1") != "0"
+    fast = (not grad and window in FAST_WINDOWS and os.environ.get("EFFATTN_LINEAR_FAST", "1") != "0"
+            and fla_kernel(q.device) is None)  # fmt: skip
     if not fast:
         q, k, v, fq, fk = map(heads_major, (q, k, v, fq, fk))
     outs = []
