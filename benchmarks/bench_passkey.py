@@ -2,6 +2,7 @@
 
     python benchmarks/bench_passkey.py --variants original,mqa,rerope --lengths 2048,4096,8192 --samples 2
     python benchmarks/bench_passkey.py --variants original,yarn2,dynamic2,linear2 --lengths 16384 --depths 0,0.5,1 --samples 1
+    python benchmarks/bench_passkey.py --variants "t120=/tmp/lin/t120"   # an already made model: NAME=PATH
 
 Each variant is converted once into benchmarks/results/passkey-models/ (`--no-eval`), then evaluated in a
 fresh process under `/usr/bin/time` (wall seconds, peak resident set). Results are appended to
@@ -36,6 +37,7 @@ VARIANTS = {  # name: effattn arguments making it from the built-in model (None:
     "sinks4": "convert llama --to swa --window 256 --sinks 4 --no-eval",
     "sinks4-full6": "convert llama --to swa --window 256 --sinks 4 --full-layers 6 --no-eval",
     "window-full6": "convert llama --to swa --window 256 --full-layers 6 --no-eval",
+    "linear64": "convert llama --to linear --no-eval",  # hedgehog, window 64, the default attention transfer
 }
 
 
@@ -43,7 +45,9 @@ effattn = effattn_cmd
 
 
 def model_of(variant: str) -> str:
-    return converted(variant, VARIANTS[variant])
+    """A variant's folder: made from VARIANTS on first use, or given as NAME=PATH (an already made model)."""
+    name, _, path = variant.partition("=")
+    return path if path else converted(name, VARIANTS[name])
 
 
 def main() -> None:
@@ -64,14 +68,14 @@ def main() -> None:
             f"eval {model} --task {args.task} --lengths {args.lengths} --depths {args.depths} "
             f"--samples {args.samples} --json", variant)
         report = json.loads(stdout)
-        entry = {"variant": variant, "model": model, "task": args.task, "lengths": args.lengths, "depths": args.depths,
+        entry = {"variant": variant.partition("=")[0], "model": model, "task": args.task, "lengths": args.lengths, "depths": args.depths,
                  "samples": args.samples, "accuracy": report["accuracy"], "mean": report["mean"],
                  "wall_s": wall, "peak_rss_mib": peak, "load_before": load,
                  "load_after": os.getloadavg()[0], "machine": machine(), "outputs": report["samples"]}
         results.append(entry)
         path.write_text(json.dumps(results, indent=1))
         row = " | ".join(f"{L}: " + " ".join(f"{v:.0%}" for v in cells.values()) for L, cells in report["accuracy"].items())
-        print(f"{variant}: mean {report['mean']:.0%} | {row} | {wall:.0f} s, {peak:,.0f} MiB, "
+        print(f"{variant.partition('=')[0]}: mean {report['mean']:.0%} | {row} | {wall:.0f} s, {peak:,.0f} MiB, "
               f"load {load:.2f}", flush=True)
 
 
