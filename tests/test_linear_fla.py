@@ -4,23 +4,32 @@ Without a GPU, fla's Triton kernels run in Triton's CPU interpreter (TRITON_INTE
 its own: the flag must be set before triton is imported). There fla's `fused_recurrent_linear_attn`, which
 has the signature and the maths of the `chunk_linear_attn` that CUDA runs, stands in for it, so the test
 holds effattn's side (delayed keys, the column of ones, the state as fla's initial and final state) to
-the naive reference: outputs, gradients, and a sequence continued across two calls. On a machine with
+the naive reference: outputs, gradients, and a sequence continued across two calls; and that fla
+runs only on CUDA, unless EFFATTN_FLA=0. On a machine with
 CUDA, the chunked kernel itself is compared too.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from effattn.kernels.linear import chunk, hybrid_attention_chunk, hybrid_attention_naive
 
-fla = pytest.importorskip("fla.ops.linear_attn", reason="fla-core is not installed (pip install effattn[fla])")
+# `make setup` installs fla-core and triton apart from the venv (Makefile: FLA_SITE), and only the test's
+# own processes import them: with triton importable, torch.compile's CPU path in the same process slows
+# down threefold. An environment with `pip install effattn[fla]` has them importable anyway.
+FLA_SITE = Path(os.environ.get("EFFATTN_FLA_SITE", Path(sys.prefix) / "fla-site"))
+SEARCH = [str(FLA_SITE), *sys.path]
+if not all(importlib.machinery.PathFinder.find_spec(name, SEARCH) for name in ("fla", "triton")):
+    pytest.skip("fla-core or triton is not installed (make setup, or pip install effattn[fla])", allow_module_level=True)
 
 SCRIPT = r"""
 import json, os, warnings
@@ -29,8 +38,15 @@ import torch
 import triton.runtime.autotuner as autotuner
 # the interpreter has no device to time configurations on: take the first of each autotuned kernel
 autotuner.Autotuner.do_bench = property(lambda self: lambda fn, quantiles=None: [1.0] * 3 if quantiles else 1.0)
-from fla.ops.linear_attn import fused_recurrent_linear_attn
+from fla.ops.linear_attn import chunk_linear_attn, fused_recurrent_linear_attn
 from effattn.kernels.linear import chunk, hybrid_attention_chunk, hybrid_attention_naive
+
+# where fla runs: CUDA only, and EFFATTN_FLA=0 turns it off
+assert chunk.fla_kernel(torch.device("cpu")) is None
+assert chunk.fla_kernel(torch.device("cuda")) is chunk_linear_attn
+os.environ["EFFATTN_FLA"] = "0"
+assert chunk.fla_kernel(torch.device("cuda")) is None
+del os.environ["EFFATTN_FLA"]
 
 calls = []
 def kernel(*args, **kwargs):
@@ -65,8 +81,8 @@ print(json.dumps(rows))
 
 
 def test_the_far_part_through_fla_equals_the_reference_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(FLA_SITE) if FLA_SITE.is_dir() else None) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -76,16 +92,11 @@ def test_the_far_part_through_fla_equals_the_reference_in_the_interpreter():
         assert row["out"] < 1e-5 and row["grad"] < 1e-5 and row["pieces"] < 1e-5, row
 
 
-def test_fla_runs_only_on_cuda_and_can_be_turned_off(monkeypatch):
-    assert chunk.fla_kernel(torch.device("cpu")) is None  # the CPU keeps effattn's kernels
-    assert chunk.fla_kernel(torch.device("cuda")) is fla.chunk_linear_attn
-    monkeypatch.setenv("EFFATTN_FLA", "0")
-    assert chunk.fla_kernel(torch.device("cuda")) is None
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: fla's chunked kernel itself")
 @pytest.mark.parametrize("window", [0, 64])
-def test_the_chunked_fla_kernel_on_cuda_equals_the_reference(window):
+def test_the_chunked_fla_kernel_on_cuda_equals_the_reference(window, monkeypatch):
+    monkeypatch.syspath_prepend(str(FLA_SITE))
+    assert chunk.fla_kernel(torch.device("cuda")) is not None
     g = torch.Generator(device="cuda").manual_seed(0)
     B, T, H, D, F = 2, 300, 4, 64, 128
     leaves = [torch.randn(B, T, H, D, generator=g, device="cuda", requires_grad=True) for _ in range(3)]
