@@ -94,6 +94,16 @@ def _window_part(q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Tensor
     return num, den
 
 
+def _delayed(fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor, lag: int, end: int = 0) -> tuple[Tensor, Tensor]:
+    """Rows 0 .. T-1 of [lag zeros, the kept window, this call's keys] (and values), then `end` zero rows:
+    row u holds the key that leaves the window at query u, exactly the keys that leave it by the last
+    query (no later one may reach S). [BH, T + end, F], [BH, T + end, Dv]."""
+    T, n = fk.shape[1], fk_prev.shape[1]
+    zeros, old, new = min(lag, T), min(max(T - lag, 0), n), max(T - lag - n, 0)
+    return (_rows(fk, zeros, fk_prev[:, :old], fk[:, :new], end),
+            _rows(v, zeros, v_prev[:, :old], v[:, :new], end))  # fmt: skip
+
+
 def _far_part(fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor, lag: int, C: int, S0: Tensor,
               z0: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Linear numerator and denominator of the T queries, on top of an incoming state.
@@ -106,15 +116,12 @@ def _far_part(fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor
     S, z): S and z then include every key that left the window by the last query.
     """
     BH, T, Fd = fq.shape
-    Dv, n = v.shape[2], fk_prev.shape[1]
+    Dv = v.shape[2]
     N = -(-T // C)
     end = N * C - T
-    # rows 0 .. T-1 of [lag zeros, the kept window, this call's keys]: exactly the keys that leave the window
-    # by the last query (no later one may reach S)
-    zeros, old, new = min(lag, T), min(max(T - lag, 0), n), max(T - lag - n, 0)
     fq_c = _rows(fq, fq, end).reshape(BH, N, C, Fd)  # [BH, N, C, F]
-    fk_c = _rows(fk, zeros, fk_prev[:, :old], fk[:, :new], end).reshape(BH, N, C, Fd)  # [BH, N, C, F], delayed
-    v_c = _rows(v, zeros, v_prev[:, :old], v[:, :new], end).reshape(BH, N, C, Dv)  # [BH, N, C, Dv]
+    fk_d, v_d = _delayed(fk, v, fk_prev, v_prev, lag, end)
+    fk_c, v_c = fk_d.reshape(BH, N, C, Fd), v_d.reshape(BH, N, C, Dv)  # [BH, N, C, *], delayed
 
     # inter-chunk: S_b = S0 + the sum of fk'^T v' over the chunks before b (exclusive prefix sum), z_b likewise
     S_incl = torch.matmul(fk_c.transpose(2, 3), v_c).cumsum(1) + S0[:, None]  # [BH, N, F, Dv], through chunk b
@@ -147,11 +154,8 @@ def _far_part_fla(kernel, fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_
     column of ones (the normaliser: [num, den] from one unnormalised call), the state [S, z] as fla's
     initial and final state. `kernel` has the signature of ``fla.ops.linear_attn.chunk_linear_attn``
     (its ``fused_recurrent_linear_attn`` computes the same, and runs in Triton's CPU interpreter)."""
-    BH, T, Fd = fq.shape
-    Dv, n = v.shape[2], fk_prev.shape[1]
-    zeros, old, new = min(lag, T), min(max(T - lag, 0), n), max(T - lag - n, 0)
-    fk_d = _rows(fk, zeros, fk_prev[:, :old], fk[:, :new])  # [BH, T, F], row u: the key that leaves at query u
-    v_d = _rows(v, zeros, v_prev[:, :old], v[:, :new])  # [BH, T, Dv]
+    Dv = v.shape[2]
+    fk_d, v_d = _delayed(fk, v, fk_prev, v_prev, lag)  # [BH, T, F], [BH, T, Dv]
     v1 = torch.cat((v_d, torch.ones_like(v_d[..., :1])), dim=-1)  # [BH, T, Dv + 1]
 
     def fla_layout(x: Tensor) -> Tensor:  # [BH, T, E] -> [1, T, BH, E]: the B * H heads as fla's heads
