@@ -23,6 +23,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define MASKED (-1e30f)
 
@@ -78,6 +81,145 @@ static void gemm16_ab(gemm16_fn g, int rows, int cols, int k, const uint16_t *a,
     if (rows > 0 && k > 0) g(ROW_MAJOR, NO_TRANS, NO_TRANS, rows, cols, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
 }
 
+
+/* Own bfloat16 products with AVX-512 BF16's VDPBF16PS (float32 accumulation), for CPUs that have the
+ * instruction but where MKL's cblas_gemm_bf16bf16f32 gains nothing over sgemm (AMD Zen 4: MKL's bf16
+ * and float32 products both run at ~93 GFLOP/s on one core, these at ~200). VDPBF16PS multiplies pairs
+ * of bfloat16 held in one 32-bit lane (low half first) and adds both products to a float32 lane, so
+ * the operand whose rows are broadcast keeps its natural row-major layout and the other is packed
+ * with pairs along the reduced dimension:
+ *   logits16: C (rows x cols, ldc) = A (rows x 2 KP) . B^T, with B packed as Bp[kp * ldb + col] = pair
+ *             (B[col][2 kp], B[col][2 kp + 1]); reads whole blocks of 32 columns (pad Bp to them)
+ *   out16:    O (rows x Dv, ldo) (+)= P (rows x 2 KP) . V, with V packed as Vp[kp * Dv + d] = pair
+ *             (V[2 kp][d], V[2 kp + 1][d]); Dv a multiple of 16 */
+int vq_dpbf16_compiled(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+#define DP(acc, a, b) acc = _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(b))
+
+static void logits16(int rows, int cols, int KP, const uint32_t *A, int lda, const uint32_t *Bp, long ldb, float *C,
+                     int ldc) {
+    for (int r = 0; r < rows; r += 8) {
+        const int mr = rows - r < 8 ? rows - r : 8;
+        const uint32_t *a = A + (long)r * lda;
+        for (int c = 0; c < cols; c += 32) {
+            __m512 acc[8][2];
+            for (int i = 0; i < 8; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            const uint32_t *b = Bp + c;
+            if (mr == 8) {
+                for (int kp = 0; kp < KP; kp++) {
+                    const __m512i b0 = _mm512_loadu_si512(b + kp * ldb), b1 = _mm512_loadu_si512(b + kp * ldb + 16);
+#pragma GCC unroll 8
+                    for (int i = 0; i < 8; i++) {
+                        const __m512i x = _mm512_set1_epi32((int)a[(long)i * lda + kp]);
+                        DP(acc[i][0], x, b0);
+                        DP(acc[i][1], x, b1);
+                    }
+                }
+            } else {
+                for (int kp = 0; kp < KP; kp++) {
+                    const __m512i b0 = _mm512_loadu_si512(b + kp * ldb), b1 = _mm512_loadu_si512(b + kp * ldb + 16);
+                    for (int i = 0; i < mr; i++) {
+                        const __m512i x = _mm512_set1_epi32((int)a[(long)i * lda + kp]);
+                        DP(acc[i][0], x, b0);
+                        DP(acc[i][1], x, b1);
+                    }
+                }
+            }
+            const int left = cols - c;
+            const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+            for (int i = 0; i < mr; i++) {
+                _mm512_mask_storeu_ps(C + (long)(r + i) * ldc + c, m0, acc[i][0]);
+                _mm512_mask_storeu_ps(C + (long)(r + i) * ldc + c + 16, m1, acc[i][1]);
+            }
+        }
+    }
+}
+
+static void out16(int rows, int KP, const uint32_t *P, int ldp, const uint32_t *Vp, int Dv, float beta, float *O,
+                  int ldo) {
+    for (int d0 = 0; d0 < Dv; d0 += 64) {
+        const int nv = Dv - d0 >= 64 ? 4 : (Dv - d0) / 16;
+        for (int r = 0; r < rows; r += 6) {
+            const int mr = rows - r < 6 ? rows - r : 6;
+            const uint32_t *p = P + (long)r * ldp;
+            __m512 acc[6][4];
+            for (int i = 0; i < 6; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = _mm512_setzero_ps();
+            if (mr == 6 && nv == 4) {
+                for (int kp = 0; kp < KP; kp++) {
+                    const uint32_t *v = Vp + (long)kp * Dv + d0;
+                    const __m512i v0 = _mm512_loadu_si512(v), v1 = _mm512_loadu_si512(v + 16);
+                    const __m512i v2 = _mm512_loadu_si512(v + 32), v3 = _mm512_loadu_si512(v + 48);
+#pragma GCC unroll 6
+                    for (int i = 0; i < 6; i++) {
+                        const __m512i x = _mm512_set1_epi32((int)p[(long)i * ldp + kp]);
+                        DP(acc[i][0], x, v0);
+                        DP(acc[i][1], x, v1);
+                        DP(acc[i][2], x, v2);
+                        DP(acc[i][3], x, v3);
+                    }
+                }
+            } else {
+                for (int kp = 0; kp < KP; kp++) {
+                    const uint32_t *v = Vp + (long)kp * Dv + d0;
+                    for (int i = 0; i < mr; i++) {
+                        const __m512i x = _mm512_set1_epi32((int)p[(long)i * ldp + kp]);
+                        for (int j = 0; j < nv; j++) DP(acc[i][j], x, _mm512_loadu_si512(v + 16 * j));
+                    }
+                }
+            }
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nv; j++) {
+                    float *o = O + (long)(r + i) * ldo + d0 + 16 * j;
+                    _mm512_storeu_ps(o, beta != 0.0f ? _mm512_add_ps(acc[i][j], _mm512_loadu_ps(o)) : acc[i][j]);
+                }
+        }
+    }
+}
+#else
+static void logits16(int rows, int cols, int KP, const uint32_t *A, int lda, const uint32_t *Bp, long ldb, float *C,
+                     int ldc) {
+    (void)rows, (void)cols, (void)KP, (void)A, (void)lda, (void)Bp, (void)ldb, (void)C, (void)ldc;
+}
+static void out16(int rows, int KP, const uint32_t *P, int ldp, const uint32_t *Vp, int Dv, float beta, float *O,
+                  int ldo) {
+    (void)rows, (void)KP, (void)P, (void)ldp, (void)Vp, (void)Dv, (void)beta, (void)O, (void)ldo;
+}
+#endif
+
+static inline uint32_t bf16_pair(float lo, float hi) { return (uint32_t)to_bf16(lo) | ((uint32_t)to_bf16(hi) << 16); }
+
+/* rows [r0, r1) of x (rows x D, row-major) into Bp[kp * ld + row] (logits16's packed B) */
+static void pack_keys(const float *x, long r0, long r1, int D, uint32_t *Bp, long ld) {
+    for (long r = r0; r < r1; r++)
+        for (int kp = 0; kp < D / 2; kp++) Bp[kp * ld + r] = bf16_pair(x[r * D + 2 * kp], x[r * D + 2 * kp + 1]);
+}
+
+/* row pairs [k0, k1) of x (n rows x Dv) into Vp[k * Dv + d] (out16's packed V); rows >= n are zero */
+static void pack_values(const float *x, long n, long k0, long k1, int Dv, uint32_t *Vp) {
+    for (long k = k0; k < k1; k++)
+        for (int d = 0; d < Dv; d++)
+            Vp[k * Dv + d] = bf16_pair(2 * k < n ? x[2 * k * Dv + d] : 0.0f, 2 * k + 1 < n ? x[(2 * k + 1) * Dv + d] : 0.0f);
+}
+
+/* one row of x (D) as column c of Bp (logits16's packed B, ld columns) */
+static void pack_key(const float *x, int D, uint32_t *Bp, long ld, long c) {
+    for (int kp = 0; kp < D / 2; kp++) Bp[kp * ld + c] = bf16_pair(x[2 * kp], x[2 * kp + 1]);
+}
+
+/* row c of V (Dv) into its half of Vp's pair c / 2 */
+static void pack_value(const float *x, int Dv, uint32_t *Vp, long c) {
+    uint16_t *h = (uint16_t *)(Vp + (c / 2) * Dv) + (c & 1);
+    for (int d = 0; d < Dv; d++) h[2 * d] = to_bf16(x[d]);
+}
+
 /* One segment's inputs for one key/value group bg = b * G + g (see vq_segment for the shapes). */
 typedef struct {
     int b, g, T, H, R, D, Dv, C, W, Q, key_means;
@@ -92,6 +234,13 @@ typedef struct {
        and scratch for the step's queries and probabilities (sinks stay float32) */
     gemm16_fn gemm16;
     uint16_t *code16, *means16, *q16, *qn16, *p16, *rk16, *kq16, *v16;
+    /* own bf16 products (dp: logits16 / out16) read packed operands instead: the span's keys (rkp, kqp,
+       span_ld columns) and values (vp, row pairs), the code columns' keys (codep, C_ld columns) and mean
+       values (meansp); q16 and qn16 as above, p16 rows of S2 + C2: the span (far span merged in, padded to
+       even) then the codes (padded to even) */
+    int dp, C_ld;
+    long span_ld;
+    uint32_t *rkp, *kqp, *vp, *codep, *meansp;
 } group_t;
 
 /* Attention of the step starting at absolute position t_j (span entries [lo, lo + P + Q)). */
@@ -128,7 +277,15 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
 
     /* logits: span (near), far span, codes, sinks */
     const int P16 = S + F + C; /* row length of the bf16 probabilities */
-    if (a->gemm16) {
+    const int S2 = S + (S & 1), C2 = C + (C & 1); /* own bf16 products: the span and codes padded to even */
+    if (a->dp) {
+        rows_to_bf16(qn, (long)rows * D, a->qn16);
+        rows_to_bf16(qf, (long)rows * D, a->q16);
+        const uint32_t *qn2 = (const uint32_t *)a->qn16, *qf2 = (const uint32_t *)a->q16;
+        logits16(rows, S, D / 2, qn2, D / 2, a->rkp + lo, a->span_ld, logits, N);
+        logits16(rows, F, D / 2, qf2, D / 2, a->kqp + lo, a->span_ld, logits + S, N);
+        logits16(rows, C, D / 2, qf2, D / 2, a->codep, a->C_ld, logits + S + F, N);
+    } else if (a->gemm16) {
         rows_to_bf16(qn, (long)rows * D, a->qn16);
         rows_to_bf16(qf, (long)rows * D, a->q16);
         gemm16_abt(a->gemm16, rows, S, D, a->qn16, D, a->rk16 + lo * D, D, logits, N);
@@ -216,11 +373,24 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
                 }
             }
         }
-        if (a->gemm16) rows_to_bf16(x, P16, a->p16 + (long)row * P16);
+        if (a->dp) { /* a far span key's share reads the same value row as its span column: one column */
+            uint16_t *pr = a->p16 + (long)row * (S2 + C2);
+            for (int c = 0; c < F; c++) pr[c] = to_bf16(x[c] + x[S + c]);
+            for (int c = F; c < S; c++) pr[c] = to_bf16(x[c]);
+            rows_to_bf16(xc, C, pr + S2);
+            if (S2 > S) pr[S] = 0;
+            if (C2 > C) pr[S2 + C] = 0;
+        } else if (a->gemm16) {
+            rows_to_bf16(x, P16, a->p16 + (long)row * P16);
+        }
     }
 
     /* output: probabilities times span values, far values, code means, sink values */
-    if (a->gemm16) {
+    if (a->dp) {
+        const uint32_t *p2 = (const uint32_t *)a->p16;
+        out16(rows, S2 / 2, p2, (S2 + C2) / 2, a->vp + (lo / 2) * Dv, Dv, 0.0f, o, Dv);
+        out16(rows, C2 / 2, p2 + S2 / 2, (S2 + C2) / 2, a->meansp, Dv, 1.0f, o, Dv);
+    } else if (a->gemm16) {
         gemm16_ab(a->gemm16, rows, Dv, S, a->p16, P16, a->v16 + lo * Dv, Dv, 0.0f, o, Dv);
         gemm16_ab(a->gemm16, rows, Dv, F, a->p16 + S, P16, a->v16 + lo * Dv, Dv, 1.0f, o, Dv);
         gemm16_ab(a->gemm16, rows, Dv, C, a->p16 + S + F, P16, a->means16, Dv, 1.0f, o, Dv);
@@ -258,17 +428,25 @@ static void fold(const group_t *a, long t_j, long lo) {
         const float inv = 1.0f / a->counts[c];
         a->log_counts[c] = logf(a->counts[c]);
         for (int d = 0; d < Dv; d++) a->means[c * Dv + d] = a->sums[c * Dv + d] * inv;
-        if (a->gemm16) {
+        if (a->dp) {
+            pack_value(a->means + c * Dv, Dv, a->meansp, c);
+            if (a->key_means) pack_key(a->code_k + c * a->D, a->D, a->codep, a->C_ld, c);
+        } else if (a->gemm16) {
             rows_to_bf16(a->means + c * Dv, Dv, a->means16 + c * Dv);
             if (a->key_means) rows_to_bf16(a->code_k + c * a->D, a->D, a->code16 + c * a->D);
         }
     }
 }
 
-/* Scratch bfloat16 values one call needs with bf16 products (vq_segment's work16), span_len = P + n Q. */
+/* Scratch bfloat16 values one call needs with bf16 products (vq_segment's work16), span_len = P + n Q:
+   enough for MKL's products and for the own ones' packed operands. */
 long vq_segment_work16(int R, int Q, int P, int C, int D, int Dv, long span_len) {
     const long rows = (long)R * Q, S = (long)P + Q, F = Q - 1;
-    return (long)C * (D + Dv) + rows * (2L * D + S + F + C) + span_len * (2L * D + Dv);
+    const long mkl = (long)C * (D + Dv) + rows * (2L * D + S + F + C) + span_len * (2L * D + Dv);
+    const long C_ld = (C + 31L) / 32 * 32;
+    const long own = rows * (2L * D + S + 1 + C + 1) + 2L * D * (span_len + 32) + 2L * (span_len / 2 + 2) * Dv +
+                     C_ld * (D + Dv);
+    return mkl > own ? mkl : own;
 }
 
 /* Scratch floats one call needs (attend's layout). */
@@ -302,9 +480,13 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
                 const float *q, const float *cos_t, const float *sin_t, const float *rk, const float *kq,
                 const float *v, const int64_t *z, const float *codebook, const float *sink_k, const float *sink_v,
                 float *counts, float *sums, float *log_counts, float *means, float *code_k, float *out,
-                float *work, gemm16_fn gemm16, uint16_t *work16) {
+                float *work, gemm16_fn gemm16, uint16_t *work16, int dp) {
     const long span_len = (long)(W - 1) + (long)n * Q;
     const long rows = (long)R * Q;
+    /* own bf16 products: when built with AVX-512 BF16, for even D, Dv a multiple of 16, and span starts
+       (j Q) on value pairs; otherwise MKL's bf16 products if given, else float32 */
+    dp = dp && vq_dpbf16_compiled() && D % 2 == 0 && Dv % 16 == 0 && (Q % 2 == 0 || n == 1);
+    if (dp) gemm16 = 0;
     for (int bg = 0; bg < B * G; bg++) {
         group_t a = {
             .b = bg / G, .g = bg % G, .T = T, .H = G * R, .R = R, .D = D, .Dv = Dv, .C = C, .W = W, .Q = Q,
@@ -316,9 +498,27 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
             .log_counts = log_counts + (long)bg * C, .means = means + (long)bg * C * Dv, .out = out,
             .key_means = key_means, .code_k = key_means ? code_k + (long)bg * C * D : 0,
             .d_logit = work + vq_segment_work_floats(R, Q, W - 1, C, m_max, D, Dv) - 2L * C,
-            .gemm16 = gemm16,
+            .gemm16 = gemm16, .dp = dp,
         };
-        if (gemm16) { /* work16: code16 | means16 | q16 | qn16 | p16 | rk16 | kq16 | v16 */
+        if (dp) { /* work16: q16 | qn16 | p16 | rkp | kqp | vp | codep | meansp */
+            const long S = (long)(W - 1) + Q, S2 = S + (S & 1), C2 = C + (C & 1);
+            a.span_ld = span_len + 32;
+            a.C_ld = (C + 31) / 32 * 32;
+            a.q16 = work16;
+            a.qn16 = a.q16 + rows * D;
+            a.p16 = a.qn16 + rows * D;
+            a.rkp = (uint32_t *)(a.p16 + rows * (S2 + C2));
+            a.kqp = a.rkp + (long)(D / 2) * a.span_ld;
+            a.vp = a.kqp + (long)(D / 2) * a.span_ld;
+            a.codep = a.vp + (span_len / 2 + 2) * Dv;
+            a.meansp = a.codep + (long)(D / 2) * a.C_ld;
+            if (j_hi > j_lo) { /* the rows this call's steps read */
+                const long r0 = (long)j_lo * Q, r1 = (long)(j_hi - 1) * Q + S;
+                pack_keys(a.rk, r0, r1, D, a.rkp, a.span_ld);
+                pack_keys(a.kq, r0, r1, D, a.kqp, a.span_ld);
+                pack_values(a.v, span_len, r0 / 2, (r1 + 1) / 2, Dv, a.vp);
+            }
+        } else if (gemm16) { /* work16: code16 | means16 | q16 | qn16 | p16 | rk16 | kq16 | v16 */
             const long P16 = (long)(W - 1) + Q + (Q - 1) + C;
             a.code16 = work16;
             a.means16 = a.code16 + (long)C * D;
@@ -337,6 +537,10 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
         memset(a.d_logit, 0, sizeof(float) * 2 * C);
         for (int j = 0; j < j_hi; j++) {
             const long t_j = seg_t0 + (long)j * Q, lo = (long)j * Q;
+            if (dp && j == j_lo) { /* the packed code columns, as the statistics are now */
+                pack_keys(key_means ? a.code_k : a.cb, 0, C, D, a.codep, a.C_ld);
+                pack_values(a.means, C, 0, a.C_ld / 2, Dv, a.meansp);
+            }
             if (gemm16 && j == j_lo) { /* the bf16 copies of the code columns, as the statistics are now */
                 rows_to_bf16(key_means ? a.code_k : a.cb, (long)C * D, a.code16);
                 rows_to_bf16(a.means, (long)C * Dv, a.means16);

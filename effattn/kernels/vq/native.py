@@ -18,6 +18,7 @@ import os
 import subprocess
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -64,22 +65,45 @@ def _load():
     lib.vq_segment.restype = None
     lib.vq_segment_work_floats.restype = ctypes.c_long
     lib.vq_segment_work16.restype = ctypes.c_long
+    lib.vq_dpbf16_compiled.restype = ctypes.c_int
     blas.MKL_Set_Num_Threads_Local.restype = ctypes.c_int
     blas.MKL_Set_Num_Threads_Local.argtypes = [ctypes.c_int]
     return lib, blas
 
 
-def bf16_available() -> bool:
-    """Whether the compiled loop can run its code products in bfloat16 (MKL's cblas_gemm_bf16bf16f32,
-    on AMX or AVX-512 BF16 where the CPU has them; MKL emulates it elsewhere, slowly)."""
-    if not available() or not hasattr(_blas, "cblas_gemm_bf16bf16f32"):
-        return False
-    flags = ""
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
     try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        line = next((x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")), "")
     except OSError:
-        pass
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def bf16_kernel() -> str:
+    """Which bfloat16 products the compiled loop runs with ``bf16=True``: ``"own"`` (native.c's AVX-512 BF16
+    kernels on packed operands), ``"mkl"`` (MKL's cblas_gemm_bf16bf16f32) or ``""`` (none: float32).
+
+    MKL where the CPU has AMX (its tile units beat VDPBF16PS), the own kernels on other AVX-512 BF16 CPUs
+    (on AMD Zen 4 MKL's bf16 products run no faster than its float32 ones: ~93 GFLOP/s per core, the own
+    ones ~200). ``EFFATTN_BF16_KERNEL=own|mkl`` chooses, where that one can run.
+    """
+    if not available():
+        return ""
+    flags = _cpu_flags()
+    own = bool(_lib.vq_dpbf16_compiled()) and "avx512_bf16" in flags
+    mkl = hasattr(_blas, "cblas_gemm_bf16bf16f32") and bool({"amx_bf16", "avx512_bf16"} & flags)
+    wanted = os.environ.get("EFFATTN_BF16_KERNEL", "")
+    if wanted == "own" and own or wanted == "mkl" and mkl:
+        return wanted
+    if mkl and ("amx_bf16" in flags or not own):
+        return "mkl"
+    return "own" if own else ""
+
+
+def bf16_available() -> bool:
+    """Whether the compiled loop can run its products in bfloat16 here (``bf16_kernel``)."""
+    return bool(bf16_kernel())
 
 
 def _single_threaded_blas() -> None:
@@ -122,21 +146,22 @@ def run_segment(
         raise ValueError("run_segment updates stats and out in place: they must be contiguous")
     inputs = [x.contiguous() for x in (q, cos, sin, rk, kq, v, z, codebook, sink_k, sink_v)]
     stats[2].clamp_(min=MASKED)  # native.c is built with -ffast-math: its maths must stay finite
+    kernel = bf16_kernel() if bf16 else ""
     threads = max(1, min(torch.get_num_threads(), n))
     bounds = [n * i // threads for i in range(threads + 1)]
 
     def call(i: int, own_stats) -> None:
         lo, hi = bounds[i], bounds[i + 1]
         work = torch.empty(_lib.vq_segment_work_floats(R, Q, W - 1, C, m_max, D, Dv), dtype=torch.float32)
-        work16 = torch.empty(_lib.vq_segment_work16(R, Q, W - 1, C, D, Dv, ctypes.c_long(rk.shape[1])) if bf16 else 0,
+        work16 = torch.empty(_lib.vq_segment_work16(R, Q, W - 1, C, D, Dv, ctypes.c_long(rk.shape[1])) if kernel else 0,
                              dtype=torch.int16)  # fmt: skip
         _lib.vq_segment(
             ctypes.cast(_blas.sgemm_, ctypes.c_void_p), *(ctypes.c_int(x) for x in (B, T, G, R, D, Dv, C, W, Q, n)),
             ctypes.c_long(seg_t0), ctypes.c_long(start), ctypes.c_long(sinks), ctypes.c_int(m_max),
             ctypes.c_int(lo), ctypes.c_int(hi), ctypes.c_int(key_means), *(_ptr(x) for x in inputs),
             *(_ptr(x) for x in own_stats[:4]), _ptr(own_stats[4]) if key_means else ctypes.c_void_p(0),
-            _ptr(out), _ptr(work), ctypes.cast(_blas.cblas_gemm_bf16bf16f32, ctypes.c_void_p) if bf16 else None,
-            _ptr(work16) if bf16 else None,
+            _ptr(out), _ptr(work), ctypes.cast(_blas.cblas_gemm_bf16bf16f32, ctypes.c_void_p) if kernel == "mkl" else None,
+            _ptr(work16) if kernel else None, ctypes.c_int(kernel == "own"),
         )  # fmt: skip
 
     if threads == 1:
