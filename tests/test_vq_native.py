@@ -102,16 +102,21 @@ def test_a_failed_build_falls_back_with_its_reason(monkeypatch, tmp_path, count_
     assert count_native_calls == []
 
 
-@pytest.mark.parametrize("key_means", [False, True], ids=["codewords", "key-means"])
-def test_bf16_code_products_stay_within_bfloat16_rounding_of_the_float32_kernel(key_means):
-    """bf16_products: the compiled loop's products with the span and the code columns take bfloat16
-    inputs (MKL's cblas_gemm_bf16bf16f32); the output stays within bfloat16's rounding of the float32
-    kernel's (3e-3 relative here), and the state (statistics, kept in float32) is the same."""
-    from effattn.kernels.vq import native
+def _bf16_kernel_or_skip(monkeypatch, kernel):
+    monkeypatch.setenv("EFFATTN_BF16_KERNEL", kernel)
+    if native.bf16_kernel() != kernel:
+        pytest.skip(f"the {kernel!r} bfloat16 products cannot run on this CPU (amx_bf16 / avx512_bf16)")
 
-    if not native.bf16_available():
-        pytest.skip("no bfloat16 matrix units (amx_bf16 / avx512_bf16) or compiled loop on this CPU")
-    from .test_vq_kernels import assert_close, make_inputs
+
+@pytest.mark.parametrize("kernel", ["own", "mkl"])
+@pytest.mark.parametrize("key_means", [False, True], ids=["codewords", "key-means"])
+def test_bf16_products_stay_within_bfloat16_rounding_of_the_float32_kernel(monkeypatch, key_means, kernel):
+    """bf16_products: the compiled loop's products with the span and the code columns take bfloat16
+    inputs (native.c's own AVX-512 BF16 kernels, or MKL's cblas_gemm_bf16bf16f32); the output stays within
+    bfloat16's rounding of the float32 kernel's (3e-3 relative here), and the state (statistics, kept in
+    float32) is the same."""
+    _bf16_kernel_or_skip(monkeypatch, kernel)
+    from .test_vq_kernels import assert_close
 
     inputs = make_inputs(2, 700, 9, 3, 64, 64, 64, 64, dtype=torch.float32, seed=3)
     settings = dict(window=64, block_size=64, sinks=2, key_means=key_means, return_state=True)
@@ -120,3 +125,52 @@ def test_bf16_code_products_stay_within_bfloat16_rounding_of_the_float32_kernel(
     assert_close("bf16 products", ref, out, 1e-2)
     assert (ref - out).abs().max() > 0  # the products did run in bfloat16
     assert torch.allclose(ref_state.sums, state.sums, rtol=1e-6, atol=1e-5)
+
+
+# (B, T, H, G, D, Dv, C, W, L, sinks, tile, segment, threads): the own kernels' edges: odd span (W even)
+# and odd codebook (padding), Dv = 48 (a 3-vector tail) and 128 (two column blocks), D = 128, more rows
+# than a tile of 8, sinks inside the far span, several segments split over threads, and an odd step
+# length (Q = 5: steps of a segment start on odd rows, so those segments run in float32)
+OWN_CASES = [
+    (2, 301, 6, 2, 16, 16, 7, 38, 4, 3, 8, 64, 1),
+    (1, 513, 4, 4, 32, 48, 5, 64, 16, 0, 16, 128, 2),
+    (1, 300, 3, 1, 128, 128, 33, 20, 8, 70, 8, 64, 2),
+    (1, 260, 9, 3, 64, 64, 32, 48, 64, 4, 64, 4096, 2),
+    (2, 150, 2, 1, 8, 16, 9, 11, 5, 2, 8, 64, 1),
+]
+
+
+@pytest.mark.parametrize("key_means", [False, True], ids=["codewords", "key-means"])
+@pytest.mark.parametrize("case", OWN_CASES, ids=[f"case{i}" for i in range(len(OWN_CASES))])
+def test_own_bf16_kernels_match_mkls_bf16_products(monkeypatch, case, key_means):
+    """The own AVX-512 BF16 products (packed operands, a far span key's share merged into its span column)
+    against MKL's bfloat16 products on the same bf16-rounded inputs: the same up to float32 summation
+    order, and both within bfloat16's rounding of the float32 kernel."""
+    _bf16_kernel_or_skip(monkeypatch, "own")
+    if not hasattr(native._blas, "cblas_gemm_bf16bf16f32"):
+        pytest.skip("torch's MKL has no cblas_gemm_bf16bf16f32")
+    from .test_vq_kernels import assert_close
+
+    B, T, H, G, D, Dv, C, W, L, sinks, tile, segment, threads = case
+    monkeypatch.setattr(vq_chunk, "TILE", tile)
+    monkeypatch.setattr(vq_chunk, "SEGMENT", segment)
+    inputs = make_inputs(B, T, H, G, D, Dv, C, W, dtype=torch.float32, seed=5)
+    settings = dict(window=W, block_size=L, sinks=sinks, key_means=key_means, return_state=True)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            ref, ref_state = vq_attention_chunk(**inputs, **settings)
+            own, own_state = vq_attention_chunk(**inputs, **settings, bf16_products=True)
+            monkeypatch.setenv("EFFATTN_BF16_KERNEL", "mkl")
+            mkl, _ = vq_attention_chunk(**inputs, **settings, bf16_products=True)
+    finally:
+        torch.set_num_threads(previous)
+    if (L * max(1, tile // L)) % 2:  # odd steps: multi-step segments keep float32 (here every segment)
+        assert torch.equal(own, ref)
+        return
+    assert (own - ref).abs().max() > 0, "the own bfloat16 products did not run"
+    assert_close("own bf16 products", ref, own, 1e-2)
+    assert_close("own against MKL's bf16 products", mkl, own, 2e-5)
+    assert torch.equal(own_state.counts, ref_state.counts)
+    torch.testing.assert_close(own_state.sums, ref_state.sums, rtol=0, atol=1e-5)

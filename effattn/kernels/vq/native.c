@@ -245,7 +245,7 @@ typedef struct {
 
 /* Attention of the step starting at absolute position t_j (span entries [lo, lo + P + Q)). */
 static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *work) {
-    const int P = a->W - 1, Q = a->Q, S = P + Q, F = Q - 1, C = a->C, D = a->D, Dv = a->Dv, W = a->W;
+    const int P = a->W - 1, Q = a->Q, S = P + Q, F = Q - 1, C = a->C, D = a->D, Dv = a->Dv;
     const int rows = a->R * Q, h = D / 2;
     const long n_sink = t_j - P < a->sinks ? t_j - P : a->sinks; /* sinks far for the whole step */
     const int m = n_sink > 0 ? (int)n_sink : 0;
@@ -298,34 +298,33 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
     }
     gemm_abt(sgemm, rows, m, D, qf, D, a->sk, D, logits + S + F + C, N);
 
-    /* masks and code biases, then exp(logit - row max) and the row sums */
+    /* per row: the live columns' logits (code biases added), exp(logit - row max) over them and the
+       row sum; dead columns are set to exactly 0 */
     for (int row = 0; row < rows; row++) {
         const int i = row % Q;
-        float *x = logits + (long)row * N;
+        float *x = logits + (long)row * N, *xf = x + S, *xc = x + S + F, *xs = x + S + F + C;
         /* span column c holds key position t_j - P + c, at distance P + i - c from query i: near for
            i <= c <= P + i, far for c < i (far span column c is kept for c < i only); columns before
-           position 0 (c < P - t_j) are masked in both */
+           position 0 (c < P - t_j) are dead in both. Far span columns below sk hold sinks (exact);
+           with key means the others join their codes, else they are exact too */
         const int before = t_j < P ? (int)(P - t_j) : 0;
-        const int near_lo = i > before ? i : before;
-        for (int c = 0; c < near_lo && c < S; c++) x[c] = MASKED;
-        for (int c = P + i + 1; c < S; c++) x[c] = MASKED;
-        for (int c = 0; c < before && c < F; c++) x[S + c] = MASKED;
-        for (int c = i; c < F; c++) x[S + c] = MASKED;
-        float *xc = x + S + F;
+        const int near_lo = i > before ? i : before, near_hi = P + i + 1;
+        const long sinks_left = a->sinks - (t_j - P);
+        const int sk = sinks_left <= 0 ? 0 : sinks_left >= F ? F : (int)sinks_left;
+        const int far_lo = before < i ? before : i, far_hi = i; /* empty when before >= i */
+        const int join_lo = a->key_means ? (far_lo > sk ? far_lo : sk) : far_hi;
+        const int exact_hi = join_lo < far_hi ? join_lo : far_hi; /* exact far columns: [far_lo, exact_hi) */
         if (a->key_means) {
-            /* far span keys that are no sinks join their code: logit (sum + far) / (count + n) + log(count + n) */
-            for (int c = 0; c < F; c++) {
-                if (x[S + c] <= 0.5f * MASKED || t_j - P + c < a->sinks) continue;
+            /* joined keys: their code's logit is (sum + far) / (count + n) + log(count + n) */
+            for (int c = join_lo; c < far_hi; c++) {
                 const long z = a->z[lo + c];
-                d_logit[z] += x[S + c];
+                d_logit[z] += xf[c];
                 d_count[z] += 1.0f;
-                x[S + c] = MASKED;
             }
             /* the codes those keys joined (at most F): their logit from the raw dot product, before the
                pass over every code below overwrites it */
             int joined = 0;
-            for (int c = 0; c < F; c++) {
-                if (t_j - P + c < a->sinks || c >= i || t_j - P + c < 0) continue;
+            for (int c = join_lo; c < far_hi; c++) {
                 const long z = a->z[lo + c];
                 if (d_count[z] < 0.0f) continue; /* done already (marked negative below) */
                 const float n = a->counts[z] + d_count[z];
@@ -343,29 +342,47 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
             for (int c = 0; c < C; c++) xc[c] += a->log_counts[c];
         }
         float mx = MASKED;
-        for (int c = 0; c < N; c++) mx = x[c] > mx ? x[c] : mx;
+        for (int c = near_lo; c < near_hi; c++) mx = x[c] > mx ? x[c] : mx;
+        for (int c = far_lo; c < exact_hi; c++) mx = xf[c] > mx ? xf[c] : mx;
+        for (int c = 0; c < C; c++) mx = xc[c] > mx ? xc[c] : mx;
+        for (int c = 0; c < m; c++) mx = xs[c] > mx ? xs[c] : mx;
         /* exp's argument is kept >= -87 (no underflow: out-of-range inputs send the vector expf to
-           a slow scalar path), and masked columns are set to exactly 0 */
+           a slow scalar path); empty codes (MASKED) get exactly 0 */
         float sum = 0.0f;
-        for (int c = 0; c < N; c++) {
+        for (int c = near_lo; c < near_hi; c++) {
             const float d = x[c] - mx;
-            const float e = expf(d < -87.0f ? -87.0f : d);
-            x[c] = x[c] <= 0.5f * MASKED ? 0.0f : e;
+            x[c] = expf(d < -87.0f ? -87.0f : d);
             sum += x[c];
         }
+        for (int c = far_lo; c < exact_hi; c++) {
+            const float d = xf[c] - mx;
+            xf[c] = expf(d < -87.0f ? -87.0f : d);
+            sum += xf[c];
+        }
+        for (int c = 0; c < C; c++) {
+            const float d = xc[c] - mx;
+            const float e = expf(d < -87.0f ? -87.0f : d);
+            xc[c] = xc[c] <= 0.5f * MASKED ? 0.0f : e;
+            sum += xc[c];
+        }
+        for (int c = 0; c < m; c++) {
+            const float d = xs[c] - mx;
+            xs[c] = expf(d < -87.0f ? -87.0f : d);
+            sum += xs[c];
+        }
         inv_sum[row] = 1.0f / sum;
+        memset(x, 0, sizeof(float) * near_lo);
+        memset(x + near_hi, 0, sizeof(float) * (S - near_hi));
+        memset(xf, 0, sizeof(float) * far_lo);
+        memset(xf + exact_hi, 0, sizeof(float) * (F - exact_hi));
         if (a->key_means) {
             /* each joined key reads its code's probability over the code's count; the code column keeps
                the aggregated keys' share, count / (count + n), for the means of their values */
-            for (int c = 0; c < F; c++) {
-                const long delta = P + i - c;
-                if (delta < W || t_j - P + c < 0 || t_j - P + c < a->sinks) continue;
+            for (int c = join_lo; c < far_hi; c++) {
                 const long z = a->z[lo + c];
-                x[S + c] = xc[z] / (a->counts[z] + d_count[z]);
+                xf[c] = xc[z] / (a->counts[z] + d_count[z]);
             }
-            for (int c = 0; c < F; c++) {
-                const long delta = P + i - c;
-                if (delta < W || t_j - P + c < 0 || t_j - P + c < a->sinks) continue;
+            for (int c = join_lo; c < far_hi; c++) {
                 const long z = a->z[lo + c];
                 if (d_count[z] > 0.0f) {
                     xc[z] *= a->counts[z] / (a->counts[z] + d_count[z]);
@@ -373,12 +390,13 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
                 }
             }
         }
-        if (a->dp) { /* a far span key's share reads the same value row as its span column: one column */
+        if (a->dp) { /* a far span key's share reads the same value row as its span column (far columns
+                        are live below i, near ones from i): one column */
             uint16_t *pr = a->p16 + (long)row * (S2 + C2);
-            for (int c = 0; c < F; c++) pr[c] = to_bf16(x[c] + x[S + c]);
-            for (int c = F; c < S; c++) pr[c] = to_bf16(x[c]);
+            memset(pr, 0, sizeof(uint16_t) * S2);
+            rows_to_bf16(xf + far_lo, far_hi - far_lo, pr + far_lo);
+            rows_to_bf16(x + near_lo, near_hi - near_lo, pr + near_lo);
             rows_to_bf16(xc, C, pr + S2);
-            if (S2 > S) pr[S] = 0;
             if (C2 > C) pr[S2 + C] = 0;
         } else if (a->gemm16) {
             rows_to_bf16(x, P16, a->p16 + (long)row * P16);
@@ -528,10 +546,11 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
             a.rk16 = a.p16 + rows * P16;
             a.kq16 = a.rk16 + span_len * D;
             a.v16 = a.kq16 + span_len * D;
-            if (j_hi > j_lo) { /* the span's keys and values, once per group and call */
-                rows_to_bf16(a.rk, span_len * D, a.rk16);
-                rows_to_bf16(a.kq, span_len * D, a.kq16);
-                rows_to_bf16(a.v, span_len * Dv, a.v16);
+            if (j_hi > j_lo) { /* the span rows this call's steps read, once per group and call */
+                const long r0 = (long)j_lo * Q, n_rows = (long)(j_hi - 1 - j_lo) * Q + (W - 1) + Q;
+                rows_to_bf16(a.rk + r0 * D, n_rows * D, a.rk16 + r0 * D);
+                rows_to_bf16(a.kq + r0 * D, n_rows * D, a.kq16 + r0 * D);
+                rows_to_bf16(a.v + r0 * Dv, n_rows * Dv, a.v16 + r0 * Dv);
             }
         }
         memset(a.d_logit, 0, sizeof(float) * 2 * C);
