@@ -23,7 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -67,7 +67,57 @@ static inline uint16_t to_bf16(float f) {
 }
 
 static void rows_to_bf16(const float *x, long n, uint16_t *y) {
-    for (long i = 0; i < n; i++) y[i] = to_bf16(x[i]);
+    long i = 0;
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= n; i += 16) /* the same rounding, to nearest even */
+        _mm256_storeu_si256((__m256i *)(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) y[i] = to_bf16(x[i]);
+}
+
+/* x[c] = exp(x[c] - mx) for c < n, in place, and their sum; the argument is kept >= -87 (the inputs are
+ * logits below their row's maximum mx). With masked, columns at MASKED (empty codes) get exactly 0.
+ * AVX-512: exp(r) = 2^k exp(r - k ln 2), k = round(r / ln 2), ln 2 split in two for an exact reduction,
+ * exp of the rest (|.| <= ln 2 / 2) by its Taylor polynomial of degree 7 (error < 1e-8, below
+ * float32's rounding). */
+static float exp_sum(float *x, int n, float mx, int masked) {
+    float sum = 0.0f;
+    int c = 0;
+#if defined(__AVX512F__)
+    const __m512 vmx = _mm512_set1_ps(mx), lo = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ln2_hi = _mm512_set1_ps(0.693145751953125f), ln2_lo = _mm512_set1_ps(1.42860676533018e-06f);
+    const __m512 half_masked = _mm512_set1_ps(0.5f * MASKED);
+    __m512 acc = _mm512_setzero_ps();
+    for (; c < n; c += 16) {
+        const __mmask16 live = n - c >= 16 ? 0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(live, x + c);
+        const __m512 r = _mm512_max_ps(_mm512_sub_ps(v, vmx), lo);
+        const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(r, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 f = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, r));
+        __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+        __m512 e = _mm512_scalef_ps(p, k);
+        const __mmask16 keep = masked ? _mm512_mask_cmp_ps_mask(live, v, half_masked, _CMP_GT_OQ) : live;
+        e = _mm512_maskz_mov_ps(keep, e);
+        _mm512_mask_storeu_ps(x + c, live, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#else
+    for (; c < n; c++) {
+        const float d = x[c] - mx;
+        const float e = expf(d < -87.0f ? -87.0f : d);
+        x[c] = masked && x[c] <= 0.5f * MASKED ? 0.0f : e;
+        sum += x[c];
+    }
+#endif
+    return sum;
 }
 
 /* Row-major C (rows x cols) (+)= A (rows x k) @ B^T, B (cols x k), or @ B, B (k x cols): bfloat16 inputs. */
@@ -346,30 +396,8 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
         for (int c = far_lo; c < exact_hi; c++) mx = xf[c] > mx ? xf[c] : mx;
         for (int c = 0; c < C; c++) mx = xc[c] > mx ? xc[c] : mx;
         for (int c = 0; c < m; c++) mx = xs[c] > mx ? xs[c] : mx;
-        /* exp's argument is kept >= -87 (no underflow: out-of-range inputs send the vector expf to
-           a slow scalar path); empty codes (MASKED) get exactly 0 */
-        float sum = 0.0f;
-        for (int c = near_lo; c < near_hi; c++) {
-            const float d = x[c] - mx;
-            x[c] = expf(d < -87.0f ? -87.0f : d);
-            sum += x[c];
-        }
-        for (int c = far_lo; c < exact_hi; c++) {
-            const float d = xf[c] - mx;
-            xf[c] = expf(d < -87.0f ? -87.0f : d);
-            sum += xf[c];
-        }
-        for (int c = 0; c < C; c++) {
-            const float d = xc[c] - mx;
-            const float e = expf(d < -87.0f ? -87.0f : d);
-            xc[c] = xc[c] <= 0.5f * MASKED ? 0.0f : e;
-            sum += xc[c];
-        }
-        for (int c = 0; c < m; c++) {
-            const float d = xs[c] - mx;
-            xs[c] = expf(d < -87.0f ? -87.0f : d);
-            sum += xs[c];
-        }
+        const float sum = exp_sum(x + near_lo, near_hi - near_lo, mx, 0) + exp_sum(xf + far_lo, exact_hi - far_lo, mx, 0) +
+                          exp_sum(xc, C, mx, 1) + exp_sum(xs, m, mx, 0);
         inv_sum[row] = 1.0f / sum;
         memset(x, 0, sizeof(float) * near_lo);
         memset(x + near_hi, 0, sizeof(float) * (S - near_hi));
