@@ -458,9 +458,10 @@ def vq_attention_chunk(
         return_state: also return the state after this chunk.
         key_means: score each far key's code at the mean of the far keys sharing it instead of at
             its codeword (see ``naive.py``); the state then also keeps per-code key sums.
-        bf16_products: in the compiled loop, where the CPU has bfloat16 matrix units, compute the
-            products with the span and code columns from bfloat16 inputs (float32 accumulation): faster, and
-            no longer float32-exact. Ignored (float32) wherever that loop does not run.
+        bf16_products: in the compiled loop, where the CPU has bfloat16 products (AMX or AVX-512 BF16,
+            ``native.bf16_kernel``), compute the products with the span and code columns from bfloat16
+            inputs (float32 accumulation): faster, and no longer float32-exact. Ignored (float32) wherever
+            that loop or those products do not run.
 
     Returns:
         (B, T, H, Dv) output in the dtype of ``q``, and the new :class:`VQState` if ``return_state``.

@@ -7,9 +7,11 @@
  * thread a range of steps and a copy of the statistics, so the threads never wait for each other.
  *
  * Per step and key/value group the work is four matrix products by the BLAS sgemm (logits of the
- * span, far span, code and sink columns), one pass that masks, takes the row maximum,
- * exponentiates and sums, and four products for the output, scaled by 1 / sum at the end. Rows are
- * ordered (head, query) as in chunk.py: row = r * Q + i is query i of the group's r-th query head.
+ * span, far span, code and sink columns), one pass per row over its live columns that takes the
+ * maximum, exponentiates and sums (dead columns are set to 0), and four products for the output,
+ * scaled by 1 / sum at the end. Rows are ordered (head, query) as in chunk.py: row = r * Q + i is
+ * query i of the group's r-th query head. With bf16 products the span and code products take
+ * bfloat16 inputs: MKL's (AMX) or this file's own AVX-512 BF16 kernels (logits16 / out16).
  *
  * With key means (chunk.py's key_means) the code columns are scored at the per-code key sums
  * (code_k, rotated by -F and scaled, part of the statistics) divided by the counts; each query's far
