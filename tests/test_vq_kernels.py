@@ -379,8 +379,12 @@ def test_bench_attention_rejects_bad_settings():
         bench_attention(["vq"], [64], kv_heads=2)
 
 
+@pytest.mark.parametrize("compiled", ["1", "0"], ids=["compiled", "torch"])
 @pytest.mark.parametrize("C", [5, 64, 96, 512])
-def test_nearest_codes_is_the_nearest_codeword_first_on_ties(C):
+def test_nearest_codes_is_the_nearest_codeword_first_on_ties(monkeypatch, C, compiled):
+    """Both scorers: native.c's vq_nearest (float32 on the CPU, rows split over threads) and the
+    batched products of codes.py (EFFATTN_NATIVE=0)."""
+    monkeypatch.setenv("EFFATTN_NATIVE", compiled)
     g = torch.Generator().manual_seed(C)
     k = torch.randn(2, 1500, 3, 8, generator=g)  # more positions than one pass of CHUNK
     codebook = torch.randn(3, C, 8, generator=g)
@@ -391,7 +395,12 @@ def test_nearest_codes_is_the_nearest_codeword_first_on_ties(C):
         kw = k if w is None else torch.einsum("btgd,gde->btge", k, w)
         cw = codebook if w is None else torch.einsum("gcd,gde->gce", codebook, w)
         distances = (kw[..., None, :] - cw[None, None]).square().sum(-1)  # (B, T, G, C)
-        codes = nearest_codes(k, codebook, w)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            codes = nearest_codes(k, codebook, w)
+        finally:
+            torch.set_num_threads(previous)
         chosen = distances.gather(-1, codes[..., None])[..., 0]
         assert torch.allclose(chosen, distances.amin(-1), rtol=1e-5, atol=1e-5)
         assert (codes[0, :10] == C // 2).all()

@@ -600,6 +600,30 @@ void vq_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int C
     }
 }
 
+/* The nearest code of n keys (codes.py's nearest_codes, float32): the first c maximising
+ * <x_r, cb_c> + bias_c, for rows x_r = x + r * ldx (D floats), codebook cb (C, D), bias (C); written to
+ * codes[r * stride]. Scores go through sgemm NEAREST_ROWS rows at a time, in work (NEAREST_ROWS x C). */
+#define NEAREST_ROWS 128
+long vq_nearest_work_floats(int C) { return (long)NEAREST_ROWS * C; }
+
+void vq_nearest(sgemm_fn sgemm, long n, int D, int C, const float *x, long ldx, const float *cb, const float *bias,
+                int64_t *codes, long stride, float *work) {
+    for (long r0 = 0; r0 < n; r0 += NEAREST_ROWS) {
+        const int rows = n - r0 < NEAREST_ROWS ? (int)(n - r0) : NEAREST_ROWS;
+        gemm_abt(sgemm, rows, C, D, x + r0 * ldx, (int)ldx, cb, D, work, C);
+        for (int r = 0; r < rows; r++) {
+            float *score = work + (long)r * C, top = -3.0e38f;
+            for (int c = 0; c < C; c++) {
+                score[c] += bias[c];
+                top = score[c] > top ? score[c] : top;
+            }
+            int best = 0;
+            while (best < C - 1 && score[best] != top) best++; /* the first maximum */
+            codes[(r0 + r) * stride] = best;
+        }
+    }
+}
+
 /* One decode step (decode.py's vq_decode_step, read it first): the query at position t of every
  * key/value group bg reads the W ring rows of its window (rotated queries) and the C code rows and m
  * sink rows (unrotated queries), with bias[bg, column] added; then the key leaving the window joins its

@@ -66,6 +66,10 @@ def _load():
     lib.vq_segment_work_floats.restype = ctypes.c_long
     lib.vq_segment_work16.restype = ctypes.c_long
     lib.vq_dpbf16_compiled.restype = ctypes.c_int
+    lib.vq_nearest_work_floats.restype = ctypes.c_long
+    lib.vq_nearest.restype = None
+    lib.vq_nearest.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
     blas.MKL_Set_Num_Threads_Local.restype = ctypes.c_int
     blas.MKL_Set_Num_Threads_Local.argtypes = [ctypes.c_int]
     return lib, blas
@@ -171,6 +175,38 @@ def run_segment(
     own = [tuple(x.clone() for x in stats) for _ in range(threads - 1)] + [stats]
     for future in [_workers(threads).submit(call, i, own[i]) for i in range(threads)]:
         future.result()
+
+
+def nearest_codes(k: Tensor, codebook: Tensor, bias: Tensor) -> Tensor:
+    """codes.py's ``nearest_codes`` in C: for k (B, T, G, D) and, per head, codebook (G, C, D) and bias (G, C),
+    the first code maximising ``<k, c> + bias`` (B, T, G) int64. float32 on the CPU, ``available()``; rows
+    are split over ``torch.get_num_threads()`` threads, each scoring 128 rows at a time in its cache."""
+    B, T, G, D = k.shape
+    C = codebook.shape[1]
+    k, codebook, bias = k.contiguous(), codebook.contiguous(), bias.contiguous()
+    codes = torch.empty(B, T, G, dtype=torch.int64)
+    n = B * T
+    threads = max(1, min(torch.get_num_threads(), n // 256))
+    bounds = [n * i // threads for i in range(threads + 1)]
+    sgemm = ctypes.cast(_blas.sgemm_, ctypes.c_void_p)
+
+    def call(g: int, i: int) -> None:
+        lo, hi = bounds[i], bounds[i + 1]
+        work = torch.empty(_lib.vq_nearest_work_floats(C), dtype=torch.float32)
+        _lib.vq_nearest(sgemm, hi - lo, D, C, k.data_ptr() + 4 * (lo * G + g) * D, G * D, codebook[g].data_ptr(),
+                        bias[g].data_ptr(), codes.data_ptr() + 8 * (lo * G + g), G, work.data_ptr())  # fmt: skip
+
+    if threads == 1:
+        _blas.MKL_Set_Num_Threads_Local(1)
+        try:
+            for g in range(G):
+                call(g, 0)
+        finally:
+            _blas.MKL_Set_Num_Threads_Local(0)
+        return codes
+    for future in [_workers(threads).submit(call, g, i) for g in range(G) for i in range(threads)]:
+        future.result()
+    return codes
 
 
 _DECODE_ARGTYPES = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_long, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 20
