@@ -128,7 +128,7 @@ def test_bad_options_are_one_line_errors_and_write_nothing(tiny, tmp_path, capsy
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
-def test_dry_run_states_the_constant_cache_and_writes_nothing(tiny, tmp_path, capsys):
+def test_dry_run_states_the_constant_cache_and_writes_nothing(tiny, tmp_path, capsys, monkeypatch):
     src = tiny("llama", layers=2)
     out = tmp_path / "out"
     code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "performer", "--features",
@@ -143,6 +143,14 @@ def test_dry_run_states_the_constant_cache_and_writes_nothing(tiny, tmp_path, ca
     assert f"state S, z {2 * 6 * (16 * 8 + 16) * 4:,}" in line and f"64 x {2 * 6 * (8 + 8 + 16) * 4:,} bytes/token" in line
     before, after = plan["kv_bytes_per_token"]
     assert before == 2 * 2 * 3 * 8 * 4 and after == pytest.approx((2 * 6 * 144 * 4 + 64 * 2 * 6 * 32 * 4) / 4096)
+    # which decode step generation will take here: the compiled one (CI builds it), or why not
+    assert plan["summary"]["decode step"] == "compiled, one call per layer and token (kernels/linear/native.c)"
+    monkeypatch.setenv("EFFATTN_NATIVE", "0")
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--dry-run", "--json", "-o", out, "--no-eval")
+    assert code == 0, err
+    assert json.loads(stdout)["summary"]["decode step"] == (
+        "PyTorch (hybrid_attention_step): the compiled one is unavailable (turned off by EFFATTN_NATIVE=0)")
+    monkeypatch.delenv("EFFATTN_NATIVE")
     # taylor without a window: nothing to fit, so no calibration either; the cache is the state alone
     code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "taylor", "--window", "0",
                                 "--dry-run", "--json", "--no-eval")

@@ -147,7 +147,8 @@ class LinearAttention(AdoptedAttention):
         hedgehog = isinstance(self.feature_map_q, HedgehogFeatureMap)
         maps = (self.feature_map_q.weight, self.feature_map_k.weight) if hedgehog else ()
         if can_decode(state, q, *maps):  # one token after a cached prefix, inference: the compiled step
-            return self.o_proj(self._decode(q, k, v, position_embeddings, cache, state).reshape(B, T, -1)), None
+            out = self._decode(q, k, v, position_embeddings, cache, state, hedgehog)
+            return self.o_proj(out.reshape(B, T, -1)), None
         if isinstance(state, LinearDecodeState):  # anything else continues from the plain state
             state = state.to_state()
         cos, sin = (x[0].to(q.dtype)[:, None] for x in position_embeddings)  # [T, 1, D]: one layout per batch
@@ -175,15 +176,16 @@ class LinearAttention(AdoptedAttention):
             cache.states[self.layer_idx] = _stored(state)
         return self.o_proj(out.reshape(B, T, -1)), None  # [B, T, H * D] -> [B, T, hidden]
 
-    def _decode(self, q, k, v, position_embeddings, cache, state) -> torch.Tensor:
+    def _decode(self, q, k, v, position_embeddings, cache, state, hedgehog: bool) -> torch.Tensor:
         """One token through the compiled step (kernels/linear/decode.py), the layer's state kept in the
-        cache in the step's ring layout; returns [B, 1, H, D]."""
+        cache in the step's ring layout; returns [B, 1, H, D]. ``hedgehog``: the maps are Hedgehog's,
+        which the step computes itself."""
         if not isinstance(state, LinearDecodeState):
             state = cache.states[self.layer_idx] = from_state(state)
         cos, sin = (x[0, 0].to(q.dtype) for x in position_embeddings)  # [D]: this position's row
         settings = dict(scale=self.scaling, eps=float(self.config.linear_eps))
         fmq, fmk = self.feature_map_q, self.feature_map_k
-        if isinstance(fmq, HedgehogFeatureMap):  # RoPE and the maps run in the step too
+        if hedgehog:  # RoPE and the maps run in the step too
             return native_decode_step(state, q, k, v, cos, sin, self.window_factors,
                                       hedgehog=(fmq.weight, fmq.bias, fmk.weight, fmk.bias), **settings)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

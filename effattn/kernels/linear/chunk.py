@@ -169,9 +169,9 @@ def _far_part_fla(kernel, fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_
 
 
 def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tuple, *, window: int, wf: Tensor,
-             lf: Tensor, scale: float, eps: float, C: int, grad: bool) -> tuple[Tensor, tuple]:
+             lf: Tensor, scale: float, eps: float, C: int, grad: bool, fla=None) -> tuple[Tensor, tuple]:
     """The T positions after ``state`` (head-major inputs in the compute dtype; state = (seen, k, v, fk, S, z),
-    head-major): (out [BH, T, Dv], the state after them)."""
+    head-major): (out [BH, T, Dv], the state after them). ``fla``: ``fla_kernel``'s answer for the device."""
     seen, k_prev, v_prev, fk_prev, S, z = state
     T, n = q.shape[1], k_prev.shape[1]
     L = n + T
@@ -180,7 +180,6 @@ def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tup
         win_num, win_den = _window_part(q, k, v, k_prev, v_prev, min(window, L), scale, min(C, L), grad)
         num, den = wf[:, :, None] * win_num, wf * win_den
     if seen + T > window:  # some key leaves the window in this segment (or already has)
-        fla = fla_kernel(q.device)
         if fla is not None:  # CUDA: flash-linear-attention's chunked kernel
             far_num, far_den, S, z = _far_part_fla(fla, fq, fk, v, fk_prev, v_prev, window - n, S, z)
         else:
@@ -348,8 +347,9 @@ def hybrid_attention_chunk(
     lf = head_weights(linear_factor, H, dt, q.device).repeat(B)[:, None]  # [B * H, 1]
     hm = (state.seen, *map(heads_major, (state.k, state.v, state.fk)), state.S.to(dt).reshape(B * H, Fd, Dv),
           state.z.to(dt).reshape(B * H, Fd))
+    fla = fla_kernel(q.device)  # looked up once per call
     fast = (not grad and window in FAST_WINDOWS and os.environ.get("EFFATTN_LINEAR_FAST", "1") != "0"
-            and fla_kernel(q.device) is None)  # fmt: skip
+            and fla is None)  # fmt: skip
     if not fast:
         q, k, v, fq, fk = map(heads_major, (q, k, v, fq, fk))
     outs = []
@@ -360,7 +360,7 @@ def hybrid_attention_chunk(
                                     wf=wf, lf=lf, scale=scale, eps=eps, dt=dt)
         else:
             out, hm = _segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk[:, part], hm, window=window,
-                               wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad)
+                               wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad, fla=fla)
         outs.append(out)
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B * H, T, Dv]
     out = out.view(B, H, T, Dv).transpose(1, 2).to(in_dtype)  # [B, T, H, Dv]
