@@ -361,6 +361,13 @@ def test_vq_dry_run_writes_nothing(tiny, tmp_path, calib_file):
     result = convert(src, tmp_path / "vq", to="vq", options={"codebook_size": 16, "window": 16}, dry_run=True)
     assert result.out is None and not (tmp_path / "vq").exists()
     assert result.plan.settings["codebook_size"] == 16 and result.plan.est_seconds > 0
+    # the plan says which step loop and which bfloat16 products (vq_bf16_products) run on this machine
+    from effattn.kernels.vq import native
+
+    line = dict(result.plan.summary)["VQ kernel"]
+    expected = {"own": "native.c's AVX-512 BF16 products", "mkl": "MKL's bf16 products",
+                "": "none on this CPU (float32)"}[native.bf16_kernel()]
+    assert line.startswith("compiled step loop (native.c); with vq_bf16_products: " + expected)
     with pytest.raises(EffattnError, match="does not apply"):
         convert(src, tmp_path / "x", to="rerope", options={"codebook_size": 16}, dry_run=True)
     from effattn.info import inspect_model

@@ -125,7 +125,11 @@ def _kernel_line() -> str:
     from ..kernels.vq import native
 
     why = native.why_unavailable()
-    return "compiled step loop (native.c)" if not why else f"PyTorch step loop: the compiled one is unavailable ({why})"
+    if why:
+        return f"PyTorch step loop: the compiled one is unavailable ({why})"
+    bf16 = {"own": "native.c's AVX-512 BF16 products", "mkl": "MKL's bf16 products (AMX / AVX-512 BF16)",
+            "": "none on this CPU (float32)"}[native.bf16_kernel()]
+    return f"compiled step loop (native.c); with vq_bf16_products: {bf16}"
 
 
 def _vq_classes():
