@@ -32,8 +32,8 @@ def nearest_codes(k: Tensor, codebook: Tensor, metric: Tensor | None = None, tab
     ``metric`` (G, D, E) is a whitening map W: the distance is ``‖Wᵀ(k − c)‖²`` (W = I: the plain
     distance). The nearest codeword maximises ``<k, c> − ‖c‖² / 2`` (in whitened space), one batched
     matrix product per ``CHUNK`` positions (float32 on the CPU: native.c's ``vq_nearest``, 128 rows at a
-    time in cache, rows split over threads, unless ``EFFATTN_NATIVE=0``). Ties go to the lower index. ``table``: ``code_table``'s
-    result for this codebook, metric and k's dtype, if the caller keeps it.
+    time in cache, rows split over threads, unless ``EFFATTN_NATIVE=0``). Ties go to the lower index.
+    ``table``: ``code_table``'s result for this codebook, metric and k's dtype, if the caller keeps it.
     """
     B, T, G, D = k.shape
     codebook, w, neg_half_norms = table if table is not None else code_table(codebook, metric, k.dtype)
