@@ -129,7 +129,7 @@ def test_bf16_products_stay_within_bfloat16_rounding_of_the_float32_kernel(monke
 
 # (B, T, H, G, D, Dv, C, W, L, sinks, tile, segment, threads): the own kernels' edges: odd span (W even)
 # and odd codebook (padding), Dv = 48 (a 3-vector tail) and 128 (two column blocks), D = 128, more rows
-# than a tile of 8, sinks inside the far span, several segments split over threads, and an odd step
+# than a tile of 8 and fewer, sinks inside the far span, several segments split over threads, and an odd step
 # length (Q = 5: steps of a segment start on odd rows, so those segments run in float32)
 OWN_CASES = [
     (2, 301, 6, 2, 16, 16, 7, 38, 4, 3, 8, 64, 1),
@@ -137,6 +137,7 @@ OWN_CASES = [
     (1, 300, 3, 1, 128, 128, 33, 20, 8, 70, 8, 64, 2),
     (1, 260, 9, 3, 64, 64, 32, 48, 64, 4, 64, 4096, 2),
     (2, 150, 2, 1, 8, 16, 9, 11, 5, 2, 8, 64, 1),
+    (1, 200, 2, 2, 16, 32, 9, 13, 6, 1, 8, 64, 2),  # 6 rows a step: below one 8-row tile
 ]
 
 
