@@ -32,8 +32,8 @@ demo: setup
 	$(VENV)/bin/effattn eval out/llama-mqa --baseline llama
 
 # Two pytest workers (one per core), a test file's tests on one worker (module fixtures are built once),
-# one thread each. Idle, on 2 cores (AMD EPYC): 682 s and 730 s in two earlier clean clones, 785 s (712 tests) on
-# 2026-12-04; the last one-process run (two threads) took 969 s.
+# one thread each. Idle, on 2 cores (AMD EPYC): 682 s and 730 s in two earlier clean clones, 785 s (712 tests) and
+# 883 s (730 tests, a slower day for the machine) on 2026-12-04; the last one-process run (two threads) took 969 s.
 WORKERS ?= 2
 PYTEST  := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(WORKERS) --dist loadfile
 
