@@ -127,9 +127,7 @@ def _kernel_line() -> str:
     why = native.why_unavailable()
     if why:
         return f"PyTorch step loop: the compiled one is unavailable ({why})"
-    bf16 = {"own": "native.c's AVX-512 BF16 products", "mkl": "MKL's bf16 products (AMX / AVX-512 BF16)",
-            "": "none on this CPU (float32)"}[native.bf16_kernel()]
-    return f"compiled step loop (native.c); with vq_bf16_products: {bf16}"
+    return f"compiled step loop (native.c); with vq_bf16_products: {native.BF16_KERNELS[native.bf16_kernel()]}"
 
 
 def _vq_classes():

@@ -15,19 +15,29 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 
 
+@lru_cache(maxsize=1)
+def cpu_flags_line() -> str:
+    """The CPU's ``flags`` line of /proc/cpuinfo ('' where there is none)."""
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``avx512_bf16``, ``amx_bf16``, ...)."""
+    return frozenset(cpu_flags_line().partition(":")[2].split())
+
+
 def machine_tag(source: Path) -> str:
     """A hash of the source, the flags and the CPU."""
-    cpu = ""
-    try:
-        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
-    text = source.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode() + cpu.encode()
+    text = source.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode() + cpu_flags_line().encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
 

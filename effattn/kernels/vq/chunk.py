@@ -563,7 +563,7 @@ def vq_attention_chunk(
                                 codebook=codebook_bg, sink_k=sink_k_bg, sink_v=sink_v_bg,
                                 stats=(counts, sums, log_counts, means), code_k=code_k, out=out, R=R, W=W,
                                 Q=Q, n=n, seg_t0=t0, start=start, sinks=sinks,
-                                bf16=bf16_products and _native.bf16_available())  # fmt: skip
+                                bf16=bf16_products)  # fmt: skip
         else:
             for j in range(n):
                 t_j, lo = t0 + j * Q, j * Q  # first position of the step, its span's start in the buffers

@@ -41,7 +41,7 @@ def nearest_codes(k: Tensor, codebook: Tensor, metric: Tensor | None = None, tab
         piece = k.reshape(B * T, G, D).transpose(0, 1)  # (G, B*T, D)
         scores = torch.baddbmm(neg_half_norms, piece if w is None else piece @ w, codebook.mT)
         return scores.argmax(-1).T.reshape(B, T, G)
-    if k.dtype == torch.float32 and k.device.type == "cpu" and _native_ready():
+    if k.dtype == torch.float32 and k.device.type == "cpu" and _native is not None and _native.available():
         piece = k if w is None else torch.einsum("btgd,gde->btge", k, w)
         return _native.nearest_codes(piece, codebook, neg_half_norms[:, 0, :])
     codes = torch.empty(B, T, G, dtype=torch.int64, device=k.device)
@@ -55,11 +55,6 @@ def nearest_codes(k: Tensor, codebook: Tensor, metric: Tensor | None = None, tab
         torch.baddbmm(neg_half_norms, piece, codebook.mT, out=scores)  # (G, B*n, C)
         codes[:, i : i + CHUNK] = _first_argmax(scores).view(G, B, -1).permute(1, 2, 0)
     return codes
-
-
-def _native_ready() -> bool:
-    """Whether the compiled scorer (native.c's vq_nearest) runs: built and not turned off (EFFATTN_NATIVE=0)."""
-    return _native is not None and _native.available()
 
 
 def _first_argmax(scores: Tensor, width: int = 32) -> Tensor:

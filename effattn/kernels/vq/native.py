@@ -18,13 +18,13 @@ import os
 import subprocess
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from effattn.kernels.build import load_library
+from effattn.kernels.build import cpu_flags, load_library
 
 SOURCE = Path(__file__).with_name("native.c")
 MASKED = -1e30  # native.c's finite stand-in for -inf (it is built with -ffast-math)
@@ -75,13 +75,9 @@ def _load():
     return lib, blas
 
 
-@lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    try:
-        line = next((x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+# bf16_kernel's answers, in words (the conversion plan's "VQ kernel" line)
+BF16_KERNELS = {"own": "native.c's AVX-512 BF16 products", "mkl": "MKL's bf16 products (AMX / AVX-512 BF16)",
+                "": "none on this CPU (float32)"}
 
 
 def bf16_kernel() -> str:
@@ -94,7 +90,7 @@ def bf16_kernel() -> str:
     """
     if not available():
         return ""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     own = bool(_lib.vq_dpbf16_compiled()) and "avx512_bf16" in flags
     mkl = hasattr(_blas, "cblas_gemm_bf16bf16f32") and bool({"amx_bf16", "avx512_bf16"} & flags)
     wanted = os.environ.get("EFFATTN_BF16_KERNEL", "")
@@ -103,11 +99,6 @@ def bf16_kernel() -> str:
     if mkl and ("amx_bf16" in flags or not own):
         return "mkl"
     return "own" if own else ""
-
-
-def bf16_available() -> bool:
-    """Whether the compiled loop can run its products in bfloat16 here (``bf16_kernel``)."""
-    return bool(bf16_kernel())
 
 
 def _single_threaded_blas() -> None:
@@ -140,7 +131,8 @@ def run_segment(
     and scaled, updated in place like the statistics; ``kq`` then holds exact keys). Every tensor is
     float32 (``z`` int64) on the CPU. ``-inf`` log counts (empty codes) become ``MASKED``, which the C
     code treats alike. ``bf16``: the step's products with the span and the code columns (all its
-    arithmetic but the sinks') take bfloat16 inputs and accumulate in float32 (``bf16_available``).
+    arithmetic but the sinks') take bfloat16 inputs and accumulate in float32, where ``bf16_kernel`` names
+    products that run here (float32 otherwise).
     """
     B, T, H, D = q.shape
     G, Dv, C, m_max = H // R, v.shape[-1], codebook.shape[1], sink_k.shape[1]
@@ -168,12 +160,18 @@ def run_segment(
             _ptr(work16) if kernel else None, ctypes.c_int(kernel == "own"),
         )  # fmt: skip
 
-    if threads == 1:
-        call(0, stats)
-        return
     # the others work on copies; the last thread runs to the segment's end, so it updates the caller's
     own = [tuple(x.clone() for x in stats) for _ in range(threads - 1)] + [stats]
-    for future in [_workers(threads).submit(call, i, own[i]) for i in range(threads)]:
+    _run([partial(call, i, own[i]) for i in range(threads)], threads)
+
+
+def _run(tasks: list, threads: int) -> None:
+    """Run the tasks here (one thread) or on ``threads`` workers, whose sgemm calls stay on their thread."""
+    if threads == 1:
+        for task in tasks:
+            task()
+        return
+    for future in [_workers(threads).submit(task) for task in tasks]:
         future.result()
 
 
@@ -196,16 +194,7 @@ def nearest_codes(k: Tensor, codebook: Tensor, bias: Tensor) -> Tensor:
         _lib.vq_nearest(sgemm, hi - lo, D, C, k.data_ptr() + 4 * (lo * G + g) * D, G * D, codebook[g].data_ptr(),
                         bias[g].data_ptr(), codes.data_ptr() + 8 * (lo * G + g), G, work.data_ptr())  # fmt: skip
 
-    if threads == 1:
-        _blas.MKL_Set_Num_Threads_Local(1)
-        try:
-            for g in range(G):
-                call(g, 0)
-        finally:
-            _blas.MKL_Set_Num_Threads_Local(0)
-        return codes
-    for future in [_workers(threads).submit(call, g, i) for g in range(G) for i in range(threads)]:
-        future.result()
+    _run([partial(call, g, i) for g in range(G) for i in range(threads)], threads)
     return codes
 
 
