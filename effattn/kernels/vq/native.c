@@ -248,28 +248,25 @@ static void out16(int rows, int KP, const uint32_t *P, int ldp, const uint32_t *
 
 static inline uint32_t bf16_pair(float lo, float hi) { return (uint32_t)to_bf16(lo) | ((uint32_t)to_bf16(hi) << 16); }
 
-/* rows [r0, r1) of x (rows x D, row-major) into Bp[kp * ld + row] (logits16's packed B) */
-static void pack_keys(const float *x, long r0, long r1, int D, uint32_t *Bp, long ld) {
-    for (long r = r0; r < r1; r++)
-        for (int kp = 0; kp < D / 2; kp++) Bp[kp * ld + r] = bf16_pair(x[r * D + 2 * kp], x[r * D + 2 * kp + 1]);
-}
-
-/* row pairs [k0, k1) of x (n rows x Dv) into Vp[k * Dv + d] (out16's packed V); rows >= n are zero */
-static void pack_values(const float *x, long n, long k0, long k1, int Dv, uint32_t *Vp) {
-    for (long k = k0; k < k1; k++)
-        for (int d = 0; d < Dv; d++)
-            Vp[k * Dv + d] = bf16_pair(2 * k < n ? x[2 * k * Dv + d] : 0.0f, 2 * k + 1 < n ? x[(2 * k + 1) * Dv + d] : 0.0f);
-}
-
 /* one row of x (D) as column c of Bp (logits16's packed B, ld columns) */
 static void pack_key(const float *x, int D, uint32_t *Bp, long ld, long c) {
     for (int kp = 0; kp < D / 2; kp++) Bp[kp * ld + c] = bf16_pair(x[2 * kp], x[2 * kp + 1]);
 }
 
-/* row c of V (Dv) into its half of Vp's pair c / 2 */
+/* row c of V (Dv, or zeros for NULL) into its half of Vp's pair c / 2 (out16's packed V) */
 static void pack_value(const float *x, int Dv, uint32_t *Vp, long c) {
     uint16_t *h = (uint16_t *)(Vp + (c / 2) * Dv) + (c & 1);
-    for (int d = 0; d < Dv; d++) h[2 * d] = to_bf16(x[d]);
+    for (int d = 0; d < Dv; d++) h[2 * d] = x ? to_bf16(x[d]) : 0;
+}
+
+/* rows [r0, r1) of x (rows x D) as columns of Bp */
+static void pack_keys(const float *x, long r0, long r1, int D, uint32_t *Bp, long ld) {
+    for (long r = r0; r < r1; r++) pack_key(x + r * D, D, Bp, ld, r);
+}
+
+/* row pairs [k0, k1) of x (n rows x Dv) into Vp; rows >= n are zero */
+static void pack_values(const float *x, long n, long k0, long k1, int Dv, uint32_t *Vp) {
+    for (long r = 2 * k0; r < 2 * k1; r++) pack_value(r < n ? x + r * Dv : 0, Dv, Vp, r);
 }
 
 /* One segment's inputs for one key/value group bg = b * G + g (see vq_segment for the shapes). */
@@ -330,16 +327,16 @@ static void attend(sgemm_fn sgemm, const group_t *a, long t_j, long lo, float *w
     /* logits: span (near), far span, codes, sinks */
     const int P16 = S + F + C; /* row length of the bf16 probabilities */
     const int S2 = S + (S & 1), C2 = C + (C & 1); /* own bf16 products: the span and codes padded to even */
-    if (a->dp) {
+    if (a->dp || a->gemm16) {
         rows_to_bf16(qn, (long)rows * D, a->qn16);
         rows_to_bf16(qf, (long)rows * D, a->q16);
+    }
+    if (a->dp) {
         const uint32_t *qn2 = (const uint32_t *)a->qn16, *qf2 = (const uint32_t *)a->q16;
         logits16(rows, S, D / 2, qn2, D / 2, a->rkp + lo, a->span_ld, logits, N);
         logits16(rows, F, D / 2, qf2, D / 2, a->kqp + lo, a->span_ld, logits + S, N);
         logits16(rows, C, D / 2, qf2, D / 2, a->codep, a->C_ld, logits + S + F, N);
     } else if (a->gemm16) {
-        rows_to_bf16(qn, (long)rows * D, a->qn16);
-        rows_to_bf16(qf, (long)rows * D, a->q16);
         gemm16_abt(a->gemm16, rows, S, D, a->qn16, D, a->rk16 + lo * D, D, logits, N);
         gemm16_abt(a->gemm16, rows, F, D, a->q16, D, a->kq16 + lo * D, D, logits + S, N);
         gemm16_abt(a->gemm16, rows, C, D, a->q16, D, a->code16, D, logits + S + F, N);
@@ -661,13 +658,11 @@ void vq_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int C, int m
         for (int r = 0; r < R; r++) rope_row(Q + (long)r * D, cos_t, sin_t, 1.0f, D, qn + (long)r * D);
         gemm_abt(sgemm, R, W, D, qn, D, K, D, logits, N);
         gemm_abt(sgemm, R, C + m, D, Q, D, K + (long)W * D, D, logits + W, N);
-        for (int r = 0; r < R; r++) { /* softmax, row by row: bias, max, exp (vectorized), sum */
-            float *row = logits + (long)r * N, top = MASKED, total = 0.0f;
+        for (int r = 0; r < R; r++) { /* softmax, row by row: bias, max, exp and sum (empty codes: 0) */
+            float *row = logits + (long)r * N, top = MASKED;
             for (int j = 0; j < N; j++) row[j] += bs[j];
             for (int j = 0; j < N; j++) top = row[j] > top ? row[j] : top;
-            for (int j = 0; j < N; j++) row[j] = expf(row[j] - top);
-            for (int j = 0; j < N; j++) total += row[j];
-            float inv = 1.0f / total;
+            float inv = 1.0f / exp_sum(row, N, top, 1);
             for (int j = 0; j < N; j++) row[j] *= inv;
         }
         gemm_ab(sgemm, R, Dv, N, logits, N, V, Dv, 0.0f, out + (long)bg * R * Dv, Dv);
