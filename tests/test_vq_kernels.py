@@ -385,6 +385,11 @@ def test_nearest_codes_is_the_nearest_codeword_first_on_ties(monkeypatch, C, com
     """Both scorers: native.c's vq_nearest (float32 on the CPU, rows split over threads) and the
     batched products of codes.py (EFFATTN_NATIVE=0)."""
     monkeypatch.setenv("EFFATTN_NATIVE", compiled)
+    from effattn.kernels.vq import native
+
+    calls = []
+    real = native.nearest_codes
+    monkeypatch.setattr(native, "nearest_codes", lambda *a: (calls.append(1), real(*a))[1])
     g = torch.Generator().manual_seed(C)
     k = torch.randn(2, 1500, 3, 8, generator=g)  # more positions than one pass of CHUNK
     codebook = torch.randn(3, C, 8, generator=g)
@@ -404,3 +409,4 @@ def test_nearest_codes_is_the_nearest_codeword_first_on_ties(monkeypatch, C, com
         chosen = distances.gather(-1, codes[..., None])[..., 0]
         assert torch.allclose(chosen, distances.amin(-1), rtol=1e-5, atol=1e-5)
         assert (codes[0, :10] == C // 2).all()
+    assert len(calls) == (2 if compiled == "1" else 0)  # the scorer asked for ran, for both metrics

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import effattn  # noqa: F401  (registers effattn_vq)
 from effattn.attention.vq import EffattnVQForCausalLM, VQCache, nearest_codes
+from effattn.kernels.build import cpu_flags
 from effattn.convert import convert
 from effattn.convert.kmeans import kmeans
 from effattn.errors import EffattnError
@@ -356,18 +357,29 @@ def test_bad_vq_options_are_one_line_errors(tiny, tmp_path, calib_file, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]  # nothing written, not even temporaries
 
 
-def test_vq_dry_run_writes_nothing(tiny, tmp_path, calib_file):
+def test_vq_dry_run_writes_nothing(tiny, tmp_path, calib_file, monkeypatch):
     src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
     result = convert(src, tmp_path / "vq", to="vq", options={"codebook_size": 16, "window": 16}, dry_run=True)
     assert result.out is None and not (tmp_path / "vq").exists()
     assert result.plan.settings["codebook_size"] == 16 and result.plan.est_seconds > 0
-    # the plan says which step loop and which bfloat16 products (vq_bf16_products) run on this machine
+    # the plan says which step loop and which bfloat16 products (vq_bf16_products) run on this machine,
+    # following EFFATTN_BF16_KERNEL where that choice can run
     from effattn.kernels.vq import native
 
-    line = dict(result.plan.summary)["VQ kernel"]
-    expected = {"own": "native.c's AVX-512 BF16 products", "mkl": "MKL's bf16 products",
-                "": "none on this CPU (float32)"}[native.bf16_kernel()]
-    assert line.startswith("compiled step loop (native.c); with vq_bf16_products: " + expected)
+    def kernel_line() -> str:
+        plan = convert(src, tmp_path / "vq", to="vq", options={"codebook_size": 16, "window": 16}, dry_run=True).plan
+        return dict(plan.summary)["VQ kernel"]
+
+    seen = set()
+    for choice in ("own", "mkl"):
+        monkeypatch.setenv("EFFATTN_BF16_KERNEL", choice)
+        kernel = native.bf16_kernel()
+        seen.add(kernel)
+        assert kernel_line() == f"compiled step loop (native.c); with vq_bf16_products: {native.BF16_KERNELS[kernel]}"
+    if {"avx512_bf16"} <= cpu_flags() and native._lib.vq_dpbf16_compiled():  # both can run here: both were said
+        assert seen == {"own", "mkl"}
+    monkeypatch.setenv("EFFATTN_NATIVE", "0")
+    assert kernel_line() == "PyTorch step loop: the compiled one is unavailable (turned off by EFFATTN_NATIVE=0)"
     with pytest.raises(EffattnError, match="does not apply"):
         convert(src, tmp_path / "x", to="rerope", options={"codebook_size": 16}, dry_run=True)
     from effattn.info import inspect_model

@@ -85,6 +85,7 @@ def test_autograd_and_other_dtypes_keep_the_torch_loop(count_native_calls):
 
 def test_a_failed_build_falls_back_with_its_reason(monkeypatch, tmp_path, count_native_calls):
     monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_why_not", "")  # restored after, as _lib is: later tests read the reason
     monkeypatch.setenv("EFFATTN_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
     with pytest.warns(RuntimeWarning, match="compiled VQ step loop is unavailable .*failed to build native.c"):
