@@ -285,6 +285,7 @@ def eval_(
                                                            "blocks outside it), eager; native models only. An MLA "
                                                            "model runs effattn's absorbed latent attention unless "
                                                            "one is named (sdpa: transformers' path)"),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N: where the models run"),
 ):
     """Perplexity, agreement and KL against a baseline, measured KV bytes/token, prefill/decode speed;
     or (--task passkey|needle) long-context retrieval accuracy over lengths x depths."""
@@ -296,7 +297,7 @@ def eval_(
         return _eval_retrieval(model, baseline, task=task, lengths=lengths, depths=depths, samples=samples, seed=seed,
                                filler=filler, plot=plot, dtype=dtype, tokenizer=tokenizer, as_json=as_json,
                                trust_remote_code=trust_remote_code, memory_check=memory_check,
-                               attn_implementation=attn_implementation)
+                               attn_implementation=attn_implementation, device=device)
     if plot is not None:
         raise EffattnError("--plot draws the passkey/needle heatmap", "add --task passkey, or drop --plot")
     corpora = tuple(c for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c)
@@ -316,7 +317,7 @@ def eval_(
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
         report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                           tokenizer=tokenizer, memory_check=memory_check, attn_implementation=attn_implementation,
-                          warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False))
+                          device=device, warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False))
     if as_json:
         return _print_json(report.to_dict())
     out.print(eval_table(report))
@@ -332,7 +333,7 @@ def _number_list(text: str, option: str, kind=int) -> tuple:
 
 
 def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, filler, plot, dtype, tokenizer,
-                    as_json, trust_remote_code, memory_check, attn_implementation=None) -> None:
+                    as_json, trust_remote_code, memory_check, attn_implementation=None, device="cpu") -> None:
     from .bench import check_plot_path
     from .retrieval import RetrievalSettings, evaluate_retrieval, plot_heatmap
 
@@ -351,7 +352,7 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
 
         report = evaluate_retrieval(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                                     tokenizer=tokenizer, memory_check=memory_check, progress=advance,
-                                    attn_implementation=attn_implementation,
+                                    attn_implementation=attn_implementation, device=device,
                                     warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
                                     say=lambda line: err.print(escape(line), highlight=False))
     if plot is not None:

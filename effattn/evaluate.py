@@ -177,7 +177,7 @@ def tensor_bytes(obj: Any, _seen: set[int] | None = None, _depth: int = 0) -> in
 def kv_cache_bytes(model, ids: torch.Tensor) -> int:
     """Total bytes held by the cache a forward pass over `ids` [1, T] returns (only the last position's
     logits are computed: at 8K tokens the whole [T, vocab] would be the largest tensor of the run)."""
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids.to(next(model.parameters()).device), use_cache=True, logits_to_keep=1)
     if out.cache is None:
         raise EffattnError("the model returned no KV cache", "evaluate a model whose forward supports use_cache=True")
     return tensor_bytes(out.cache)
@@ -191,22 +191,30 @@ def speed(model, ids: torch.Tensor, decode_tokens: int = 32, repeats: int = 3) -
     """(prefill tokens/s over `ids` [1, T], decode tokens/s for greedy steps after it); medians. Prompts
     longer than SPEED_CHUNK are prefilled in chunks through the cache, as generation would (bounded
     activations), except for models that must see a sequence in one forward (`one_pass_only`)."""
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+
+    def now() -> float:  # a GPU's queued work counted in the time it took
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)  # warm-up
     chunk = ids.shape[1] if one_pass_only(model) else SPEED_CHUNK
     prefill, decode = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         cache = None
         for start in range(0, ids.shape[1], chunk):
             out = model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
             cache = out.cache
-        prefill.append(ids.shape[1] / (time.perf_counter() - t0))
+        prefill.append(ids.shape[1] / (now() - t0))
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(decode_tokens):
             out = model(input_ids=token, cache=cache, use_cache=True)
             cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-        decode.append(decode_tokens / (time.perf_counter() - t0))
+        decode.append(decode_tokens / (now() - t0))
     return statistics.median(prefill), statistics.median(decode)
 
 
@@ -313,9 +321,10 @@ def measure_peak_bytes(config: dict, params: int, baseline_params: int, *, conte
 
 
 def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "float32",
-                      trust_remote_code: bool = False, memory_check: bool = True) -> int:
-    """The estimated peak resident set of evaluating MODEL (and BASELINE) with `settings`; refuses one
-    that does not fit the machine, naming --batch-size or --context and the largest value that fits."""
+                      trust_remote_code: bool = False, memory_check: bool = True, device: str = "cpu") -> int:
+    """The estimated peak resident set of evaluating MODEL (and BASELINE) with `settings` (on a CUDA
+    `device`: the peak of the GPU's memory); refuses one that does not fit, naming --batch-size or
+    --context and the largest value that fits."""
     from .io.checkpoint import Checkpoint
     from .io.load import as_ref, parse_dtype
     from .resources import check_memory, rss
@@ -324,7 +333,8 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
     base = Checkpoint(as_ref(baseline, trust_remote_code=trust_remote_code).path).num_params if baseline is not None else 0
     weight_bytes = (parse_dtype(dtype) or ckpt.dtype).itemsize
     chars = max(len(load_text(c)) for c in settings.corpora)
-    now = rss()
+    cuda = device.startswith("cuda")
+    now = 0 if cuda else rss()  # on a GPU the text stays in the process: the device holds the rest
 
     def peak(context=settings.context, batch_size=settings.batch_size) -> int:
         return now + measure_peak_bytes(ckpt.config, ckpt.num_params, base, context=context, batch_size=batch_size,
@@ -338,21 +348,25 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
     if settings.speed and settings.speed_context and peak(settings.speed_context, 1) > estimate:
         estimate, what = peak(settings.speed_context, 1), f"timing at --speed-context {settings.speed_context:,}"
         options = [("--speed-context", settings.speed_context, lambda c: peak(context=c, batch_size=1), 2, 1)]
-    check_memory(estimate, what=what, options=options, check=memory_check)
+    check_memory(estimate, what=what, options=options, check=memory_check, device=device if cuda else None)
     return estimate
 
 
 def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
              dtype: str = "float32", trust_remote_code: bool = False, tokenizer=None,
-             memory_check: bool = True, warn=None, attn_implementation: str | None = None) -> EvalReport:
-    """Load MODEL (and BASELINE) and measure them; the library entry point of `effattn eval`. The text is
-    tokenized with MODEL's tokenizer, or `tokenizer`'s (a folder or MODEL argument) when given. A run
-    whose estimated memory exceeds the machine's is refused first (`memory_check=False` runs it anyway)."""
+             memory_check: bool = True, warn=None, attn_implementation: str | None = None,
+             device: str = "cpu") -> EvalReport:
+    """Load MODEL (and BASELINE) on `device` and measure them; the library entry point of `effattn eval`.
+    The text is tokenized with MODEL's tokenizer, or `tokenizer`'s (a folder or MODEL argument) when
+    given. A run whose estimated memory exceeds the machine's (or the GPU's) is refused first
+    (`memory_check=False` runs it anyway)."""
     from .io.load import load_model
+    from .resources import check_device
 
     settings = settings or EvalSettings()
+    check_device(device)
     check_eval_memory(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
-                      memory_check=memory_check)
+                      memory_check=memory_check, device=device)
     if warn is not None:
         from .families import beyond_positions
         from .io.checkpoint import Checkpoint
@@ -369,9 +383,10 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
             if note:
                 warn(note)
     lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer or True,
-                              attn_implementation=attn_implementation)
+                              attn_implementation=attn_implementation, device=device)
     base = base_ref = None
     if baseline is not None:
-        base, _, base_ref = load_model(baseline, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False)
+        base, _, base_ref = load_model(baseline, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
+                                       device=device)
     return measure(lm, tok, name=ref.display, settings=settings, baseline=base,
                    baseline_name=base_ref.display if base_ref else "baseline")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import resource
 import sys
 import time
@@ -275,6 +276,23 @@ def _cgroup_free() -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def check_device(device: str, flag: str = "--device") -> str:
+    """`device` checked before any work: cpu, cuda or cuda:N, the GPU visible to torch. Returns it."""
+    from .errors import EffattnError
+
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise EffattnError(f"{flag} {device!r} is not a device effattn runs on", f"pass {flag} cpu, cuda or cuda:N")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise EffattnError(f"{flag} {device} asked for, but torch sees no CUDA GPU", f"pass {flag} cpu")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise EffattnError(f"{flag} {device}: torch sees {torch.cuda.device_count()} CUDA GPU(s)",
+                               f"pass {flag} cuda:0" + (f" to cuda:{torch.cuda.device_count() - 1}"
+                                                         if torch.cuda.device_count() > 1 else ""))
+    return device
 
 
 def memory_budget(device: str | torch.device | None = None) -> int | None:

@@ -247,16 +247,17 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                        progress: Callable[[str, int, int], None] | None = None,
                        warn: Callable[[str], None] | None = None,
                        say: Callable[[str], None] | None = None,
-                       attn_implementation: str | None = None) -> RetrievalReport:
+                       attn_implementation: str | None = None, device: str = "cpu") -> RetrievalReport:
     """Run the retrieval grid on MODEL (and BASELINE, with MODEL's tokenizer and the same prompts).
     `progress(name, done, total)` is called after each prompt; before the work, `warn` gets one-line notes
     (lengths beyond the trained context) and `say` the time and memory estimate."""
     from .families import beyond_positions
     from .io.checkpoint import Checkpoint
     from .io.load import as_ref, load_model, load_tokenizer, parse_dtype
-    from .resources import check_memory, rss
+    from .resources import check_device, check_memory, rss
 
     settings = (settings or RetrievalSettings()).validate()
+    cuda = check_device(device).startswith("cuda")
     refs = [as_ref(m, trust_remote_code=trust_remote_code) for m in (model, baseline) if m is not None]
     ckpts = [Checkpoint(r.path) for r in refs]
     notes = []
@@ -267,7 +268,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     weight_bytes = (parse_dtype(dtype) or ckpts[0].dtype).itemsize
     seconds, work = estimate(ckpts[0].config, max(c.num_params for c in ckpts), settings, models=len(ckpts),
                              weight_bytes=weight_bytes)
-    now = rss()
+    now = 0 if cuda else rss()  # on a GPU: the device's memory, weights, cache and activations
 
     def peak_at(longest: int) -> int:
         fewer = RetrievalSettings(**(asdict(settings) | {"lengths": tuple(n for n in settings.lengths if n <= longest) or (longest,)}))
@@ -275,7 +276,8 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                               weight_bytes=weight_bytes)[1]
 
     check_memory(now + work, what=f"the {settings.task} grid up to {max(settings.lengths):,} tokens",
-                 options=[("--lengths values of", max(settings.lengths), peak_at, 128, 1)], check=memory_check)
+                 options=[("--lengths values of", max(settings.lengths), peak_at, 128, 1)], check=memory_check,
+                 device=device if cuda else None)
 
     tok = load_tokenizer(tokenizer or refs[0], trust_remote_code=trust_remote_code)
     prompts = PromptBuilder(tok, settings).prompts()  # a bad length or filler is refused before the model loads
@@ -283,10 +285,12 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
         if warn is not None:
             warn(note)
     if say is not None:
-        say(f"{len(settings.lengths) * len(settings.depths) * settings.samples * len(ckpts)} prompts: estimated "
-            f"~{seconds / 60:,.1f} min on this machine (idle), ~{(now + work) / 2**30:,.1f} GiB at the peak")
+        prompts_ = len(settings.lengths) * len(settings.depths) * settings.samples * len(ckpts)
+        say(f"{prompts_} prompts: " + (f"~{(now + work) / 2**30:,.1f} GiB of {device}'s memory at the peak" if cuda else
+                                      f"estimated ~{seconds / 60:,.1f} min on this machine (idle), "
+                                      f"~{(now + work) / 2**30:,.1f} GiB at the peak"))
     lm, _, ref = load_model(refs[0], dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
-                            attn_implementation=attn_implementation)
+                            attn_implementation=attn_implementation, device=device)
     total = len(prompts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -297,7 +301,8 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                              mean=sum(ok for _, ok, _ in mine) / total, notes=notes)
     theirs = None
     if baseline is not None:
-        base, _, base_ref = load_model(refs[1], dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False)
+        base, _, base_ref = load_model(refs[1], dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
+                                       device=device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             theirs = run_model(base, tok, prompts, settings, progress and (lambda i: progress(base_ref.display, i, total)))

@@ -109,3 +109,31 @@ def test_speed_context_times_both_models_after_a_long_prompt(capsys, tiny, corpu
 def test_speed_context_needs_speed(capsys, tiny, corpus):
     code, _, err = run_cli(capsys, "eval", tiny("llama"), "--corpus", str(corpus), "--no-speed", "--speed-context", "512")
     assert code == 2 and "--speed-context" in err and "--no-speed" in err
+
+
+@pytest.mark.parametrize("task", ["perplexity", "passkey"])
+@pytest.mark.parametrize("device, says", [("gpu", "is not a device effattn runs on"),
+                                          ("cuda:x", "is not a device effattn runs on")]
+                         + ([("cuda", "torch sees no CUDA GPU")] if not torch.cuda.is_available() else []))
+def test_eval_refuses_a_device_it_cannot_run_on_before_loading(capsys, tiny, corpus, task, device, says, monkeypatch):
+    import effattn.io.load as load
+
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("loaded a model for a bad --device"))
+    code, out, err = run_cli(capsys, "eval", tiny("llama"), "--corpus", str(corpus), "--no-speed", "--task", task,
+                             "--lengths", "300", "--device", device)
+    assert code == 2 and says in err and "--device" in err and len(err.strip().splitlines()) == 1 and not out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_eval_on_cuda_measures_what_the_cpu_measures(capsys, tiny, corpus):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8, layers=2)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        code, out, _ = run_cli(capsys, "eval", src, "--baseline", src, "--corpus", str(corpus), "--context", "64",
+                               "--max-tokens", "256", "--json", "--device", device)
+        assert code == 0
+        runs[device] = json.loads(out)
+    cpu, gpu = runs["cpu"], runs["cuda"]
+    assert gpu["model"]["perplexity"][str(corpus)] == pytest.approx(cpu["model"]["perplexity"][str(corpus)], rel=1e-3)
+    assert gpu["model"]["kv_bytes_per_token"] == cpu["model"]["kv_bytes_per_token"]
+    assert gpu["model"]["decode_tokens_per_s"] > 0
