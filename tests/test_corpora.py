@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from effattn.data import CORPORA, corpus_names, load_text
@@ -154,3 +156,21 @@ def test_processes_fetching_one_file_at_once_download_it_once(tmp_path, monkeypa
     assert not errors, errors
     assert calls == ["corpus.tar.gz"] and results == [payload] * 4
     assert not list(dest.parent.glob("*.part"))
+
+
+def test_the_standard_library_is_found_beside_os_when_sysconfig_names_another_folder(tmp_path, monkeypatch):
+    """A Python whose sysconfig names the folder it was built for (the GPU machine's: /usr/lib/python3.12,
+    absent) still reads its library from where `os` came from; with neither, one line names the fix."""
+    import os
+    import sysconfig
+
+    from effattn.data import corpora
+    from effattn.errors import EffattnError
+
+    real = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**real, "stdlib": str(tmp_path / "nowhere")})
+    assert corpora._stdlib_file("zipfile") == Path(os.__file__).parent / "zipfile.py"
+    monkeypatch.setattr(os, "__file__", str(tmp_path / "os.py"))
+    with pytest.raises(EffattnError, match="has no zipfile.py") as info:
+        corpora._stdlib_file("zipfile")
+    assert "plays" in info.value.fix

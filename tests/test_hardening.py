@@ -364,3 +364,30 @@ def test_effattn_keeps_freed_memory_in_the_heap_unless_told_not_to():
 
     assert returned() < 1 << 20  # kept
     assert returned(EFFATTN_KEEP_HEAP="0") > 16 << 20  # handed back
+
+
+@pytest.mark.parametrize("kernels_installed", [True, False])
+def test_models_load_without_hub_kernels_unless_asked(tiny, monkeypatch, kernels_installed):
+    """transformers 5 kernelizes each model it loads with code fetched from the Hub (on a GPU; the
+    device run of 2026-12-04 failed on `kernels-community/rotary`), and refuses to load at all
+    without the `kernels` package. effattn loads with them off; EFFATTN_HUB_KERNELS=1 asks for them."""
+    import transformers.modeling_utils as mu
+
+    from effattn.io.load import load_model
+
+    monkeypatch.delenv("EFFATTN_HUB_KERNELS", raising=False)
+    if not kernels_installed:
+        monkeypatch.setattr(mu, "is_kernels_available", lambda: False)
+    src = tiny("llama")
+    lm, _, _ = load_model(src, tokenizer=False)
+    assert not lm.use_kernels
+    lm.train()  # turning to training re-kernelizes a kernelized model
+    assert not lm.use_kernels and lm.kernels_mode is None
+    monkeypatch.setenv("EFFATTN_HUB_KERNELS", "1")
+    if kernels_installed:
+        assert load_model(src, tokenizer=False)[0].use_kernels
+    else:
+        from effattn.errors import EffattnError
+
+        with pytest.raises(EffattnError, match="Kernels are not available"):
+            load_model(src, tokenizer=False)

@@ -145,7 +145,19 @@ def _wiki() -> str:
 
 
 def _stdlib_file(module: str) -> Path:
-    return Path(sysconfig.get_paths()["stdlib"]) / f"{module}.py"
+    """The standard library's source of `module`: where sysconfig says the library is, else beside the
+    `os` module this Python imported (some builds report a library folder they were built for, not the
+    one they run from)."""
+    import os
+
+    folders = dict.fromkeys([Path(sysconfig.get_paths()["stdlib"]), Path(os.__file__).parent])
+    for folder in folders:
+        if (folder / f"{module}.py").is_file():
+            return folder / f"{module}.py"
+    raise EffattnError(f"the built-in corpora read the standard library's source, and this Python has no {module}.py "
+                       f"(looked in {', '.join(str(f) for f in folders)})",
+                       "install the Python's standard-library sources, or use other text (a .txt or .jsonl file, "
+                       "or the plays, poems, wiki corpora)")
 
 
 def _python_code() -> str:

@@ -10,7 +10,7 @@ import torch
 from ..errors import EffattnError
 from .checkpoint import Checkpoint
 from .verify import verify_checkpoint
-from .resolve import ModelRef, resolve_model
+from .resolve import ModelRef, hub_kernels, resolve_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -92,7 +92,7 @@ def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", t
             warnings.simplefilter("ignore")
             lm = AutoModelForCausalLM.from_pretrained(
                 str(ref.path), dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                use_safetensors=None if allow_pickle else True, **extra,
+                use_safetensors=None if allow_pickle else True, **extra, **hub_kernels(),
             )
     except EffattnError:
         raise

@@ -55,6 +55,21 @@ class ModelRef:
         return self.spec if self.kind in ("builtin", "hub") else str(self.path)
 
 
+HUB_KERNELS_ENV = "EFFATTN_HUB_KERNELS"
+
+
+def hub_kernels() -> dict:
+    """`from_pretrained` arguments for transformers' Hub kernels: off unless EFFATTN_HUB_KERNELS=1.
+
+    transformers (5.x) kernelizes every model it loads by default: on a GPU it downloads kernels (code)
+    from the Hub at load time, e.g. `kernels-community/rotary` when a model turns to training. That is
+    remote code the user did not ask for, it fails on machines without the Hub, and without the
+    `kernels` package any load fails. effattn runs transformers' own PyTorch layers unless asked."""
+    import os
+
+    return {} if os.environ.get(HUB_KERNELS_ENV, "") == "1" else {"use_kernels": False}
+
+
 def resolve_model(spec: str, *, trust_remote_code: bool = False) -> ModelRef:
     key = spec.lower()
     if key in ALIASES:
@@ -135,7 +150,7 @@ def _gguf_to_folder(gguf_path: Path, folder: Path, source: str) -> None:
     Console(stderr=True).print(f"[dim]converting {gguf_path.name} to safetensors (once) ...[/]")
     try:
         gguf_model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, **hub_kernels())
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:  # noqa: BLE001 - surface any loader failure as one line
         raise EffattnError(f"could not read {gguf_path} as a GGUF model ({type(exc).__name__}: {exc})",
