@@ -13,6 +13,7 @@ record (command, seconds, exit code, parsed JSON) is appended to OUT/gpu-long-co
 it ends, so a run cut short still reports what it finished. A heal cut by the deadline is finished from
 its last checkpoint (`--resume train.max_steps=<that step>` trains nothing more and writes the model).
 `--smoke` runs every step at toy sizes on the CPU (a check of the script, not a measurement).
+On a machine without a package index or the Hub, `benchmarks/gpu_bundle.sh` packs what it needs.
 """
 
 from __future__ import annotations
