@@ -119,7 +119,10 @@ def test_the_output_loads_with_remote_code_and_decodes_as_the_full_forward(tiny,
     (["--calib-seq-len", "64", "--window", "64"], ["must be longer than the window"]),
     (["--codebook-size", "8"], ["--codebook-size does not apply to linear"]),
     (["--feature-map", "elu", "--window", "0", "--refine-steps", "5"], ["attention transfer has nothing to train"]),
-])
+    (["--refine-device", "gpu"], ["--refine-device = 'gpu': must be auto, cpu, cuda or cuda:N"]),
+    (["--refine-steps", "0", "--refine-device", "cpu"], ["--refine-device set attention transfer", "--refine-steps 0"]),
+] + ([(["--refine-device", "cuda"], ["--refine-device cuda asked for, but torch sees no CUDA GPU", "pass --refine-device cpu"])]
+     if not torch.cuda.is_available() else []))
 def test_bad_options_are_one_line_errors_and_write_nothing(tiny, tmp_path, capsys, args, needles):
     out = tmp_path / "out"
     code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "linear", *args, "-o", out, "--no-eval")
@@ -171,3 +174,37 @@ def test_the_cache_line_says_more_where_the_linear_cache_is_larger():
     assert "larger than the original's up to 12,773 tokens" in big and big.endswith("(1.6x more)")
     small = cache_line(46080, 8985600, 276480, 64, 8192)  # hedgehog, P 64
     assert "smaller than the original's beyond 579 tokens" in small and small.endswith("(14.1x less)")
+
+
+def test_refinement_on_auto_is_the_cpus_here_and_a_gpu_is_named_in_the_plan(tiny, tmp_path, capsys, monkeypatch):
+    """refine_device auto (the default) is the CPU on a machine without a GPU: the same tensors as
+    `--refine-device cpu`. Where torch sees a GPU, auto moves the steps there and the plan says so (the
+    walk and its time estimate stay the CPU's)."""
+    src = tiny("llama", layers=2)
+    auto = convert(src, tmp_path / "auto", to="linear", options=FAST, measure=False).out
+    cpu = convert(src, tmp_path / "cpu", to="linear", options=FAST | {"refine_device": "cpu"}, measure=False).out
+    a, c = load_file(str(auto / "model.safetensors")), load_file(str(cpu / "model.safetensors"))
+    assert a.keys() == c.keys() and all(torch.equal(a[k], c[k]) for k in a)
+    record = json.loads((auto / "effattn.json").read_text())
+    assert "refine_device" not in record["conversion"]  # stated only where it is not the CPU
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, stdout, _ = run_cli(capsys, "convert", src, "--to", "linear", "--dry-run", "--json", "-o", tmp_path / "x",
+                              "--no-eval")
+    plan = json.loads(stdout)
+    assert code == 0 and "on cuda (not in the time estimate)" in plan["summary"]["attention transfer"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_attention_transfer_on_cuda_fits_as_well_as_on_the_cpu(tiny, tmp_path):
+    src = tiny("llama", layers=2)
+    losses = {}
+    for device in ("cpu", "cuda"):
+        out = convert(src, tmp_path / device, to="linear", options=FAST | {"refine_device": device}, measure=False).out
+        record = json.loads((out / "effattn.json").read_text())
+        losses[device] = record["conversion_run"]["refine"]
+        assert record["conversion"].get("refine_device", "cpu") == device
+    for before, after in zip(losses["cuda"]["before"], losses["cuda"]["after"]):
+        assert after < before
+    assert losses["cuda"]["after"] == pytest.approx(losses["cpu"]["after"], rel=0.05)

@@ -117,6 +117,7 @@ def test_conversion_options_pass_through_unchanged():
     ({"to": "vq", "codebook_size": 0}, "student.convert.codebook_size must be an integer >= 1, got 0"),
     ({"to": "vq", "metric": "cosine"}, "unknown student.convert.metric 'cosine'"),
     ({"to": "gqq"}, "unknown conversion 'gqq'"),
+    ({"to": "linear", "refine_device": "gpu"}, "student.convert.refine_device"),
 ])
 def test_conversion_options_are_checked_by_the_conversions_own_model(capsys, tmp_path, convert, needle):
     """A recipe's student.convert fails at `recipes validate`, with the key's path, not at run time."""

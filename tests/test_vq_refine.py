@@ -145,8 +145,9 @@ def test_a_recipe_refines_vq_and_refuses_a_misspelt_refine_option():
 ])
 def test_the_refine_options_are_declared_once_and_listed_last(name, defaults):
     options = CONVERSIONS[name].Options
-    assert issubclass(options, RefineOptions) and list(options.model_fields)[-4:] == list(RefineOptions.REFINE_FIELDS)
-    assert list(options().model_dump())[-4:] == list(RefineOptions.REFINE_FIELDS)  # the recorded command line's order
+    last = len(RefineOptions.REFINE_FIELDS)
+    assert issubclass(options, RefineOptions) and list(options.model_fields)[-last:] == list(RefineOptions.REFINE_FIELDS)
+    assert list(options().model_dump())[-last:] == list(RefineOptions.REFINE_FIELDS)  # the recorded command line's order
     assert options().refine_settings() == defaults
     with pytest.raises(EffattnError, match="--refine-steps must be an integer >= 0, got -1"):  # the checks survive a
         resolve(name, {"refine_steps": -1})                                                     # redeclared default
@@ -154,5 +155,7 @@ def test_the_refine_options_are_declared_once_and_listed_last(name, defaults):
         resolve(name, {"refine_lr": 0})
     with pytest.raises(EffattnError, match="refine.schedule"):
         resolve(name, {"refine_schedule": "linear"})
+    with pytest.raises(EffattnError, match="--refine-device = 'gpu': must be auto, cpu, cuda or cuda:N"):
+        resolve(name, {"refine_device": "gpu"})
     assert not issubclass(CONVERSIONS["rerope"].Options, RefineOptions)
     assert not set(RefineOptions.REFINE_FIELDS) & set(CONVERSIONS["rerope"].Options.model_fields)

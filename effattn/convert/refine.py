@@ -20,11 +20,12 @@ energy that is wrong.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from .options import ConversionOptions
 
@@ -40,23 +41,34 @@ class RefineSettings:
     schedule: Schedule = "constant"  # the learning rate over the steps: constant, or a cosine decay to 0
     batch_size: int = 2  # calibration sequences per step
     seed: int = 0
+    device: str = "cpu"  # where the steps run (cpu, cuda, cuda:N); the walk itself stays on the CPU
 
     @property
     def steps_words(self) -> str:
-        """'30 Adam steps per layer at lr 0.0003' (+ ', cosine decay'), for a plan's summary."""
-        return f"{self.steps} Adam steps per layer at lr {self.lr:g}" + (", cosine decay" if self.schedule == "cosine" else "")
+        """'30 Adam steps per layer at lr 0.0003' (+ ', cosine decay', + ' on cuda'), for a plan's summary."""
+        return (f"{self.steps} Adam steps per layer at lr {self.lr:g}" + (", cosine decay" if self.schedule == "cosine" else "")
+                + (f" on {self.device} (not in the time estimate)" if self.device != "cpu" else ""))
 
     def record(self) -> dict:
-        """The settings as a conversion's record states them (lr, target and schedule only when refinement runs)."""
+        """The settings as a conversion's record states them (lr, target, schedule and device only when
+        refinement runs; the device only when it is not the CPU)."""
         on = bool(self.steps)
         return {"refine_steps": self.steps, "refine_lr": self.lr if on else None, "refine_target": self.target if on else None,
-                "refine_schedule": self.schedule if on else None}
+                "refine_schedule": self.schedule if on else None,
+                **({"refine_device": self.device} if on and self.device != "cpu" else {})}
 
 
 # The options' types carry their checks, so a conversion that redeclares a field (its own default or
 # help) keeps them: `refine_steps: Steps = Field(30, description=...)`.
 Steps = Annotated[int, Field(ge=0)]
 LearningRate = Annotated[float, Field(gt=0)]
+def _device(value: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
+    return value
+
+
+Device = Annotated[str, AfterValidator(_device)]
 
 
 class RefineOptions(ConversionOptions):
@@ -75,8 +87,11 @@ class RefineOptions(ConversionOptions):
                                   "activations after the layer)")
     refine_schedule: Schedule = Field("constant", description="learning rate of local refinement over the steps: "
                                       "constant, or cosine (decays to 0 by the last step)")
+    refine_device: Device = Field("auto", description="where local refinement's steps run: cpu, cuda, cuda:N, or "
+                                  "auto (cuda when torch sees a GPU, else cpu); the layer walk stays on the CPU")
 
-    REFINE_FIELDS: ClassVar[tuple[str, ...]] = ("refine_steps", "refine_lr", "refine_target", "refine_schedule")
+    REFINE_FIELDS: ClassVar[tuple[str, ...]] = ("refine_steps", "refine_lr", "refine_target", "refine_schedule",
+                                                "refine_device")
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -87,13 +102,21 @@ class RefineOptions(ConversionOptions):
         cls.model_rebuild(force=True)
 
     def refine_settings(self) -> RefineSettings:
+        """The settings, the device resolved (auto) and checked (a GPU torch sees) when refinement runs."""
+        device = "cpu"
+        if self.refine_steps:
+            from ..resources import check_device
+
+            device = ("cuda" if torch.cuda.is_available() else "cpu") if self.refine_device == "auto" else \
+                check_device(self.refine_device, flag="--refine-device")
         return RefineSettings(steps=self.refine_steps, lr=self.refine_lr, target=self.refine_target,
-                              schedule=self.refine_schedule)
+                              schedule=self.refine_schedule, device=device)
 
 
 def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int) -> float:
-    """Floating-point work of refining one layer (`dims`: resources.Dims) on `tokens` calibration tokens."""
-    if not settings.steps:
+    """Floating-point work the CPU does refining one layer (`dims`: resources.Dims) on `tokens`
+    calibration tokens: none when the steps run on a GPU (`steps_words` says they are not estimated)."""
+    if not settings.steps or settings.device != "cpu":
         return 0.0
     fit = dims.layer_flops if settings.target == "stream" else dims.attention_flops
     once = fit(tokens, seq_len) * (3 if settings.target == "stream" else 2)  # targets (+ x0 onward), error before, after
@@ -131,8 +154,13 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     layer runs without them.
 
     Modules stay in the mode they come in (eval for every conversion here: a VQ layer in training mode
-    would move its codebook by EMA at every forward).
+    would move its codebook by EMA at every forward). On a GPU (`settings.device`) both layers and the
+    activations are moved there for the steps and the layers moved back after: the caller's tensors stay
+    on the CPU.
     """
+    if settings.device != "cpu":
+        return _refine_on(settings.device, converted, original, x, cos, sin, settings, x0, trainable, converted_rope,
+                          forward_kwargs)
     ccos, csin = converted_rope or (cos, sin)
     kwargs = forward_kwargs or {}
     batch = settings.batch_size
@@ -174,3 +202,23 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
             schedule.step()
     converted.requires_grad_(False)
     return {"before": before, "after": error()}
+
+
+def _refine_on(device: str, converted, original, x, cos, sin, settings: RefineSettings, x0, trainable, converted_rope,
+               forward_kwargs) -> dict[str, float]:
+    """refine_layer with its steps on `device`; the modules come back to the CPU whatever happens."""
+    from dataclasses import replace
+
+    def to(t):
+        return t.to(device) if torch.is_tensor(t) else t
+
+    try:
+        converted.to(device)
+        original.to(device)
+        return refine_layer(converted, original, to(x), to(cos), to(sin), replace(settings, device="cpu"),
+                            x0=to(x0), trainable=trainable,
+                            converted_rope=tuple(to(t) for t in converted_rope) if converted_rope else None,
+                            forward_kwargs={k: to(v) for k, v in (forward_kwargs or {}).items()})
+    finally:
+        converted.to("cpu")
+        original.to("cpu")
