@@ -38,7 +38,7 @@ WORKERS ?= 2
 PYTEST  := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(WORKERS) --dist loadfile
 
 test: setup
-	$(PYTEST) -q -rs
+	$(PYTEST) -q -rs --durations=25
 
 test-fast: setup
 	$(PYTEST) -q -m "not real and not slow"
