@@ -33,7 +33,8 @@ demo: setup
 
 # Two pytest workers (one per core), a test file's tests on one worker (module fixtures are built once),
 # one thread each. Idle, on 2 cores (AMD EPYC): 682 s and 730 s in two earlier clean clones, 785 s (712 tests) and
-# 883 s (730 tests, a slower day for the machine) on 2026-12-04; the last one-process run (two threads) took 969 s.
+# 883 s (730 tests, a slower day for the machine) on 2026-12-04, 863 s (744 tests, a benchmark alongside for part
+# of it) later that day; the last one-process run (two threads) took 969 s. `make test` lists the slowest 25.
 WORKERS ?= 2
 PYTEST  := OMP_NUM_THREADS=1 $(PY) -m pytest -n $(WORKERS) --dist loadfile
 
