@@ -333,10 +333,9 @@ def check_settings(
 
     if feature_map not in FEATURE_MAPS:
         raise BenchSettingsError(f"Unknown feature map {feature_map!r}", one_of(feature_map, FEATURE_MAPS))
-    if device != "cpu" and not device.startswith("cuda"):
-        raise BenchSettingsError(f"Unknown device {device!r}", "pass cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise BenchSettingsError(f"device {device!r} asked for, but torch sees no CUDA GPU", "pass --device cpu")
+    from effattn.resources import check_device
+
+    check_device(device, error=BenchSettingsError)
     for name in kinds:
         limit = BENCH_KINDS[name].max_length
         if limit is not None and max(lengths) > limit:

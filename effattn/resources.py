@@ -278,20 +278,25 @@ def _cgroup_free() -> int | None:
     return None
 
 
-def check_device(device: str, flag: str = "--device") -> str:
-    """`device` checked before any work: cpu, cuda or cuda:N, the GPU visible to torch. Returns it."""
+DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")  # the devices effattn runs on
+
+
+def check_device(device: str, flag: str = "--device", error=None) -> str:
+    """`device` checked before any work: cpu, cuda or cuda:N, the GPU visible to torch. Returns it.
+    `error`: the EffattnError subclass to raise (bench's is also a ValueError)."""
     from .errors import EffattnError
 
-    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
-        raise EffattnError(f"{flag} {device!r} is not a device effattn runs on", f"pass {flag} cpu, cuda or cuda:N")
+    error = error or EffattnError
+    if not DEVICE_NAME.fullmatch(device):
+        raise error(f"{flag} {device!r} is not a device effattn runs on", f"pass {flag} cpu, cuda or cuda:N")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise EffattnError(f"{flag} {device} asked for, but torch sees no CUDA GPU", f"pass {flag} cpu")
+            raise error(f"{flag} {device} asked for, but torch sees no CUDA GPU", f"pass {flag} cpu")
         index = int(device.split(":")[1]) if ":" in device else 0
         if index >= torch.cuda.device_count():
-            raise EffattnError(f"{flag} {device}: torch sees {torch.cuda.device_count()} CUDA GPU(s)",
-                               f"pass {flag} cuda:0" + (f" to cuda:{torch.cuda.device_count() - 1}"
-                                                         if torch.cuda.device_count() > 1 else ""))
+            raise error(f"{flag} {device}: torch sees {torch.cuda.device_count()} CUDA GPU(s)",
+                        f"pass {flag} cuda:0" + (f" to cuda:{torch.cuda.device_count() - 1}"
+                                                  if torch.cuda.device_count() > 1 else ""))
     return device
 
 

@@ -285,10 +285,9 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
         if warn is not None:
             warn(note)
     if say is not None:
-        prompts_ = len(settings.lengths) * len(settings.depths) * settings.samples * len(ckpts)
-        say(f"{prompts_} prompts: " + (f"~{(now + work) / 2**30:,.1f} GiB of {device}'s memory at the peak" if cuda else
-                                      f"estimated ~{seconds / 60:,.1f} min on this machine (idle), "
-                                      f"~{(now + work) / 2**30:,.1f} GiB at the peak"))
+        when = "" if cuda else f"estimated ~{seconds / 60:,.1f} min on this machine (idle), "  # CPU timings only
+        say(f"{len(settings.lengths) * len(settings.depths) * settings.samples * len(ckpts)} prompts: {when}"
+            f"~{(now + work) / 2**30:,.1f} GiB {f'of {device} ' if cuda else ''}at the peak")
     lm, _, ref = load_model(refs[0], dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
                             attn_implementation=attn_implementation, device=device)
     total = len(prompts)

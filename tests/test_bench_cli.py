@@ -84,7 +84,7 @@ def test_bench_sparse_patterns_report_their_density(capsys):
     (["--dtype", "float33"], ["Unknown dtype 'float33'", "bfloat16"]),
     (["--repeats", "0"], ["repeats must be at least 1"]),
     (["--sinks", "-1"], ["sinks must be 0 or more"]),
-    (["--device", "tpu"], ["Unknown device 'tpu'", "cpu"]),
+    (["--device", "tpu"], ["--device 'tpu' is not a device effattn runs on", "pass --device cpu, cuda or cuda:N"]),
     (["--omp-wait-policy", "lazy"], ["omp_wait_policy must be 'active' or 'passive'"]),
 ])
 def test_bench_bad_input_is_one_line(capsys, args, needles):

@@ -20,13 +20,13 @@ energy that is wrong.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import AfterValidator, Field
 
+from ..resources import DEVICE_NAME, check_device
 from .options import ConversionOptions
 
 Target = Literal["attention", "stream"]
@@ -62,8 +62,10 @@ class RefineSettings:
 # help) keeps them: `refine_steps: Steps = Field(30, description=...)`.
 Steps = Annotated[int, Field(ge=0)]
 LearningRate = Annotated[float, Field(gt=0)]
+
+
 def _device(value: str) -> str:
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+    if value != "auto" and not DEVICE_NAME.fullmatch(value):
         raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
     return value
 
@@ -105,8 +107,6 @@ class RefineOptions(ConversionOptions):
         """The settings, the device resolved (auto) and checked (a GPU torch sees) when refinement runs."""
         device = "cpu"
         if self.refine_steps:
-            from ..resources import check_device
-
             device = ("cuda" if torch.cuda.is_available() else "cpu") if self.refine_device == "auto" else \
                 check_device(self.refine_device, flag="--refine-device")
         return RefineSettings(steps=self.refine_steps, lr=self.refine_lr, target=self.refine_target,

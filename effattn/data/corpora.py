@@ -27,6 +27,7 @@ Calibration / training corpora (disjoint from the above):
 from __future__ import annotations
 
 import ast
+import os
 import re
 import sysconfig
 import tarfile
@@ -148,8 +149,6 @@ def _stdlib_file(module: str) -> Path:
     """The standard library's source of `module`: where sysconfig says the library is, else beside the
     `os` module this Python imported (some builds report a library folder they were built for, not the
     one they run from)."""
-    import os
-
     folders = dict.fromkeys([Path(sysconfig.get_paths()["stdlib"]), Path(os.__file__).parent])
     for folder in folders:
         if (folder / f"{module}.py").is_file():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import zipfile
 from dataclasses import dataclass
@@ -65,8 +66,6 @@ def hub_kernels() -> dict:
     from the Hub at load time, e.g. `kernels-community/rotary` when a model turns to training. That is
     remote code the user did not ask for, it fails on machines without the Hub, and without the
     `kernels` package any load fails. effattn runs transformers' own PyTorch layers unless asked."""
-    import os
-
     return {} if os.environ.get(HUB_KERNELS_ENV, "") == "1" else {"use_kernels": False}
 
 
