@@ -26,7 +26,8 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{os.cpu_count()} cores ({cpu}){gpu}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
 
 
 def run_with_peak_memory(cmd: list[str], env: dict[str, str] | None = None, interval: float = 0.05) -> dict:

@@ -27,9 +27,9 @@ from benchmarks.bench_passkey import model_of  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "long-ppl.json"
 
 
-def span_file(corpus: str, span: int) -> Path:
+def span_file(corpus: str, span: int, folder: Path = MODELS / "texts") -> Path:
     """The first `span` tokens (and a few more, so re-tokenizing never falls short) of `corpus` as text."""
-    path = MODELS / "texts" / f"{corpus}-{span}.txt"
+    path = folder / f"{corpus}-{span}.txt"
     if not path.exists():
         from effattn.data.corpora import load_text
         from effattn.io.load import load_tokenizer

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gpu_long_context import Runner, last_checkpoint  # noqa: E402
+from benchmarks.gpu_long_context import Runner  # noqa: E402
 
 
 def main() -> None:
@@ -59,15 +59,7 @@ def main() -> None:
             f"eval.tokens={4 * seq} train.max_tokens={args.heal_tokens} checkpoint.every=50 eval.every=100")
     if args.smoke:
         over += " train.batch_size=1 train.precision=fp32"
-    rec = r.run("heal-linear-gpu", f"finetune heal-linear-gpu -o {healed} --force {over}", limit=args.heal_limit,
-                reserve=40, parse_json=False)
-    if rec is None and not (healed / "config.json").exists():
-        step = last_checkpoint(healed)
-        if step:
-            r.run("heal: write the model from its last checkpoint",
-                  f"finetune heal-linear-gpu -o {healed} --resume {over} train.max_steps={step} train.max_tokens=null",
-                  limit=60, parse_json=False)
-    r.copy(healed / "metrics.jsonl", "heal-linear-metrics.jsonl")
+    r.finetune("heal-linear-gpu", "heal-linear-gpu", healed, over, limit=args.heal_limit, reserve=40)
     if (healed / "config.json").exists():
         r.run("eval after heal", f"eval {healed} {score}")
     r.say(f"finished with {r.left():.0f} s left")

@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._util import ROOT, effattn_cmd, machine  # noqa: E402
+from benchmarks.bench_long_ppl import span_file  # noqa: E402
+
 T0 = time.monotonic()
-
-
-def effattn(args: str) -> list[str]:
-    return [sys.executable, "-m", "effattn.cli", *shlex.split(args)]
 
 
 class Runner:
@@ -57,7 +55,7 @@ class Runner:
         self.say(f"start {name} ({budget:.0f} s at most): effattn {args}")
         t0 = time.monotonic()
         try:
-            proc = subprocess.run(effattn(args), capture_output=True, text=True, timeout=budget, cwd=ROOT)
+            proc = subprocess.run(effattn_cmd(args), capture_output=True, text=True, timeout=budget, cwd=ROOT)
             rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as exc:
             rc = "timeout"
@@ -79,6 +77,22 @@ class Runner:
         self.say(f"done {name}: rc {rc}, {wall:.1f} s" + (f" · {summary(record)}" if rc == 0 else ""))
         return record if rc == 0 else None
 
+    def finetune(self, name: str, recipe: str, out: Path, overrides: str, *, limit: float, reserve: float) -> bool:
+        """`effattn finetune RECIPE -o OUT --force OVERRIDES` within `limit` seconds; one cut short is
+        finished from its last checkpoint (`--resume train.max_steps=<its step>` trains nothing more and
+        writes the model). Whether OUT holds a model; its metrics are kept in OUT as NAME-metrics.jsonl."""
+        from effattn.finetune.state import RunFolder
+
+        done = self.run(name, f"finetune {recipe} -o {out} --force {overrides}", limit=limit, reserve=reserve,
+                        parse_json=False)
+        latest = RunFolder(out).latest()
+        if done is None and not (out / "config.json").exists() and latest is not None:
+            step = int(latest.name.split("-")[1])
+            self.run(f"{name}: write the model from its last checkpoint", f"finetune {recipe} -o {out} --resume "
+                     f"{overrides} train.max_steps={step} train.max_tokens=null", limit=90, parse_json=False)
+        self.copy(out / "metrics.jsonl", f"{name.split()[0]}-metrics.jsonl")
+        return (out / "config.json").exists()
+
     def copy(self, path: Path, name: str) -> None:
         """Keep `path` (a run's metrics or record) in OUT as `name`, when it exists."""
         if path.is_file():
@@ -96,32 +110,6 @@ def summary(record: dict) -> str:
     if "model" in r and isinstance(r["model"], dict) and "perplexity" in r["model"]:
         return "ppl " + ", ".join(f"{Path(k).name}: {v:.3f}" for k, v in r["model"]["perplexity"].items())
     return ""
-
-
-def machine() -> str:
-    import torch
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{gpu}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
-
-
-def span_file(corpus: str, span: int, folder: Path) -> Path:
-    """The first `span` tokens (and a few more) of a held-out corpus as text (bench_long_ppl.py's spans)."""
-    from effattn.data.corpora import load_text
-    from effattn.io.load import load_tokenizer
-
-    path = folder / f"{corpus}-{span}.txt"
-    if not path.exists():
-        tokenizer = load_tokenizer("llama")
-        ids = tokenizer(load_text(corpus))["input_ids"]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(tokenizer.decode(ids[: span + 64]))
-    return path
-
-
-def last_checkpoint(out: Path) -> int | None:
-    steps = [int(p.name.split("-")[1]) for p in out.rglob("checkpoints/step-*") if p.is_dir()]
-    return max(steps) if steps else None
 
 
 def main() -> None:
@@ -147,7 +135,7 @@ def main() -> None:
                  f"checkpoint.every={args.checkpoint_every} eval.every=20")
     if args.smoke:
         heal_over += " train.grad_accum=1 train.precision=fp32"
-    steps = f"train.max_steps={args.heal_steps} train.max_tokens=null " if args.heal_steps else ""
+    steps = f" train.max_steps={args.heal_steps} train.max_tokens=null" if args.heal_steps else ""
     healed = args.work / "yarn2-healed"
 
     # 0. the built-in model dequantized once and the held-out spans written, outside the heal's time
@@ -160,15 +148,7 @@ def main() -> None:
     r.say(f"model and texts ready in {time.monotonic() - t0:.1f} s")
 
     # 1. the heal (the must's model)
-    rec = r.run("heal yarn2 at 16K", f"finetune extend-context-gpu -o {healed} --force {steps}{heal_over}",
-                limit=args.heal_limit, reserve=120, parse_json=False)
-    if rec is None and not (healed / "config.json").exists():
-        step = last_checkpoint(healed)
-        if step:
-            r.run("heal yarn2: write the model from its last checkpoint",
-                  f"finetune extend-context-gpu -o {healed} --resume train.max_steps={step} train.max_tokens=null "
-                  f"{heal_over}", limit=90, parse_json=False)
-    r.copy(healed / "metrics.jsonl", "heal-metrics.jsonl")  # the curves and the record are in it and in the JSON
+    r.finetune("heal yarn2 at 16K", "extend-context-gpu", healed, heal_over + steps, limit=args.heal_limit, reserve=120)
 
     # 2. the healed model: passkey at 8K and 16K, perplexity at 16K; the original at 8K on the same tokens
     if (healed / "config.json").exists():
