@@ -14,9 +14,10 @@
 #       export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; python3 benchmarks/gpu_long_context.py --out $OUT
 #       --deadline 300 --heal-limit 180; python3 benchmarks/gpu_linear.py --out $OUT/lin --deadline 240
 #   (8 files come back at most: the two scripts write 3 and 4)
-# Seen on the H200 image (2026-12-04): fla's Triton kernels autotune on first use for more than 100 s
-# (give a CUDA fla test minutes, not seconds); the `kernels` package is not needed (effattn loads with
-# transformers' Hub kernels off).
+# Seen on the H200 image (2026-12-04): `pytest -k on_cuda` with fla's CUDA test printed nothing in 100 s, and
+# `effattn bench --attention sdpa,linear --device cuda` nothing in 70 s (both killed; the cause, perhaps
+# Triton compiling fla's kernels, was not established): give them minutes. The `kernels` package is not
+# needed (effattn loads with transformers' Hub kernels off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
