@@ -484,6 +484,27 @@ def test_torchrun_two_processes_end_with_the_same_model(heal, tmp_path):
     assert_same_weights(load_file(out / "model.safetensors"), load_file(single.out / "model.safetensors"), atol=1e-5)
 
 
+def test_a_finished_run_destroys_its_process_group_before_the_interpreter_is_torn_down(tmp_path):
+    """A gloo group left alive at exit can abort a finished torchrun process during finalization
+    (SIGABRT, "terminate called without an active exception"): after a successful run the group is
+    destroyed by an atexit hook, while the interpreter is whole. A hook registered before it runs
+    after it (atexit is last in, first out) and sees the group gone."""
+    script = f"""
+import atexit, torch, torch.distributed as dist
+from effattn.finetune.loop import release_process_group_at_exit
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+atexit.register(lambda: print("group alive at exit:", dist.is_initialized(), flush=True))
+dist.all_reduce(torch.ones(4))
+release_process_group_at_exit()
+release_process_group_at_exit()  # once only
+print("group alive after the run:", dist.is_initialized(), flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["group alive after the run: True", "group alive at exit: False"]
+
+
 def test_output_cannot_overwrite_the_student(heal):
     student = converted_student(heal)
     with pytest.raises(EffattnError, match="is also student.model"):

@@ -26,6 +26,7 @@ module supplies the data order, the loss and the bookkeeping:
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import json
 import math
@@ -259,8 +260,35 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     memory_check: refuse a run whose estimated memory per process exceeds the device's (plan_finetune).
     """
     with deterministic_algorithms(recipe.train.deterministic):
-        return _finetune(recipe, resume=resume, force=force, progress=progress, log=log, command=command,
-                         memory_check=memory_check)
+        result = _finetune(recipe, resume=resume, force=force, progress=progress, log=log, command=command,
+                           memory_check=memory_check)
+    release_process_group_at_exit()
+    return result
+
+
+_RELEASE_REGISTERED = False
+
+
+def release_process_group_at_exit() -> None:
+    """Destroy the process group (if any) when the interpreter exits, while it is still whole.
+
+    A process that exits with a gloo group alive tears the group's worker threads down during
+    interpreter finalization, and that can abort the process ("terminate called without an active
+    exception", SIGABRT: pytorch/pytorch#190489) after every byte was written, so torchrun reports a
+    finished run as failed. Registered after a successful run only: every process has passed the
+    run's last barrier, so nothing is in flight (destroying a group while another process is inside
+    a collective can hang, as torchtitan found). At exit rather than now, so that a program may call
+    `finetune` again in the same process group."""
+    global _RELEASE_REGISTERED
+    if _RELEASE_REGISTERED or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    _RELEASE_REGISTERED = True
+
+    def release() -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(release)
 
 
 def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Callable[[str], None] | None,
