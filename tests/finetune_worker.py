@@ -5,10 +5,13 @@
 Each process writes REPORT_DIR/rank{N}.json with a hash of its final state dict (weights and
 buffers), so the test can check that every process ends with the same model (under fsdp only the
 main process holds the whole final model: the others report none).
+At exit, after the run's own exit hooks, it writes REPORT_DIR/rank{N}-exit.json: whether the process
+group was still alive then.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -35,8 +38,11 @@ def state_hash(model) -> str:
 if __name__ == "__main__":
     register()
     recipe, report = sys.argv[1], Path(sys.argv[2])
-    result = finetune(load_recipe(recipe, sys.argv[3:]))
     rank = int(os.environ.get("RANK", "0"))
     report.mkdir(parents=True, exist_ok=True)
+    # registered before the run, so it runs after every exit hook the run registers (last in, first out)
+    atexit.register(lambda: (report / f"rank{rank}-exit.json").write_text(
+        json.dumps({"group_alive": torch.distributed.is_initialized()})))
+    result = finetune(load_recipe(recipe, sys.argv[3:]))
     (report / f"rank{rank}.json").write_text(json.dumps({
         "hash": state_hash(result.model) if result.model is not None else None, "wrote": result.out is not None, "steps": result.steps}))

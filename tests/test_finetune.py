@@ -479,6 +479,8 @@ def test_torchrun_two_processes_end_with_the_same_model(heal, tmp_path):
     ranks = [json.loads((report / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["hash"] == ranks[1]["hash"]
     assert [r["wrote"] for r in ranks] == [True, False]
+    # both processes destroyed their gloo group before the interpreter was torn down
+    assert [json.loads((report / f"rank{r}-exit.json").read_text()) for r in (0, 1)] == [{"group_alive": False}] * 2
     assert json.loads((out / "effattn.json").read_text())["finetune"]["processes"] == 2
     single = finetune(heal(*recipe, "train.batch_size=4", output="single"))
     assert_same_weights(load_file(out / "model.safetensors"), load_file(single.out / "model.safetensors"), atol=1e-5)

@@ -266,9 +266,6 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     return result
 
 
-_RELEASE_REGISTERED = False
-
-
 def release_process_group_at_exit() -> None:
     """Destroy the process group (if any) when the interpreter exits, while it is still whole.
 
@@ -278,17 +275,15 @@ def release_process_group_at_exit() -> None:
     finished run as failed. Registered after a successful run only: every process has passed the
     run's last barrier, so nothing is in flight (destroying a group while another process is inside
     a collective can hang, as torchtitan found). At exit rather than now, so that a program may call
-    `finetune` again in the same process group."""
-    global _RELEASE_REGISTERED
-    if _RELEASE_REGISTERED or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    _RELEASE_REGISTERED = True
+    `finetune` again in the same process group. Registered once however often it is called."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        atexit.unregister(_destroy_process_group)
+        atexit.register(_destroy_process_group)
 
-    def release() -> None:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
-    atexit.register(release)
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Callable[[str], None] | None,
