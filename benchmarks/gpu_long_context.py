@@ -81,13 +81,13 @@ class Runner:
         """`effattn finetune RECIPE -o OUT --force OVERRIDES` within `limit` seconds; one cut short is
         finished from its last checkpoint (`--resume train.max_steps=<its step>` trains nothing more and
         writes the model). Whether OUT holds a model; its metrics are kept in OUT as NAME-metrics.jsonl."""
-        from effattn.finetune.state import RunFolder
+        from effattn.finetune.state import RunFolder, read_state
 
         done = self.run(name, f"finetune {recipe} -o {out} --force {overrides}", limit=limit, reserve=reserve,
                         parse_json=False)
         latest = RunFolder(out).latest()
         if done is None and not (out / "config.json").exists() and latest is not None:
-            step = int(latest.name.split("-")[1])
+            step = read_state(latest)["step"]
             self.run(f"{name}: write the model from its last checkpoint", f"finetune {recipe} -o {out} --resume "
                      f"{overrides} train.max_steps={step} train.max_tokens=null", limit=90, parse_json=False)
         self.copy(out / "metrics.jsonl", f"{name.split()[0]}-metrics.jsonl")
