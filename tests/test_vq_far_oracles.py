@@ -1,0 +1,64 @@
+"""benchmarks/vq_far_oracles.py: its oracle attentions agree with the reference kernel where they must."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from effattn.kernels.vq.naive import vq_attention_naive
+
+_spec = importlib.util.spec_from_file_location(
+    "vq_far_oracles", Path(__file__).parents[1] / "benchmarks" / "vq_far_oracles.py")
+oracles = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(oracles)
+
+
+def _inputs(T=45, H=4, G=2, D=6, C=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(1, T, H, D, generator=gen), torch.randn(1, T, G, D, generator=gen), torch.randn(1, T, G, D, generator=gen)
+    codebook = torch.randn(G, C, D, generator=gen)
+    codes = torch.randint(0, C, (1, T, G), generator=gen)
+    angles = torch.arange(T)[:, None] * 0.3 ** torch.arange(D // 2)[None, :]
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    far = torch.full((D // 2,), 7.0) * 0.3 ** torch.arange(D // 2)
+    return q, k, v, codebook, codes, cos, sin, torch.cat((far.cos(), far.cos())), torch.cat((far.sin(), far.sin()))
+
+
+@pytest.mark.parametrize("window,sinks,tile", [(4, 0, 8), (7, 3, 5), (1, 0, 16), (50, 0, 8)])
+def test_code_spread_is_the_variance_of_each_codes_far_keys(window, sinks, tile):
+    q, k, _, codebook, codes, *_ = _inputs()
+    C, (B, T, H, D), G = codebook.shape[1], q.shape, k.shape[2]
+    got = oracles.code_spread(q, k, codes, C, window, sinks, tile=tile)
+    want = torch.zeros_like(got)
+    for h in range(H):
+        g = h // (H // G)
+        for t in range(T):
+            for c in range(C):
+                far = [s for s in range(sinks, T) if s <= t - window and codes[0, s, g] == c]
+                if far:
+                    want[0, h, t, c] = (q[0, t, h] ** 2 * k[0, far, g].var(0, unbiased=False)).sum()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_base_is_key_means_and_exact_is_rerope_alone(sinks):
+    q, k, v, codebook, codes, cos, sin, far_cos, far_sin = _inputs()
+    args, kw = (q, k, v, codebook, codes, cos, sin, far_cos, far_sin), dict(window=4, block_size=8, sinks=sinks, scale=0.4)
+    base = oracles.far_oracle("base")(*args, **kw)
+    torch.testing.assert_close(base, vq_attention_naive(*args, **kw, key_means=True), atol=1e-5, rtol=1e-5)
+    exact = oracles.far_oracle("exact")(*args, **kw)
+    torch.testing.assert_close(exact, vq_attention_naive(*args, **(kw | {"sinks": q.shape[1]})), atol=1e-5, rtol=1e-5)
+    assert (exact - base).abs().max() > 1e-3  # the codes do change the output here
+
+
+def test_one_key_per_code_makes_every_oracle_exact():
+    q, k, v, _, _, cos, sin, far_cos, far_sin = _inputs()
+    T, G, D = q.shape[1], k.shape[2], q.shape[3]
+    codes = torch.arange(T)[None, :, None].expand(1, T, G).contiguous()  # every key its own code
+    args = (q, k, v, torch.zeros(G, T, D), codes, cos, sin, far_cos, far_sin)
+    outs = {name: oracles.far_oracle(name)(*args, window=4, block_size=8, scale=0.4) for name in oracles.VARIANTS}
+    for name in ("base", "var", "lse"):
+        torch.testing.assert_close(outs[name], outs["exact"], atol=1e-5, rtol=1e-5)
