@@ -82,10 +82,10 @@ def code_spread(q_far: torch.Tensor, k: torch.Tensor, codes: torch.Tensor, size:
     return corr
 
 
-@torch.no_grad()
 def far_oracle(variant: str):
     """A drop-in for the quadratic reference `vq_attention_naive` (same arguments) computing `variant`."""
 
+    @torch.no_grad()
     def attention(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, *, window, block_size, sinks=0, scale=None,
                   key_means=False):
         B, T, H, D = q.shape
@@ -131,15 +131,15 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--tokens", type=int, default=8192)
     args = ap.parse_args()
-    model, tok, _ = load_model(args.model)
-    model.eval()
-    for attn in model.vq_attention_modules():
-        attn.config.vq_kernel = "naive"
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:  # before the model loads
+        ap.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    model, tok, _ = load_model(args.model)  # in eval mode
+    model.config.vq_kernel = "naive"  # the layers share this config: each runs the reference, patched below
     for corpus in args.corpora.split(","):
         blocks = token_blocks(tok, load_text(corpus), 2048, args.tokens, spread=True)
-        for variant in args.variants.split(","):
-            if variant not in VARIANTS:
-                raise SystemExit(f"unknown variant {variant!r}: choose from {', '.join(VARIANTS)}")
+        for variant in variants:
             vq_module.vq_attention_naive = far_oracle(variant)
             t0 = time.perf_counter()
             scores = corpus_scores(model, blocks, None, batch_size=1)

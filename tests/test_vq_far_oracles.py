@@ -62,3 +62,15 @@ def test_one_key_per_code_makes_every_oracle_exact():
     outs = {name: oracles.far_oracle(name)(*args, window=4, block_size=8, scale=0.4) for name in oracles.VARIANTS}
     for name in ("base", "var", "lse"):
         torch.testing.assert_close(outs[name], outs["exact"], atol=1e-5, rtol=1e-5)
+
+
+def test_lse_gives_each_code_its_keys_exact_weight():
+    """Where the keys of a code share one value, only their total weight matters: lse is then exact."""
+    q, k, _, codebook, codes, cos, sin, far_cos, far_sin = _inputs()
+    G, C, D = codebook.shape
+    per_code = torch.randn(G, C, D, generator=torch.Generator().manual_seed(1))
+    v = per_code[torch.arange(G), codes]  # (1, T, G, D): a key's value is its code's
+    args, kw = (q, k, v, codebook, codes, cos, sin, far_cos, far_sin), dict(window=4, block_size=8, scale=0.4)
+    exact = oracles.far_oracle("exact")(*args, **kw)
+    torch.testing.assert_close(oracles.far_oracle("lse")(*args, **kw), exact, atol=1e-5, rtol=1e-5)
+    assert (oracles.far_oracle("base")(*args, **kw) - exact).abs().max() > 1e-3  # the mean logit is not
