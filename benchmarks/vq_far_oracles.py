@@ -1,6 +1,6 @@
 """Where key-means VQ loses quality: the far keys' logits or their values? Oracles on a converted model.
 
-    python benchmarks/vq_far_oracles.py OUT_FROM_VQ_INIT [--corpora python] [--variants base,var,lse,exact]
+    python benchmarks/vq_far_oracles.py OUT_FROM_VQ_INIT [--corpora python] [--variants base,var,lse,exact,within,cov]
 
 Scores the model (as `effattn eval --context 2048`: 8,192 tokens per corpus in blocks of 2,048) with the
 quadratic reference in place of the model's VQ kernel, the far part of every query's softmax computed in
@@ -13,10 +13,15 @@ one of these ways (the near window stays exact RoPE; inference only):
          needs one more vector per code;
   lse    an oracle normaliser: each code's logit is log mean exp of its keys' exact logits, so the
          code's keys get their exact total weight; their values are still averaged alike;
-  exact  every far key's own logit and value (ReRoPE alone at this window: no codebook).
+  exact  every far key's own logit and value (ReRoPE alone at this window: no codebook);
+  within an oracle for the values: each code keeps base's total weight, shared among its keys in
+         proportion to their exact exp(logit) (so a code returns its keys' attention-weighted value);
+  cov    the first-order value correction: a code returns v̄ + Cov(v, k) q (each far key's share
+         scaled by 1 + q·(k − k̄)), at base's weight; it would need a D x D matrix per code.
 
-`lse` bounds what any correction of the codes' logits alone (a learned bias, cumulants) can reach;
-the rest of the gap to `exact` is the averaging of the values inside a code.
+`lse` bounds what any correction of the codes' logits alone (a learned bias, cumulants) can reach,
+`within` what a correction of the values alone can reach at base's weights; `lse` and `within` together
+are `exact`.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from effattn.evaluate import corpus_scores
 from effattn.io.load import load_model
 from effattn.kernels.rope import apply_rope
 
-VARIANTS = ("base", "var", "lse", "exact")
+VARIANTS = ("base", "var", "lse", "exact", "within", "cov")
 
 
 def code_spread(q_far: torch.Tensor, k: torch.Tensor, codes: torch.Tensor, size: int, window: int, sinks: int,
@@ -119,7 +124,15 @@ def far_oracle(variant: str):
             far = torch.where((s < sinks)[None, None], exact, far)
         logits = torch.where(delta < window, near, far).masked_fill(delta < 0, float("-inf"))
         # the values: a code's keys share one weight, so reading each key's own value is reading their mean
-        return (torch.softmax(logits, -1) @ vv.transpose(1, 2)).transpose(1, 2)
+        probs = torch.softmax(logits, -1)
+        if variant == "within":  # the code's total weight as in base, shared among its keys by their exact logits
+            top = exact.masked_fill(~in_code, -1e30).amax(-1, keepdim=True).clamp(min=-1e4)
+            e = torch.exp(exact - top).masked_fill(~in_code, 0.0)
+            share = e / (e @ onehot).clamp(min=1e-30).gather(-1, key_code) * count.gather(-1, key_code)
+            probs = torch.where(in_code[None, None], probs * share, probs)
+        elif variant == "cov":  # first order in q·(k − mean): a code returns v̄ + Cov(v, k) q
+            probs = torch.where(in_code[None, None], probs * (1 + exact - far), probs)
+        return (probs @ vv.transpose(1, 2)).transpose(1, 2)
 
     return attention
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.naive import vq_attention_naive
 
 _spec = importlib.util.spec_from_file_location(
@@ -60,7 +61,7 @@ def test_one_key_per_code_makes_every_oracle_exact():
     codes = torch.arange(T)[None, :, None].expand(1, T, G).contiguous()  # every key its own code
     args = (q, k, v, torch.zeros(G, T, D), codes, cos, sin, far_cos, far_sin)
     outs = {name: oracles.far_oracle(name)(*args, window=4, block_size=8, scale=0.4) for name in oracles.VARIANTS}
-    for name in ("base", "var", "lse"):
+    for name in ("base", "var", "lse", "within", "cov"):
         torch.testing.assert_close(outs[name], outs["exact"], atol=1e-5, rtol=1e-5)
 
 
@@ -74,3 +75,49 @@ def test_lse_gives_each_code_its_keys_exact_weight():
     exact = oracles.far_oracle("exact")(*args, **kw)
     torch.testing.assert_close(oracles.far_oracle("lse")(*args, **kw), exact, atol=1e-5, rtol=1e-5)
     assert (oracles.far_oracle("base")(*args, **kw) - exact).abs().max() > 1e-3  # the mean logit is not
+
+
+def test_within_keeps_each_codes_weight_and_shares_it_by_exact_logits():
+    """Where the keys of a code share one value, how a code's weight is split inside it does not matter: within
+    is then base. Where they do not, within moves the output."""
+    q, k, _, codebook, codes, cos, sin, far_cos, far_sin = _inputs()
+    G, C, D = codebook.shape
+    per_code = torch.randn(G, C, D, generator=torch.Generator().manual_seed(1))
+    shared = per_code[torch.arange(G), codes]
+    kw = dict(window=4, block_size=8, scale=0.4)
+    same = lambda v, name: oracles.far_oracle(name)(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, **kw)  # noqa: E731
+    torch.testing.assert_close(same(shared, "within"), same(shared, "base"), atol=1e-5, rtol=1e-5)
+    _, _, v, *_ = _inputs()
+    assert (same(v, "within") - same(v, "base")).abs().max() > 1e-3
+
+
+def test_cov_is_the_first_order_value_correction():
+    """cov, by brute force at every query: a code c of n far keys returns v̄_c + (1/n) Σ_i v_i (q·(k_i − k̄_c))
+    at the weight base gives it."""
+    q, k, v, codebook, codes, cos, sin, far_cos, far_sin = _inputs(T=20)
+    window, scale = 4, 0.4
+    B, T, H, D = q.shape
+    G, C = k.shape[2], codebook.shape[1]
+    got = oracles.far_oracle("cov")(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window=window, block_size=8,
+                                    scale=scale)
+    q_near = apply_rope(q, cos[:, None], sin[:, None]) * scale
+    k_near = apply_rope(k, cos[:, None], sin[:, None])
+    q_far = apply_rope(q, far_cos, far_sin) * scale
+    want = torch.zeros_like(got)
+    for h in range(H):
+        g = h // (H // G)
+        for t in range(T):
+            near = list(range(max(0, t - window + 1), t + 1))
+            logits = [q_near[0, t, h] @ k_near[0, s, g] for s in near]
+            outs = [v[0, s, g] for s in near]
+            for c in range(C):
+                far = [s for s in range(T) if s <= t - window and codes[0, s, g] == c]
+                if not far:
+                    continue
+                mean_k = k[0, far, g].mean(0)
+                logits += [q_far[0, t, h] @ mean_k + torch.tensor(float(len(far))).log()]
+                first = sum(v[0, s, g] * (q_far[0, t, h] @ (k[0, s, g] - mean_k)) for s in far) / len(far)
+                outs += [v[0, far, g].mean(0) + first]
+            p = torch.softmax(torch.stack(logits), 0)
+            want[0, t, h] = (p[:, None] * torch.stack(outs)).sum(0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
