@@ -87,8 +87,11 @@ def code_spread(q_far: torch.Tensor, k: torch.Tensor, codes: torch.Tensor, size:
     return corr
 
 
-def far_oracle(variant: str):
-    """A drop-in for the quadratic reference `vq_attention_naive` (same arguments) computing `variant`."""
+def far_oracle(variant: str, outliers: float = 0.0):
+    """A drop-in for the quadratic reference `vq_attention_naive` (same arguments) computing `variant`.
+
+    outliers: the fraction of keys (per sequence and KV head) farthest from their codeword, ‖k − c‖, that
+    leave their code and keep their own logit and value, as sinks do."""
 
     @torch.no_grad()
     def attention(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, *, window, block_size, sinks=0, scale=None,
@@ -106,6 +109,12 @@ def far_oracle(variant: str):
         t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
         delta = t - s
         in_code = (delta >= window) & (s >= sinks)
+        kept = torch.zeros(B, H, 1, T, dtype=torch.bool)  # far keys scored on their own
+        if outliers > 0:
+            err = (k - torch.stack([codebook[g][codes[:, :, g].long()] for g in range(G)], 2)).square().sum(-1)
+            limit = torch.quantile(err, 1 - outliers, dim=1, keepdim=True)  # (B, 1, G)
+            kept = (err > limit).repeat_interleave(group, dim=2).transpose(1, 2)[:, :, None, :]
+            in_code = in_code & ~kept
         onehot = F.one_hot(codes.long(), size).to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
         count = in_code.to(q.dtype) @ onehot  # (B, H, T, C)
         key_code = codes.long().repeat_interleave(group, dim=2).transpose(1, 2)[:, :, None, :].expand(-1, -1, T, -1)
@@ -121,7 +130,7 @@ def far_oracle(variant: str):
                 code_logit = code_logit + 0.5 * code_spread(q_far, k, codes, size, window, sinks)
             far = code_logit.gather(-1, key_code)
         if variant != "exact":  # sinks keep their own logit
-            far = torch.where((s < sinks)[None, None], exact, far)
+            far = torch.where((s < sinks)[None, None] | kept, exact, far)
         logits = torch.where(delta < window, near, far).masked_fill(delta < 0, float("-inf"))
         # the values: a code's keys share one weight, so reading each key's own value is reading their mean
         probs = torch.softmax(logits, -1)
@@ -143,20 +152,26 @@ def main() -> None:
     ap.add_argument("--corpora", default="python")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--outliers", type=float, default=0.0,
+                    help="fraction of keys farthest from their codeword scored on their own (0 to 1)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:  # before the model loads
         ap.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    if not 0 <= args.outliers < 1:
+        ap.error(f"--outliers {args.outliers}: give a fraction of the keys, from 0 up to (not including) 1")
+    if args.outliers and "var" in variants:
+        ap.error("--outliers does not apply to var (its spread counts every far key): leave var out of --variants")
     model, tok, _ = load_model(args.model)  # in eval mode
     model.config.vq_kernel = "naive"  # the layers share this config: each runs the reference, patched below
     for corpus in args.corpora.split(","):
         blocks = token_blocks(tok, load_text(corpus), 2048, args.tokens, spread=True)
         for variant in variants:
-            vq_module.vq_attention_naive = far_oracle(variant)
+            vq_module.vq_attention_naive = far_oracle(variant, args.outliers)
             t0 = time.perf_counter()
             scores = corpus_scores(model, blocks, None, batch_size=1)
-            print(json.dumps({"corpus": corpus, "variant": variant, "perplexity": round(scores["perplexity"], 4),
+            print(json.dumps({"corpus": corpus, "variant": variant, "outliers": args.outliers, "perplexity": round(scores["perplexity"], 4),
                               "tokens": scores["tokens"], "seconds": round(time.perf_counter() - t0)}), flush=True)
 
 

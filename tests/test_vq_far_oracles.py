@@ -121,3 +121,40 @@ def test_cov_is_the_first_order_value_correction():
             p = torch.softmax(torch.stack(logits), 0)
             want[0, t, h] = (p[:, None] * torch.stack(outs)).sum(0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["base", "lse"])
+def test_outliers_leave_their_code_and_keep_their_own_logit_and_value(variant):
+    """With --outliers F, the keys farthest from their codeword are scored like sinks (own logit, own value),
+    and each code's mean (or log-mean-exp) is over the far keys it still holds. Brute force at every query."""
+    q, k, v, codebook, codes, cos, sin, far_cos, far_sin = _inputs(T=24)
+    window, scale, fraction = 4, 0.4, 0.25
+    B, T, H, D = q.shape
+    G, C = k.shape[2], codebook.shape[1]
+    got = oracles.far_oracle(variant, fraction)(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window=window,
+                                                block_size=8, scale=scale)
+    err = torch.stack([(k[0, :, g] - codebook[g][codes[0, :, g]]).square().sum(-1) for g in range(G)], 1)  # (T, G)
+    q_near = apply_rope(q, cos[:, None], sin[:, None]) * scale
+    k_near = apply_rope(k, cos[:, None], sin[:, None])
+    q_far = apply_rope(q, far_cos, far_sin) * scale
+    want = torch.zeros_like(got)
+    for h in range(H):
+        g = h // (H // G)
+        kept = err[:, g] > torch.quantile(err[:, g], 1 - fraction)
+        assert 0 < kept.sum() < T
+        for t in range(T):
+            near = list(range(max(0, t - window + 1), t + 1))
+            own = [s for s in range(T) if s <= t - window and kept[s]]
+            logits = [q_near[0, t, h] @ k_near[0, s, g] for s in near] + [q_far[0, t, h] @ k[0, s, g] for s in own]
+            outs = [v[0, s, g] for s in near + own]
+            for c in range(C):
+                far = [s for s in range(T) if s <= t - window and codes[0, s, g] == c and not kept[s]]
+                if not far:
+                    continue
+                each = torch.stack([q_far[0, t, h] @ k[0, s, g] for s in far])
+                code = each.mean() if variant == "base" else each.logsumexp(0) - torch.tensor(float(len(far))).log()
+                logits += [code + torch.tensor(float(len(far))).log()]
+                outs += [v[0, far, g].mean(0)]
+            p = torch.softmax(torch.stack(logits), 0)
+            want[0, t, h] = (p[:, None] * torch.stack(outs)).sum(0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
