@@ -91,35 +91,51 @@ def test_within_keeps_each_codes_weight_and_shares_it_by_exact_logits():
     assert (same(v, "within") - same(v, "base")).abs().max() > 1e-3
 
 
-def test_cov_is_the_first_order_value_correction():
-    """cov, by brute force at every query: a code c of n far keys returns v̄_c + (1/n) Σ_i v_i (q·(k_i − k̄_c))
-    at the weight base gives it."""
-    q, k, v, codebook, codes, cos, sin, far_cos, far_sin = _inputs(T=20)
-    window, scale = 4, 0.4
+def _brute_force(q, k, v, codes, cos, sin, far_cos, far_sin, *, window, scale, code, kept=None):
+    """The attention at every query, by loops: the window exact, the far keys marked in `kept` [T, G] with their
+    own logit and value, and each code's other far keys through code(q_far, keys, values) -> (logit, value)
+    (the logit counts all of the code's keys)."""
     B, T, H, D = q.shape
-    G, C = k.shape[2], codebook.shape[1]
-    got = oracles.far_oracle("cov")(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window=window, block_size=8,
-                                    scale=scale)
+    G = k.shape[2]
     q_near = apply_rope(q, cos[:, None], sin[:, None]) * scale
     k_near = apply_rope(k, cos[:, None], sin[:, None])
     q_far = apply_rope(q, far_cos, far_sin) * scale
-    want = torch.zeros_like(got)
+    kept = torch.zeros(T, G, dtype=torch.bool) if kept is None else kept
+    out = torch.zeros_like(q)
     for h in range(H):
         g = h // (H // G)
         for t in range(T):
             near = list(range(max(0, t - window + 1), t + 1))
-            logits = [q_near[0, t, h] @ k_near[0, s, g] for s in near]
-            outs = [v[0, s, g] for s in near]
-            for c in range(C):
-                far = [s for s in range(T) if s <= t - window and codes[0, s, g] == c]
-                if not far:
-                    continue
-                mean_k = k[0, far, g].mean(0)
-                logits += [q_far[0, t, h] @ mean_k + torch.tensor(float(len(far))).log()]
-                first = sum(v[0, s, g] * (q_far[0, t, h] @ (k[0, s, g] - mean_k)) for s in far) / len(far)
-                outs += [v[0, far, g].mean(0) + first]
+            own = [s for s in range(t - window + 1) if kept[s, g]]
+            logits = [q_near[0, t, h] @ k_near[0, s, g] for s in near] + [q_far[0, t, h] @ k[0, s, g] for s in own]
+            outs = [v[0, s, g] for s in near + own]
+            for c in codes[0, :, g].unique().tolist():
+                far = [s for s in range(t - window + 1) if codes[0, s, g] == c and not kept[s, g]]
+                if far:
+                    logit, value = code(q_far[0, t, h], k[0, far, g], v[0, far, g])
+                    logits.append(logit)
+                    outs.append(value)
             p = torch.softmax(torch.stack(logits), 0)
-            want[0, t, h] = (p[:, None] * torch.stack(outs)).sum(0)
+            out[0, t, h] = (p[:, None] * torch.stack(outs)).sum(0)
+    return out
+
+
+def _count(keys):
+    return torch.tensor(float(len(keys))).log()
+
+
+def test_cov_is_the_first_order_value_correction():
+    """cov, by brute force: a code c of n far keys returns v̄_c + (1/n) Σ_i v_i (q·(k_i − k̄_c)) at the weight
+    base gives it."""
+    q, k, v, codebook, codes, cos, sin, far_cos, far_sin = _inputs(T=20)
+    got = oracles.far_oracle("cov")(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window=4, block_size=8,
+                                    scale=0.4)
+
+    def code(qf, keys, values):
+        mean = keys.mean(0)
+        return qf @ mean + _count(keys), values.mean(0) + (values * ((keys - mean) @ qf)[:, None]).mean(0)
+
+    want = _brute_force(q, k, v, codes, cos, sin, far_cos, far_sin, window=4, scale=0.4, code=code)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -128,33 +144,16 @@ def test_outliers_leave_their_code_and_keep_their_own_logit_and_value(variant):
     """With --outliers F, the keys farthest from their codeword are scored like sinks (own logit, own value),
     and each code's mean (or log-mean-exp) is over the far keys it still holds. Brute force at every query."""
     q, k, v, codebook, codes, cos, sin, far_cos, far_sin = _inputs(T=24)
-    window, scale, fraction = 4, 0.4, 0.25
-    B, T, H, D = q.shape
-    G, C = k.shape[2], codebook.shape[1]
-    got = oracles.far_oracle(variant, fraction)(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window=window,
-                                                block_size=8, scale=scale)
+    T, G = k.shape[1], k.shape[2]
+    got = oracles.far_oracle(variant, 0.25)(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window=4,
+                                            block_size=8, scale=0.4)
     err = torch.stack([(k[0, :, g] - codebook[g][codes[0, :, g]]).square().sum(-1) for g in range(G)], 1)  # (T, G)
-    q_near = apply_rope(q, cos[:, None], sin[:, None]) * scale
-    k_near = apply_rope(k, cos[:, None], sin[:, None])
-    q_far = apply_rope(q, far_cos, far_sin) * scale
-    want = torch.zeros_like(got)
-    for h in range(H):
-        g = h // (H // G)
-        kept = err[:, g] > torch.quantile(err[:, g], 1 - fraction)
-        assert 0 < kept.sum() < T
-        for t in range(T):
-            near = list(range(max(0, t - window + 1), t + 1))
-            own = [s for s in range(T) if s <= t - window and kept[s]]
-            logits = [q_near[0, t, h] @ k_near[0, s, g] for s in near] + [q_far[0, t, h] @ k[0, s, g] for s in own]
-            outs = [v[0, s, g] for s in near + own]
-            for c in range(C):
-                far = [s for s in range(T) if s <= t - window and codes[0, s, g] == c and not kept[s]]
-                if not far:
-                    continue
-                each = torch.stack([q_far[0, t, h] @ k[0, s, g] for s in far])
-                code = each.mean() if variant == "base" else each.logsumexp(0) - torch.tensor(float(len(far))).log()
-                logits += [code + torch.tensor(float(len(far))).log()]
-                outs += [v[0, far, g].mean(0)]
-            p = torch.softmax(torch.stack(logits), 0)
-            want[0, t, h] = (p[:, None] * torch.stack(outs)).sum(0)
+    kept = err > torch.quantile(err, 0.75, dim=0)
+    assert ((0 < kept.sum(0)) & (kept.sum(0) < T)).all()
+
+    def code(qf, keys, values):
+        logits = keys @ qf
+        return (logits.mean() + _count(keys) if variant == "base" else logits.logsumexp(0)), values.mean(0)
+
+    want = _brute_force(q, k, v, codes, cos, sin, far_cos, far_sin, window=4, scale=0.4, code=code, kept=kept)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
