@@ -108,7 +108,7 @@ def far_oracle(variant: str, outliers: float = 0.0):
         exact = torch.einsum("bthd,bshd->bhts", q_far, kk)  # every far key's own logit
         t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
         delta = t - s
-        in_code = (delta >= window) & (s >= sinks)
+        in_code = ((delta >= window) & (s >= sinks))[None, None]  # (1, 1, T, T); per head once outliers leave
         kept = torch.zeros(B, H, 1, T, dtype=torch.bool)  # far keys scored on their own
         if outliers > 0:
             err = (k - torch.stack([codebook[g][codes[:, :, g].long()] for g in range(G)], 2)).square().sum(-1)
@@ -138,9 +138,9 @@ def far_oracle(variant: str, outliers: float = 0.0):
             top = exact.masked_fill(~in_code, -1e30).amax(-1, keepdim=True).clamp(min=-1e4)
             e = torch.exp(exact - top).masked_fill(~in_code, 0.0)
             share = e / (e @ onehot).clamp(min=1e-30).gather(-1, key_code) * count.gather(-1, key_code)
-            probs = torch.where(in_code[None, None], probs * share, probs)
+            probs = torch.where(in_code, probs * share, probs)
         elif variant == "cov":  # first order in q·(k − mean): a code returns v̄ + Cov(v, k) q
-            probs = torch.where(in_code[None, None], probs * (1 + exact - far), probs)
+            probs = torch.where(in_code, probs * (1 + exact - far), probs)
         return (probs @ vv.transpose(1, 2)).transpose(1, 2)
 
     return attention

@@ -139,10 +139,10 @@ def test_cov_is_the_first_order_value_correction():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["base", "lse"])
+@pytest.mark.parametrize("variant", ["base", "lse", "within", "cov"])
 def test_outliers_leave_their_code_and_keep_their_own_logit_and_value(variant):
     """With --outliers F, the keys farthest from their codeword are scored like sinks (own logit, own value),
-    and each code's mean (or log-mean-exp) is over the far keys it still holds. Brute force at every query."""
+    and each code's logit and value come from the far keys it still holds. Brute force at every query."""
     q, k, v, codebook, codes, cos, sin, far_cos, far_sin = _inputs(T=24)
     T, G = k.shape[1], k.shape[2]
     got = oracles.far_oracle(variant, 0.25)(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window=4,
@@ -153,7 +153,12 @@ def test_outliers_leave_their_code_and_keep_their_own_logit_and_value(variant):
 
     def code(qf, keys, values):
         logits = keys @ qf
-        return (logits.mean() + _count(keys) if variant == "base" else logits.logsumexp(0)), values.mean(0)
+        logit = logits.logsumexp(0) if variant == "lse" else logits.mean() + _count(keys)
+        if variant == "within":
+            return logit, torch.softmax(logits, 0) @ values
+        if variant == "cov":
+            return logit, values.mean(0) + (values * (logits - logits.mean())[:, None]).mean(0)
+        return logit, values.mean(0)
 
     want = _brute_force(q, k, v, codes, cos, sin, far_cos, far_sin, window=4, scale=0.4, code=code, kept=kept)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
