@@ -1,6 +1,6 @@
 """Where two models' perplexities differ: per evaluation block, with and without a BOS token in front.
 
-    python benchmarks/block_spread.py MODEL [MODEL ...] [--corpora shakespeare,britannica,python] [--baseline llama]
+    python benchmarks/block_spread.py MODEL [MODEL ...] [--corpora shakespeare,britannica,python] [--tokens 8192] [--context 512]
 
 Scores each model on the blocks `effattn eval` uses (8,192 tokens per corpus in blocks of 512, evenly spread
 over the corpus): once as `effattn eval` does (a block starts mid-text, no special token), once with the
@@ -16,20 +16,21 @@ import json
 import math
 
 import torch
-import torch.nn.functional as F
 
 from effattn.data.corpora import load_text, token_blocks
+from effattn.evaluate import log_probs, target_nll
 from effattn.io.load import load_model
 
 
 @torch.no_grad()
 def block_losses(model, blocks: torch.Tensor, bos: int | None) -> list[float]:
-    """Mean next-token loss of every block [N, T]; with `bos`, scored after that token (same targets)."""
+    """Mean next-token loss of every block [N, T] (effattn eval's log_probs and target_nll); with `bos`, the
+    model reads that token first and the BOS position's own prediction is left out (same targets)."""
     out = []
     for block in blocks:
         ids = block[None] if bos is None else torch.cat([torch.tensor([bos]), block])[None]
-        logits = model(input_ids=ids, use_cache=False).logits[0, ids.shape[1] - len(block):-1].float()
-        out.append(F.cross_entropy(logits, block[1:]).item())
+        skip = ids.shape[1] - len(block)
+        out.append(target_nll(log_probs(model, ids)[:, skip:], ids[:, skip:]) / (len(block) - 1))
     return out
 
 
