@@ -118,12 +118,14 @@ def far_oracle(variant: str, outliers: float = 0.0):
         onehot = F.one_hot(codes.long(), size).to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
         count = in_code.to(q.dtype) @ onehot  # (B, H, T, C)
         key_code = codes.long().repeat_interleave(group, dim=2).transpose(1, 2)[:, :, None, :].expand(-1, -1, T, -1)
+        if variant in ("lse", "within"):  # exp of each far key's exact logit, shifted by the query's largest one
+            top = exact.masked_fill(~in_code, -1e30).amax(-1, keepdim=True).clamp(min=-1e4)
+            e = torch.exp(exact - top).masked_fill(~in_code, 0.0)
+            mass = (e @ onehot).clamp(min=1e-30)  # per code
         if variant == "exact":
             far = exact
         elif variant == "lse":
-            top = exact.masked_fill(~in_code, -1e30).amax(-1, keepdim=True).clamp(min=-1e4)
-            mass = torch.exp(exact - top).masked_fill(~in_code, 0.0) @ onehot
-            far = (mass.clamp(min=1e-30).log() + top - count.clamp(min=1.0).log()).gather(-1, key_code)
+            far = (mass.log() + top - count.clamp(min=1.0).log()).gather(-1, key_code)
         else:
             code_logit = (exact.masked_fill(~in_code, 0.0) @ onehot) / count.clamp(min=1.0)
             if variant == "var":
@@ -135,9 +137,7 @@ def far_oracle(variant: str, outliers: float = 0.0):
         # the values: a code's keys share one weight, so reading each key's own value is reading their mean
         probs = torch.softmax(logits, -1)
         if variant == "within":  # the code's total weight as in base, shared among its keys by their exact logits
-            top = exact.masked_fill(~in_code, -1e30).amax(-1, keepdim=True).clamp(min=-1e4)
-            e = torch.exp(exact - top).masked_fill(~in_code, 0.0)
-            share = e / (e @ onehot).clamp(min=1e-30).gather(-1, key_code) * count.gather(-1, key_code)
+            share = e / mass.gather(-1, key_code) * count.gather(-1, key_code)
             probs = torch.where(in_code, probs * share, probs)
         elif variant == "cov":  # first order in q·(k − mean): a code returns v̄ + Cov(v, k) q
             probs = torch.where(in_code, probs * (1 + exact - far), probs)
