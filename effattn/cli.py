@@ -257,6 +257,10 @@ def eval_(
     corpus: list[str] = typer.Option(None, "--corpus", help="built-in corpus or text file; repeat or comma-separate (default: shakespeare,britannica)"),
     context: int = typer.Option(512, "--context", help="tokens per evaluation block"),
     max_tokens: int = typer.Option(8192, "--max-tokens", help="tokens per corpus"),
+    bos: bool = typer.Option(False, "--bos/--no-bos", help="read every block after the tokenizer's BOS token (EOS "
+                                                           "where it has none), as lm-evaluation-harness does; the "
+                                                           "same next tokens are scored. Default: blocks start "
+                                                           "mid-text with nothing in front"),
     batch_size: int = typer.Option(2, "--batch-size"),
     speed: bool = typer.Option(True, "--speed/--no-speed", help="time prefill and decode"),
     speed_context: Optional[int] = typer.Option(None, "--speed-context", help="also time prefill and decode after "
@@ -293,6 +297,9 @@ def eval_(
     from .evaluate import EvalSettings, evaluate
     from .report import eval_table
 
+    if bos and task != "perplexity":
+        raise EffattnError("--bos applies to perplexity blocks", "drop --bos (passkey and needle prompts are "
+                                                                 "built with the tokenizer's own special tokens)")
     if task != "perplexity":
         return _eval_retrieval(model, baseline, task=task, lengths=lengths, depths=depths, samples=samples, seed=seed,
                                filler=filler, plot=plot, dtype=dtype, tokenizer=tokenizer, as_json=as_json,
@@ -313,7 +320,7 @@ def eval_(
         raise EffattnError(f"--speed-context must be at least 2 tokens, got {speed_context}",
                            "use e.g. --speed-context 16384")
     settings = EvalSettings(corpora=corpora, context=context, max_tokens=max_tokens, batch_size=batch_size, speed=speed,
-                            speed_context=speed_context)
+                            speed_context=speed_context, bos=bos)
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
         report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                           tokenizer=tokenizer, memory_check=memory_check, attn_implementation=attn_implementation,

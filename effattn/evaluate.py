@@ -34,6 +34,7 @@ class EvalSettings:
     decode_tokens: int = 32
     speed_repeats: int = 3
     speed_context: int | None = None  # also time prefill and decode after this many tokens (None: not)
+    bos: bool = False  # score every block with the tokenizer's BOS (or EOS) token in front: prefix_token
 
 
 @dataclass
@@ -126,26 +127,45 @@ def final_hidden(model, ids: torch.Tensor, chunk: int = PREFILL_CHUNK) -> torch.
     return torch.cat(parts, dim=1)
 
 
+def prefix_token(tokenizer) -> int:
+    """The token `--bos` puts in front of every block: the tokenizer's BOS token, or its EOS token where it
+    has no BOS (Qwen2's tokenizers), as lm-evaluation-harness picks the prefix of its rolling perplexity."""
+    for token in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if token is not None:
+            return int(token)
+    raise EffattnError("the tokenizer has neither a BOS nor an EOS token, so --bos has nothing to put in front of "
+                       "a block", "drop --bos, or pass --tokenizer with a tokenizer that has one")
+
+
 @torch.no_grad()
-def corpus_scores(model, blocks: torch.Tensor, baseline=None, batch_size: int = 2) -> dict[str, float]:
-    """Perplexity of `model` on blocks [N, T]; with a baseline also agreement and KL (and its ppl)."""
+def corpus_scores(model, blocks: torch.Tensor, baseline=None, batch_size: int = 2,
+                  prefix: int | None = None) -> dict[str, float]:
+    """Perplexity of `model` on blocks [N, T]; with a baseline also agreement and KL (and its ppl). With a
+    `prefix` token, every block is read after it and the prefix's own prediction is left out: the same T - 1
+    next tokens are scored, agreement and KL over the same T positions, each with one token more before it."""
     nll = base_nll = kl = agree = 0.0
     n_pred = n_pos = 0
+    skip = 0 if prefix is None else 1  # leading positions not scored
     for i in range(0, len(blocks), batch_size):
         ids = blocks[i : i + batch_size]
+        if prefix is not None:
+            ids = torch.cat([torch.full((len(ids), 1), prefix, dtype=ids.dtype), ids], dim=1)
         base_chunks = logp_chunks(baseline, ids) if baseline is not None else None
         for start, logp in logp_chunks(model, ids):  # (B, n, V)
+            base_logp = next(base_chunks)[1] if base_chunks is not None else None
+            lo = max(skip - start, 0)  # this chunk's first scored position
+            logp, start = logp[:, lo:], start + lo
             n = logp.shape[1]
             nxt = ids[:, start + 1 : start + n + 1, None].to(logp.device)  # next tokens, where there is one
             m = nxt.shape[1]
             nll -= logp[:, :m].gather(-1, nxt).sum().item()
-            if base_chunks is not None:
-                _, base_logp = next(base_chunks)
+            if base_logp is not None:
+                base_logp = base_logp[:, lo:]
                 base_nll -= base_logp[:, :m].gather(-1, nxt).sum().item()
                 kl += (base_logp.exp() * (base_logp - logp)).sum().item()
                 agree += (base_logp.argmax(-1) == logp.argmax(-1)).sum().item()
-        n_pred += ids[:, 1:].numel()
-        n_pos += ids.numel() if baseline is not None else 0
+        n_pred += ids[:, skip + 1 :].numel()
+        n_pos += ids[:, skip:].numel() if baseline is not None else 0
     out = {"perplexity": math.exp(nll / n_pred), "tokens": n_pred}
     if baseline is not None:
         out |= {"baseline_perplexity": math.exp(base_nll / n_pred), "agreement": agree / n_pos, "kl": kl / n_pos}
@@ -260,10 +280,11 @@ def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=Non
     base = ModelMeasure(baseline_name, _params(baseline)) if baseline is not None else None
     report = EvalReport(settings=asdict(settings), model=mine, baseline=base)
     speed_ids = None
+    prefix = prefix_token(tokenizer) if settings.bos else None
     for corpus in settings.corpora:
         blocks = token_blocks(tokenizer, load_text(corpus), settings.context, settings.max_tokens, spread=True)
         speed_ids = blocks[:1] if speed_ids is None else speed_ids
-        scores = corpus_scores(model, blocks, baseline, settings.batch_size)
+        scores = corpus_scores(model, blocks, baseline, settings.batch_size, prefix)
         mine.perplexity[corpus] = scores["perplexity"]
         report.tokens[corpus] = scores["tokens"]
         if base is not None:
@@ -337,7 +358,8 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
     now = 0 if cuda else rss()  # on a GPU the text stays in the process: the device holds the rest
 
     def peak(context=settings.context, batch_size=settings.batch_size) -> int:
-        return now + measure_peak_bytes(ckpt.config, ckpt.num_params, base, context=context, batch_size=batch_size,
+        return now + measure_peak_bytes(ckpt.config, ckpt.num_params, base, context=context + int(settings.bos),
+                                        batch_size=batch_size,
                                         text_chars=chars, weight_bytes=weight_bytes)
 
     options = [("--batch-size", settings.batch_size, lambda b: peak(batch_size=b), 1, 1)] if settings.batch_size > 1 else []
@@ -365,6 +387,10 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
 
     settings = settings or EvalSettings()
     check_device(device)
+    if settings.bos:  # refused before any weights load
+        from .io.load import load_tokenizer
+
+        prefix_token(load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code))
     check_eval_memory(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                       memory_check=memory_check, device=device)
     if warn is not None:

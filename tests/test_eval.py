@@ -137,3 +137,66 @@ def test_eval_on_cuda_measures_what_the_cpu_measures(capsys, tiny, corpus):
     assert gpu["model"]["perplexity"][str(corpus)] == pytest.approx(cpu["model"]["perplexity"][str(corpus)], rel=1e-3)
     assert gpu["model"]["kv_bytes_per_token"] == cpu["model"]["kv_bytes_per_token"]
     assert gpu["model"]["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("context", [64, 200])  # 200: the log-probabilities come in chunks of 128 positions
+def test_bos_reads_each_block_after_the_prefix_and_scores_the_same_targets(tiny, corpus, tmp_path, context):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from effattn.data.corpora import load_text, token_blocks
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8, layers=2)
+    other = convert(src, tmp_path / "mqa", to="mqa", options={"method": "mean"}, measure=False).out
+    settings = EvalSettings(corpora=("corpus.txt",), context=context, max_tokens=4 * context, speed=False)
+    plain = evaluate(str(other), str(src), settings)
+    report = evaluate(str(other), str(src), EvalSettings(**{**settings.__dict__, "bos": True}))
+    tok = AutoTokenizer.from_pretrained(src)
+    blocks = token_blocks(tok, load_text(str(corpus)), context, 4 * context, spread=True)
+    ids = torch.cat([torch.full((len(blocks), 1), tok.bos_token_id), blocks], dim=1)
+    with torch.no_grad():
+        logp = [AutoModelForCausalLM.from_pretrained(p).eval()(input_ids=ids).logits.log_softmax(-1)[:, 1:]
+                for p in (other, src)]  # positions 1..T: the block's own tokens
+    nll = [-lp[:, :-1].gather(-1, blocks[:, 1:, None]).mean().item() for lp in logp]
+    assert report.tokens == plain.tokens == {"corpus.txt": len(blocks) * (context - 1)}
+    assert report.model.perplexity["corpus.txt"] == pytest.approx(math.exp(nll[0]), rel=1e-5)
+    assert report.baseline.perplexity["corpus.txt"] == pytest.approx(math.exp(nll[1]), rel=1e-5)
+    agree = (logp[0].argmax(-1) == logp[1].argmax(-1)).float().mean().item()
+    kl = (logp[1].exp() * (logp[1] - logp[0])).sum(-1).mean().item()
+    assert report.agreement["corpus.txt"] == pytest.approx(agree, abs=1e-9)
+    assert report.kl["corpus.txt"] == pytest.approx(kl, rel=1e-4)
+    assert report.model.perplexity != plain.model.perplexity  # the prefix changes what the model reads
+    assert report.settings["bos"] is True and plain.settings["bos"] is False
+
+
+def test_the_prefix_is_bos_or_else_eos_as_lm_evaluation_harness_picks_it():
+    from types import SimpleNamespace
+
+    from effattn.errors import EffattnError
+    from effattn.evaluate import prefix_token
+
+    assert prefix_token(SimpleNamespace(bos_token_id=1, eos_token_id=2)) == 1
+    assert prefix_token(SimpleNamespace(bos_token_id=None, eos_token_id=2)) == 2
+    with pytest.raises(EffattnError, match="neither a BOS nor an EOS"):
+        prefix_token(SimpleNamespace(bos_token_id=None, eos_token_id=None))
+
+
+def test_bos_is_refused_for_retrieval_tasks(capsys, tiny, corpus):
+    code, out, err = run_cli(capsys, "eval", tiny("llama"), "--task", "passkey", "--bos")
+    assert code == 2 and "--bos applies to perplexity blocks" in err and not out
+
+
+def test_a_fine_tunes_held_out_scores_with_bos_are_effattn_evals(tiny, corpus):
+    from effattn.finetune.config import Eval
+    from effattn.finetune.heldout import evaluate_student, held_out_sets, score_teacher
+    from effattn.io.load import load_model
+
+    src = tiny("llama")
+    model, tok, _ = load_model(str(src))
+    sets = held_out_sets(tok, Eval(corpora=["corpus.txt"], tokens=512, seq_len=64, bos=True))
+    assert sets[0].skip == 1 and (sets[0].blocks[:, 0] == tok.bos_token_id).all() and sets[0].blocks.shape[1] == 65
+    score_teacher(model, sets, batch_size=2)
+    mine = evaluate_student(model, sets, batch_size=2)["corpus.txt"]
+    report = evaluate(str(src), None, EvalSettings(corpora=("corpus.txt",), context=64, max_tokens=512, speed=False,
+                                                   bos=True))
+    assert mine["perplexity"] == pytest.approx(report.model.perplexity["corpus.txt"], rel=1e-6)
+    assert mine["agreement"] == 1.0

@@ -266,6 +266,19 @@ def test_dry_run_reports_sizes_and_estimates_and_writes_nothing(heal, capsys):
     assert chunked < plan["memory_bytes_per_process"]["activations"]
 
 
+def test_dry_run_refuses_eval_bos_when_the_tokenizer_has_no_prefix_token(heal, capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    import effattn.finetune.plan as plan
+
+    out = heal.root / "dry-bos"
+    code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--dry-run", "eval.bos=true")
+    assert code == 0, err
+    monkeypatch.setattr(plan, "load_tokenizer", lambda ref: SimpleNamespace(bos_token_id=None, eos_token_id=None))
+    code, stdout, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--dry-run", "eval.bos=true")
+    assert code == 2 and "neither a BOS nor an EOS" in err and not out.exists()
+
+
 def test_max_tokens_rounds_up_to_whole_steps(heal):
     result = finetune(heal("train.max_steps=null", "train.max_tokens=300", "eval.every=0", "checkpoint.every=0"))
     assert result.steps == 5 and result.tokens == 5 * 64  # ceil(300 / (32 tokens x 2 sequences))

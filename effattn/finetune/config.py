@@ -136,6 +136,8 @@ class Eval(_Section):
     tokens: int = Field(4096, ge=2, description="tokens per corpus")
     seq_len: int = Field(512, ge=2)
     batch_size: int = Field(2, ge=1)
+    bos: bool = Field(False, description="read every block after the tokenizer's BOS token (EOS where it has none), "
+                                         "as `effattn eval --bos` does; the same next tokens are scored")
 
     @field_validator("corpora", mode="before")
     @classmethod

@@ -29,7 +29,8 @@ import torch
 
 from ..convert import convert, read_record
 from ..io.checkpoint import Checkpoint, read_config
-from ..io.load import DTYPES, as_ref
+from ..evaluate import prefix_token
+from ..io.load import DTYPES, as_ref, load_tokenizer, tokenizer_missing
 from .config import Recipe
 from .data import check_disjoint, check_source
 from . import distributed
@@ -57,6 +58,10 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         check_source(source)
     check_disjoint(recipe.data.sources, recipe.eval.corpora)
     student = recipe.student
+    if recipe.eval.bos and recipe.eval.corpora:  # the prefix token exists (a config-only folder is planned without)
+        ref = as_ref(student.model)
+        if tokenizer_missing(ref.path) is None:
+            prefix_token(load_tokenizer(ref))
     if student.convert is not None:
         plan = convert(student.model, None, to=student.convert.to, options=student.convert.options(), dry_run=True,
                        measure=False, memory_check=memory_check).plan  # prepare_student converts without measuring
