@@ -275,8 +275,24 @@ def test_dry_run_refuses_eval_bos_when_the_tokenizer_has_no_prefix_token(heal, c
     code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--dry-run", "eval.bos=true")
     assert code == 0, err
     monkeypatch.setattr(plan, "load_tokenizer", lambda ref: SimpleNamespace(bos_token_id=None, eos_token_id=None))
-    code, stdout, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--dry-run", "eval.bos=true")
-    assert code == 2 and "neither a BOS nor an EOS" in err and not out.exists()
+    for option in ("eval.bos=true", "data.bos=0.5"):
+        code, stdout, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "--dry-run", option)
+        assert code == 2 and "neither a BOS nor an EOS" in err and not out.exists()
+
+
+def test_a_share_of_training_blocks_starts_with_bos_spread_evenly(tiny):
+    from effattn.finetune.data import training_blocks
+    from effattn.io.load import load_tokenizer
+
+    tok = load_tokenizer(tiny("llama"))
+    texts = {"t": [TRAIN_TEXT]}
+    plain = training_blocks(tok, texts, 16)
+    half, every = training_blocks(tok, texts, 16, bos=0.5), training_blocks(tok, texts, 16, bos=1.0)
+    assert half.shape == every.shape == plain.shape and len(plain) >= 8
+    assert (every[:, 0] == tok.bos_token_id).all() and torch.equal(every[:, 1:], plain[:, :-1])
+    marked = half[:, 0] == tok.bos_token_id
+    assert marked.tolist()[:4] == [False, True, False, True] and abs(marked.sum().item() - len(plain) / 2) <= 1
+    assert torch.equal(half[~marked], plain[~marked]) and torch.equal(half[marked][:, 1:], plain[marked][:, :-1])
 
 
 def test_max_tokens_rounds_up_to_whole_steps(heal):

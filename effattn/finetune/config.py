@@ -52,6 +52,10 @@ class Data(_Section):
     sources: list[str] = Field(["mix"], description="built-in corpora, text files/folders, *.jsonl, or hf:ORG/NAME[/CONFIG][:SPLIT]")
     text_key: str = "text"  # the field holding the text in JSONL and hub datasets
     seq_len: int = Field(256, ge=2)
+    bos: float = Field(0.0, ge=0, le=1, description="share of training blocks read after the tokenizer's BOS token "
+                                                    "(EOS where it has none), spread evenly over the blocks: 0 (the "
+                                                    "default) starts every block mid-text, 1 every block after BOS; a "
+                                                    "block so marked keeps its length and loses its last token")
 
     @field_validator("sources", mode="before")
     @classmethod

@@ -119,8 +119,10 @@ def read_sources(sources: list[str], text_key: str = "text") -> dict[str, list[s
     return {source: source_texts(source, text_key) for source in sources}
 
 
-def training_blocks(tokenizer, texts: dict[str, list[str]], seq_len: int) -> torch.Tensor:
-    """All training text as blocks: LongTensor [N, seq_len] (each source cut separately, then stacked)."""
+def training_blocks(tokenizer, texts: dict[str, list[str]], seq_len: int, bos: float = 0.0) -> torch.Tensor:
+    """All training text as blocks: LongTensor [N, seq_len] (each source cut separately, then stacked). With
+    `bos` > 0, that share of the blocks, spread evenly (block i where floor((i + 1) * bos) > floor(i * bos)),
+    starts with the prefix token of `effattn eval --bos` followed by the block's first seq_len - 1 tokens."""
     eos = tokenizer.eos_token_id
     blocks = []
     for source, documents in texts.items():
@@ -135,7 +137,14 @@ def training_blocks(tokenizer, texts: dict[str, list[str]], seq_len: int) -> tor
             raise EffattnError(f"data source {source!r} has {len(ids)} tokens, fewer than one block of {seq_len}",
                                "add text or lower data.seq_len")
         blocks.append(torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len))  # (n, T)
-    return torch.cat(blocks)
+    out = torch.cat(blocks)
+    if bos > 0:
+        from ..evaluate import prefix_token
+
+        i = torch.arange(len(out), dtype=torch.float64)
+        marked = torch.floor((i + 1) * bos) > torch.floor(i * bos)
+        out[marked] = torch.cat([torch.full((int(marked.sum()), 1), prefix_token(tokenizer)), out[marked][:, :-1]], dim=1)
+    return out
 
 
 class BlockStream:

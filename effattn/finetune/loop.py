@@ -367,7 +367,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
 
     # -- data -------------------------------------------------------------------------------------
     say(f"tokenizing {', '.join(recipe.data.sources)} ...")
-    stream = BlockStream(training_blocks(tokenizer, texts, recipe.data.seq_len), recipe.train.seed)
+    stream = BlockStream(training_blocks(tokenizer, texts, recipe.data.seq_len, recipe.data.bos), recipe.train.seed)
     del texts
     held_out = held_out_sets(tokenizer, recipe.eval) if evaluates else []
     if evaluates and teacher is not None:

@@ -58,7 +58,8 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         check_source(source)
     check_disjoint(recipe.data.sources, recipe.eval.corpora)
     student = recipe.student
-    if recipe.eval.bos and recipe.eval.corpora:  # the prefix token exists (a config-only folder is planned without)
+    if (recipe.eval.bos and recipe.eval.corpora) or recipe.data.bos:
+        # the prefix token exists (a config-only folder, planned for another machine, has no tokenizer to ask)
         ref = as_ref(student.model)
         if tokenizer_missing(ref.path) is None:
             prefix_token(load_tokenizer(ref))
