@@ -40,8 +40,9 @@ def eval_table(report: EvalReport) -> Table:
             cells.append(_change(base, mine, lower))
         table.add_row(*cells)
 
+    after = ", each block after BOS" if report.settings.get("bos") else ""
     for corpus, ppl in m.perplexity.items():
-        row(f"perplexity · {corpus} ({report.tokens[corpus]:,} tok)", ppl, b.perplexity.get(corpus) if b else None)
+        row(f"perplexity · {corpus} ({report.tokens[corpus]:,} tok{after})", ppl, b.perplexity.get(corpus) if b else None)
     for corpus, agree in report.agreement.items():
         table.add_row(escape(f"top-1 agreement · {corpus}"), "", f"{agree:.1%}", "")
     for corpus, kl in report.kl.items():

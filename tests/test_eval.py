@@ -180,6 +180,16 @@ def test_the_prefix_is_bos_or_else_eos_as_lm_evaluation_harness_picks_it():
         prefix_token(SimpleNamespace(bos_token_id=None, eos_token_id=None))
 
 
+def test_eval_table_says_the_blocks_were_read_after_bos(capsys, tiny, corpus):
+    src = tiny("llama")
+    code, out, _ = run_cli(capsys, "eval", src, "--corpus", str(corpus), "--context", "64", "--max-tokens", "128",
+                           "--no-speed", "--bos")
+    assert code == 0 and "each block after BOS" in out
+    code, out, _ = run_cli(capsys, "eval", src, "--corpus", str(corpus), "--context", "64", "--max-tokens", "128",
+                           "--no-speed")
+    assert code == 0 and "perplexity" in out and "after BOS" not in out
+
+
 def test_bos_is_refused_for_retrieval_tasks(capsys, tiny, corpus):
     code, out, err = run_cli(capsys, "eval", tiny("llama"), "--task", "passkey", "--bos")
     assert code == 2 and "--bos applies to perplexity blocks" in err and not out
