@@ -137,6 +137,11 @@ def prefix_token(tokenizer) -> int:
                        "a block", "drop --bos, or pass --tokenizer with a tokenizer that has one")
 
 
+def with_prefix(blocks: torch.Tensor, token: int) -> torch.Tensor:
+    """blocks [N, T] with `token` in front of each: [N, 1 + T]."""
+    return torch.cat([torch.full((len(blocks), 1), token, dtype=blocks.dtype), blocks], dim=1)
+
+
 @torch.no_grad()
 def corpus_scores(model, blocks: torch.Tensor, baseline=None, batch_size: int = 2,
                   prefix: int | None = None) -> dict[str, float]:
@@ -149,7 +154,7 @@ def corpus_scores(model, blocks: torch.Tensor, baseline=None, batch_size: int = 
     for i in range(0, len(blocks), batch_size):
         ids = blocks[i : i + batch_size]
         if prefix is not None:
-            ids = torch.cat([torch.full((len(ids), 1), prefix, dtype=ids.dtype), ids], dim=1)
+            ids = with_prefix(ids, prefix)
         base_chunks = logp_chunks(baseline, ids) if baseline is not None else None
         for start, logp in logp_chunks(model, ids):  # (B, n, V)
             base_logp = next(base_chunks)[1] if base_chunks is not None else None
@@ -387,10 +392,12 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
 
     settings = settings or EvalSettings()
     check_device(device)
-    if settings.bos:  # refused before any weights load
+    tok = None
+    if settings.bos:  # refused before any weights load; the tokenizer loaded here is the one measured with
         from .io.load import load_tokenizer
 
-        prefix_token(load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code))
+        tok = load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code)
+        prefix_token(tok)
     check_eval_memory(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                       memory_check=memory_check, device=device)
     if warn is not None:
@@ -408,8 +415,10 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
                                     f"--speed-context {settings.speed_context:,}")
             if note:
                 warn(note)
-    lm, tok, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=tokenizer or True,
-                              attn_implementation=attn_implementation, device=device)
+    lm, loaded, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code,
+                                 tokenizer=(tokenizer or True) if tok is None else False,
+                                 attn_implementation=attn_implementation, device=device)
+    tok = loaded if tok is None else tok
     base = base_ref = None
     if baseline is not None:
         base, _, base_ref = load_model(baseline, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,

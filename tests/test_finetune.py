@@ -295,6 +295,17 @@ def test_a_share_of_training_blocks_starts_with_bos_spread_evenly(tiny):
     assert torch.equal(half[~marked], plain[~marked]) and torch.equal(half[marked][:, 1:], plain[marked][:, :-1])
 
 
+def test_the_run_trains_on_the_blocks_data_bos_asks_for(heal, monkeypatch):
+    import effattn.finetune.loop as loop
+    from effattn.io.load import load_tokenizer
+
+    seen = []
+    real = loop.training_blocks
+    monkeypatch.setattr(loop, "training_blocks", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    finetune(heal("data.bos=1.0", "train.max_steps=1", "eval.every=0", "checkpoint.every=0"))
+    assert len(seen) == 1 and (seen[0][:, 0] == load_tokenizer(heal.src).bos_token_id).all()
+
+
 def test_max_tokens_rounds_up_to_whole_steps(heal):
     result = finetune(heal("train.max_steps=null", "train.max_tokens=300", "eval.every=0", "checkpoint.every=0"))
     assert result.steps == 5 and result.tokens == 5 * 64  # ceil(300 / (32 tokens x 2 sequences))

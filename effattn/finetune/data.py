@@ -139,11 +139,11 @@ def training_blocks(tokenizer, texts: dict[str, list[str]], seq_len: int, bos: f
         blocks.append(torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len))  # (n, T)
     out = torch.cat(blocks)
     if bos > 0:
-        from ..evaluate import prefix_token
+        from ..evaluate import prefix_token, with_prefix
 
         i = torch.arange(len(out), dtype=torch.float64)
         marked = torch.floor((i + 1) * bos) > torch.floor(i * bos)
-        out[marked] = torch.cat([torch.full((int(marked.sum()), 1), prefix_token(tokenizer)), out[marked][:, :-1]], dim=1)
+        out[marked] = with_prefix(out[marked][:, :-1], prefix_token(tokenizer))
     return out
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.corpora import load_text, token_blocks
-from ..evaluate import log_probs, prefix_token, target_nll
+from ..evaluate import log_probs, prefix_token, target_nll, with_prefix
 from .config import Eval
 
 
@@ -48,7 +48,7 @@ def held_out_sets(tokenizer, cfg: Eval) -> list[HeldOut]:
     for c in cfg.corpora:
         blocks = token_blocks(tokenizer, load_text(c), cfg.seq_len, cfg.tokens, spread=True)
         if prefix is not None:
-            blocks = torch.cat([torch.full((len(blocks), 1), prefix, dtype=blocks.dtype), blocks], dim=1)
+            blocks = with_prefix(blocks, prefix)
         sets.append(HeldOut(c, blocks, skip=int(prefix is not None)))
     return sets
 
