@@ -1,6 +1,7 @@
 """Where key-means VQ loses quality: the far keys' logits or their values? Oracles on a converted model.
 
     python benchmarks/vq_far_oracles.py OUT_FROM_VQ_INIT [--corpora python] [--variants base,var,lse,exact,within,cov]
+        [--outliers F | --heavy B]
 
 Scores the model (as `effattn eval --context 2048`: 8,192 tokens per corpus in blocks of 2,048) with the
 quadratic reference in place of the model's VQ kernel, the far part of every query's softmax computed in
@@ -87,11 +88,36 @@ def code_spread(q_far: torch.Tensor, k: torch.Tensor, codes: torch.Tensor, size:
     return corr
 
 
-def far_oracle(variant: str, outliers: float = 0.0):
+def heavy_hitters(probs: torch.Tensor, group: int, window: int, sinks: int, budget: int) -> torch.Tensor:
+    """kept[b, h, t, s]: whether far key s is one of the `budget` heavy hitters of its KV head when query t
+    reads it, chosen online as H2O (Zhang et al. 2023) chooses them. A key that leaves the window joins the
+    set; when the set is over budget, the member with the least attention received so far (from every query
+    before t, summed over the KV head's query heads; `probs` (B, H, T, T)) leaves it for good, into its code.
+    Causal: the choice for query t uses the attention of queries before t only."""
+    B, H, T, _ = probs.shape
+    score = probs.reshape(B, H // group, group, T, T).sum(2).cumsum(2)  # (B, G, T, T): received up to query t
+    member = torch.zeros(B, H // group, T, dtype=torch.bool)
+    kept = torch.zeros(B, H // group, T, T, dtype=torch.bool)
+    for t in range(window, T):
+        new = t - window  # the key that leaves the window for query t
+        if new >= sinks:
+            member[:, :, new] = True
+            over = member.sum(-1) > budget  # (B, G)
+            if over.any():
+                worst = score[:, :, t - 1].masked_fill(~member, float("inf")).argmin(-1)  # (B, G)
+                member.scatter_(-1, worst[..., None], ~over[..., None] & member.gather(-1, worst[..., None]))
+        kept[:, :, t] = member
+    return kept.repeat_interleave(group, dim=1)
+
+
+def far_oracle(variant: str, outliers: float = 0.0, heavy: int = 0):
     """A drop-in for the quadratic reference `vq_attention_naive` (same arguments) computing `variant`.
 
     outliers: the fraction of keys (per sequence and KV head) farthest from their codeword, ‖k − c‖, that
-    leave their code and keep their own logit and value, as sinks do."""
+    leave their code and keep their own logit and value, as sinks do.
+    heavy: a budget of far keys per KV head, chosen online by the attention they received (H2O's heavy
+    hitters, `heavy_hitters`; the attention is the exact one, every far key at its own logit), that keep
+    their own logit and value; the rest of the far keys stay in their codes."""
 
     @torch.no_grad()
     def attention(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, *, window, block_size, sinks=0, scale=None,
@@ -114,6 +140,10 @@ def far_oracle(variant: str, outliers: float = 0.0):
             err = (k - torch.stack([codebook[g][codes[:, :, g].long()] for g in range(G)], 2)).square().sum(-1)
             limit = torch.quantile(err, 1 - outliers, dim=1, keepdim=True)  # (B, 1, G)
             kept = (err > limit).repeat_interleave(group, dim=2).transpose(1, 2)[:, :, None, :]
+            in_code = in_code & ~kept
+        if heavy > 0:
+            full = torch.where(delta < window, near, exact).masked_fill(delta < 0, float("-inf"))
+            kept = heavy_hitters(torch.softmax(full, -1), group, window, sinks, heavy)  # (B, H, T, T)
             in_code = in_code & ~kept
         onehot = F.one_hot(codes.long(), size).to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
         count = in_code.to(q.dtype) @ onehot  # (B, H, T, C)
@@ -154,6 +184,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--outliers", type=float, default=0.0,
                     help="fraction of keys farthest from their codeword scored on their own (0 to 1)")
+    ap.add_argument("--heavy", type=int, default=0,
+                    help="far keys per KV head kept exact, chosen online by the attention they received (H2O)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -161,17 +193,22 @@ def main() -> None:
         ap.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     if not 0 <= args.outliers < 1:
         ap.error(f"--outliers {args.outliers}: give a fraction of the keys, from 0 up to (not including) 1")
-    if args.outliers and "var" in variants:
-        ap.error("--outliers does not apply to var (its spread counts every far key): leave var out of --variants")
+    if args.heavy < 0:
+        ap.error(f"--heavy {args.heavy}: give a number of keys per KV head, 0 or more")
+    if args.outliers and args.heavy:
+        ap.error("--outliers and --heavy choose the exact far keys two ways: give one of them")
+    if (args.outliers or args.heavy) and "var" in variants:
+        ap.error("--outliers and --heavy do not apply to var (its spread counts every far key): leave var out of --variants")
     model, tok, _ = load_model(args.model)  # in eval mode
     model.config.vq_kernel = "naive"  # the layers share this config: each runs the reference, patched below
     for corpus in args.corpora.split(","):
         blocks = token_blocks(tok, load_text(corpus), 2048, args.tokens, spread=True)
         for variant in variants:
-            vq_module.vq_attention_naive = far_oracle(variant, args.outliers)
+            vq_module.vq_attention_naive = far_oracle(variant, args.outliers, args.heavy)
             t0 = time.perf_counter()
             scores = corpus_scores(model, blocks, None, batch_size=1)
-            print(json.dumps({"corpus": corpus, "variant": variant, "outliers": args.outliers, "perplexity": round(scores["perplexity"], 4),
+            print(json.dumps({"corpus": corpus, "variant": variant, "outliers": args.outliers,
+                              "heavy": args.heavy, "perplexity": round(scores["perplexity"], 4),
                               "tokens": scores["tokens"], "seconds": round(time.perf_counter() - t0)}), flush=True)
 
 
