@@ -162,3 +162,40 @@ def test_outliers_leave_their_code_and_keep_their_own_logit_and_value(variant):
 
     want = _brute_force(q, k, v, codes, cos, sin, far_cos, far_sin, window=4, scale=0.4, code=code, kept=kept)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _heavy_by_hand(probs: torch.Tensor, group: int, window: int, sinks: int, budget: int) -> torch.Tensor:
+    """H2O's choice, one KV head and one query at a time: a key that leaves the window joins; over budget,
+    the member with the least attention from the queries before t leaves for good."""
+    B, H, T, _ = probs.shape
+    kept = torch.zeros(B, H, T, T, dtype=torch.bool)
+    for b in range(B):
+        for g in range(H // group):
+            received = probs[b, g * group:(g + 1) * group].sum(0)  # (T, T): query t, key s
+            members: list[int] = []
+            for t in range(window, T):
+                if t - window >= sinks:
+                    members.append(t - window)
+                    if len(members) > budget:
+                        so_far = received[:t].sum(0)
+                        members.remove(min(members, key=lambda s: (so_far[s].item(), s)))
+                kept[b, g * group:(g + 1) * group, t, members] = True
+    return kept
+
+
+@pytest.mark.parametrize("window,sinks,budget", [(4, 0, 3), (6, 2, 5), (3, 0, 1)])
+def test_heavy_hitters_are_h2os_online_choice(window, sinks, budget):
+    gen = torch.Generator().manual_seed(window + budget)
+    probs = torch.softmax(torch.randn(2, 6, 30, 30, generator=gen), -1)
+    got = oracles.heavy_hitters(probs, 3, window, sinks, budget)
+    torch.testing.assert_close(got, _heavy_by_hand(probs, 3, window, sinks, budget), rtol=0, atol=0)
+    assert got.sum(-1).max() == budget  # the set fills and stays at the budget
+
+
+def test_a_heavy_budget_spans_base_to_exact():
+    q, k, v, codebook, codes, cos, sin, far_cos, far_sin = _inputs()
+    args, kw = (q, k, v, codebook, codes, cos, sin, far_cos, far_sin), dict(window=4, block_size=8, sinks=2, scale=0.4)
+    base, exact = oracles.far_oracle("base")(*args, **kw), oracles.far_oracle("exact")(*args, **kw)
+    torch.testing.assert_close(oracles.far_oracle("base", heavy=q.shape[1])(*args, **kw), exact, rtol=0, atol=1e-6)
+    some = oracles.far_oracle("base", heavy=5)(*args, **kw)
+    assert (some - base).abs().max() > 1e-3 and (some - exact).abs().max() > 1e-3  # between the two

@@ -332,6 +332,17 @@ def test_every_metric_converts_and_stores_its_code_metric(tiny, tmp_path, calib_
     assert torch.isfinite(logits(model)).all()
 
 
+def test_the_seed_picks_the_codebooks_and_is_recorded(tiny, tmp_path, calib_file):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    books = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 5)):
+        out = vq_init(src, tmp_path / name, calib_file, seed=seed)
+        books[name] = torch.stack([layer.self_attn.codebook for layer in load(out).model.layers])
+        assert json.loads((out / "effattn.json").read_text())["conversion"]["seed"] == seed
+    assert torch.equal(books["a"], books["b"])  # deterministic for a seed
+    assert not torch.allclose(books["a"], books["c"])  # another seed, other k-means starts
+
+
 def test_bad_vq_options_are_one_line_errors(tiny, tmp_path, calib_file, capsys):
     src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
     cases = [
@@ -339,6 +350,7 @@ def test_bad_vq_options_are_one_line_errors(tiny, tmp_path, calib_file, capsys):
         (["vq-init", str(src), "--metric", "cosine", "-o", str(tmp_path / "b")], "unknown --metric"),
         (["vq-init", str(src), "--kmeans", "faiss", "-o", str(tmp_path / "c")], "unknown --kmeans"),
         (["vq-init", str(src), "--codebook-size", "0", "-o", str(tmp_path / "d")], "--codebook-size must be"),
+        (["vq-init", str(src), "--seed", "-1", "-o", str(tmp_path / "s")], "--seed must be"),
         (["convert", str(src), "--to", "vq", "--kv-heads", "1", "-o", str(tmp_path / "e")], "--kv-heads does not apply"),
         (["convert", str(src), "--to", "gqa", "--kv-heads", "1", "--window", "8", "-o", str(tmp_path / "f")],
          "--window does not apply"),

@@ -27,7 +27,7 @@ The output loads with `AutoModelForCausalLM.from_pretrained(OUT)` after `import 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
 import torch
@@ -97,6 +97,7 @@ class VQOptions(ReRoPEOptions, RefineOptions):  # ReRoPE's options, VQ's own, th
                                                   "on the calibration text keep their original attention")
     key_means: bool | None = Field(None, description="score each code at the mean of the sequence's far keys it holds "
                                                      "(default, unless code_bias) rather than at its codeword")
+    seed: int = Field(0, ge=0, description="seed of k-means (layer i uses seed + i) and of local refinement's batches")
     # Off until measured on a real model; the other defaults (lr 1e-4, target attention) are GQA's.
     refine_steps: Steps = Field(0, description="local refinement: Adam steps per layer on q/k/v/o through the VQ "
                                                "attention, fitting the original attention (or model, with "
@@ -295,7 +296,7 @@ class VQConversion(_ReRoPEBase):
         kmeans_flops = KMEANS_SLOWDOWN * 15 * shape.kv_heads * 4 * N * size * shape.head_dim
         per_layer = (dims.attention_flops(N, T) * (2 if exact_heads else 1) + kmeans_flops
                      + dims.layer_flops(N, T) + VQ_FORWARD_EXTRA * dims.attention_flops(N, T))
-        refine = opts.refine_settings()
+        refine = replace(opts.refine_settings(), seed=opts.seed)
         # refinement's passes run the VQ attention (and its backward: the PyTorch step loop)
         per_layer += VQ_REFINE_EXTRA * refine_flops(dims, refine, N, T)
         est = read_time(ckpt) + compute_seconds(shape.layers * per_layer)
@@ -310,7 +311,7 @@ class VQConversion(_ReRoPEBase):
             settings={"codebook_size": size, "window": window, "far_position": c.far, "sinks": sinks,
                       "block_size": c.block, "metric": metric, "code_bias": c.config["vq_code_bias"], "key_means": key_means,
                       "kmeans": method, "calib": calib.corpus, "calib_tokens": calib.tokens,
-                      "calib_seq_len": calib.seq_len, "exact_heads": exact_heads, **refine.record()},
+                      "calib_seq_len": calib.seq_len, "exact_heads": exact_heads, "seed": opts.seed, **refine.record()},
             config=c.config, specs=c.specs,
             summary=[("model", f"{family.name}, {shape.layers} layers, {shape.heads} query / {shape.kv_heads} KV heads"),
                      ("attention", f"ReRoPE window {window} (exact; relative position {c.far} beyond) + VQ beyond it, "
@@ -331,7 +332,7 @@ class VQConversion(_ReRoPEBase):
             kv_bytes_per_token=(kv, state_bytes / (4 * window) + exact_bytes),
             est_seconds=est, est_peak_bytes=est_peak,
             state={"shape": shape, "target": c.target, "size": size, "calib": calib, "metric": metric,
-                   "kmeans": method, "exact_heads": exact_heads, "refine": refine,
+                   "kmeans": method, "seed": opts.seed, "exact_heads": exact_heads, "refine": refine,
                    # a query reads its window's keys, the sinks and one summary per code
                    "attention_span": lambda context: window + sinks + size},
         )
@@ -377,7 +378,7 @@ class VQConversion(_ReRoPEBase):
         attn = VQAttention(module.self_attn, cfg, layer.index).eval()  # eval: no EMA step while propagating
         keys, metric = [], torch.zeros(shape.kv_heads, shape.head_dim, shape.head_dim, dtype=torch.float64)
         group, seen, sampled, weights = shape.heads // shape.kv_heads, 0, [], []
-        gen = torch.Generator().manual_seed(layer.index)
+        gen = torch.Generator().manual_seed(st["seed"] + layer.index)
         for sl in batches(x, calib.batch_size):
             h = module.input_layernorm(x[sl])
             q, k, _ = attn.project(h)
@@ -405,7 +406,7 @@ class VQConversion(_ReRoPEBase):
         elif st["metric"] == "query":
             metric = metric / max(seen, 1)
         result = kmeans(keys, st["size"], metric=metric.float() if st["metric"] != "key" else None,
-                        weights=sample_weights, method=st["kmeans"], seed=layer.index)
+                        weights=sample_weights, method=st["kmeans"], seed=st["seed"] + layer.index)
         counts = result.counts * (EMA_NOMINAL_TOKENS / keys.shape[1])
         attn.codebook.copy_(result.centroids)
         attn.ema_counts.copy_(counts)
