@@ -29,16 +29,17 @@ CASES = {
     # name: (model, effattn arguments after the model; OUT is replaced by a fresh folder)
     "mqa-mean": ("llama", "convert {model} --to mqa --method mean --no-eval -o OUT"),
     "mqa-mean-cold": ("llama", "convert {model} --to mqa --method mean --no-eval -o OUT"),  # weights not in the page cache
-    "mqa-default": ("llama", "convert {model} --to mqa --no-eval -o OUT"),
-    "mqa-default+eval": ("llama", "convert {model} --to mqa -o OUT"),
-    "mqa-pca": ("llama", "convert {model} --to mqa --method pca --no-eval -o OUT"),
+    "mqa-default": ("llama", "convert {model} --to mqa --refine-steps 0 --no-eval -o OUT"),  # the default until 2026-12-05
+    "mqa-default+eval": ("llama", "convert {model} --to mqa --refine-steps 0 -o OUT"),
+    "mqa-pca": ("llama", "convert {model} --to mqa --method pca --refine-steps 0 --no-eval -o OUT"),
     "rerope": ("llama", "convert {model} --to rerope --window 256 --no-eval -o OUT"),
     "vq-default": ("llama", "vq-init {model} --no-eval -o OUT"),
     "vq-default+eval": ("llama", "vq-init {model} -o OUT"),
     "vq-exact18": ("llama", "vq-init {model} --exact-heads 18 --calib-tokens 8192 --no-eval -o OUT"),
-    "mqa-refine": ("llama", "convert {model} --to mqa --refine-steps 10 --calib-tokens 8192 --no-eval -o OUT"),
+    "mqa-refine": ("llama", "convert {model} --to mqa --refine-steps 10 --refine-lr 1e-4 --refine-target attention "
+                           "--calib-tokens 8192 --no-eval -o OUT"),
     "big8-mean": ("big8", "convert {model} --to mqa --method mean --no-eval -o OUT"),
-    "big8-calibrated": ("big8", "convert {model} --to mqa --calib-tokens 4096 --no-eval -o OUT"),
+    "big8-calibrated": ("big8", "convert {model} --to mqa --calib-tokens 4096 --refine-steps 0 --no-eval -o OUT"),
     "big8-vq": ("big8", "vq-init {model} --codebook-size 256 --calib-tokens 4096 --no-eval -o OUT"),
     "finetune-heal": ("llama", "finetune {recipe}"),
 }

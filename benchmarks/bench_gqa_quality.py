@@ -42,7 +42,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
             t0 = time.perf_counter()
-            result = convert("llama", Path(tmp) / method, to="mqa", options={"method": method}, measure=False)
+            result = convert("llama", Path(tmp) / method, to="mqa", options={"method": method, "refine_steps": 0}, measure=False)
             seconds = time.perf_counter() - t0
             model, _, _ = load_model(result.out)
             scores = {c: corpus_scores(model, blocks[c], original) for c in corpora}

@@ -4,8 +4,9 @@ calibration tokens.
     python benchmarks/bench_gqa_refine.py --configs 0:0:16384,100:1e-4:16384 [--tokens 8192] [--tag NAME]
 
 Each config is STEPS:LR:CALIB_TOKENS[:TARGET[:SCHEDULE]] for `effattn convert llama --to mqa --refine-steps STEPS
---refine-lr LR --calib-tokens CALIB_TOKENS [--refine-target TARGET] [--refine-schedule SCHEDULE]` (the default calibrated method; STEPS=0 is no
-refinement). Every conversion runs in this process one after another; the original is evaluated once.
+--refine-lr LR --calib-tokens CALIB_TOKENS --refine-target TARGET --refine-schedule SCHEDULE` (the default calibrated method; STEPS=0 is no
+refinement; TARGET defaults to attention and SCHEDULE to constant, the conversion's defaults when the script was
+written, so its earlier commands still mean what they measured). Every conversion runs in this process one after another; the original is evaluated once.
 Perplexity on --tokens tokens per corpus (blocks of 512, evenly spread), the same blocks for every
 model. Results: benchmarks/results/gqa-refine[-TAG].json; the table is printed and written there.
 """
@@ -51,7 +52,9 @@ def main() -> None:
             options = {"refine_steps": int(steps), "calib_tokens": int(calib_tokens)}
             if int(steps):
                 options["refine_lr"] = float(lr)
-                options |= dict(zip(("refine_target", "refine_schedule"), rest))
+                # what a config leaves out keeps the script's first meaning: attention target, constant rate
+                given = [*rest, *("attention", "constant")[len(rest):]]
+                options |= dict(zip(("refine_target", "refine_schedule"), given))
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
             result = convert("llama", Path(tmp) / cfg.replace(":", "_"), to="mqa", options=options, measure=False)

@@ -187,7 +187,8 @@ def test_local_refinement_lowers_every_layers_error_and_the_logit_error(tiny, tm
     src = tiny("llama", layers=3)
     ids = byte_tokenizer()(word_salad(600, seed=1), return_tensors="pt").input_ids[:, :512]
     ref = logits_of(src, ids)
-    plain = convert(src, tmp_path / "plain", to="mqa", options=_opts("calibrated", calib_file), measure=False).out
+    plain = convert(src, tmp_path / "plain", to="mqa", options=_opts("calibrated", calib_file, refine_steps=0),
+                    measure=False).out
     options = _opts("calibrated", calib_file, refine_steps=60, refine_lr=1e-3, refine_target=target)
     refined = convert(src, tmp_path / "refined", to="mqa", options=options, measure=False).out
     record = json.loads((refined / "effattn.json").read_text())
@@ -196,7 +197,32 @@ def test_local_refinement_lowers_every_layers_error_and_the_logit_error(tiny, tm
     assert (record["conversion"]["refine_steps"], record["conversion"]["refine_target"]) == (60, target)
     error = {name: (logits_of(out, ids) - ref).pow(2).mean().item() for name, out in (("plain", plain), ("refined", refined))}
     assert error["refined"] < error["plain"], error
-    assert "conversion_run" not in json.loads((plain / "effattn.json").read_text())  # off by default: nothing measured
+    assert losses["skipped"] == []
+    assert "conversion_run" not in json.loads((plain / "effattn.json").read_text())  # off: nothing measured
+
+
+def test_calibrated_methods_refine_by_default_and_weight_only_methods_do_not(tiny, tmp_path, calib_file):
+    src = tiny("llama", layers=2)
+    out = convert(src, tmp_path / "default", to="mqa", options=_opts("calibrated", calib_file), measure=False).out
+    record = json.loads((out / "effattn.json").read_text())
+    settings = record["conversion"]
+    assert (settings["refine_steps"], settings["refine_lr"], settings["refine_target"]) == (20, 3e-4, "stream")
+    assert len(record["conversion_run"]["refine"]["before"]) == 2
+    mean = convert(src, tmp_path / "mean", to="mqa", options={"method": "mean"}, measure=False).out  # no error
+    assert "conversion_run" not in json.loads((mean / "effattn.json").read_text())
+
+
+def test_refinement_leaves_an_exact_merge_alone(tiny, tmp_path, calib_file):
+    """An exact merge (duplicated KV heads) has nothing to fit; Adam would still take full-size steps on the
+    rounding noise of its zero gradient. So no layer is refined, and the model stays exact."""
+    src = tiny("llama", heads=8, kv_heads=4, head_dim=8, hidden=64)
+    _interleave_duplicates(src, 8)
+    out = convert(src, tmp_path / "out", to="gqa", options=_opts("calibrated", calib_file, kv_heads=2, refine_steps=5,
+                                                                 refine_lr=1e-2), measure=False).out
+    losses = json.loads((out / "effattn.json").read_text())["conversion_run"]["refine"]
+    assert losses["skipped"] == list(range(len(losses["before"]))) and max(losses["before"]) <= 1e-9
+    assert losses["after"] == losses["before"]
+    torch.testing.assert_close(logits_of(out, IDS, torch.float64), logits_of(src, IDS, torch.float64), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])

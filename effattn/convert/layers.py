@@ -120,7 +120,7 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         new_rope = out.rope or (cos, sin)
         if refine is not None and out.refinable and out.module is not None:
             losses.append(refine_layer(out.module, original, x, cos, sin, refine, x0=x0, trainable=out.trainable,
-                                       converted_rope=out.rope, forward_kwargs=out.forward_kwargs))
+                                       converted_rope=out.rope, forward_kwargs=out.forward_kwargs) | {"layer": layer})
             state = out.module.state_dict()
             for name in out.tensors:
                 if name[len(prefix):] in state:
@@ -148,4 +148,5 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
             else "the attention output against the original attention's on the same inputs")
     return {"refine": {"loss": f"relative squared error of {what}, per layer",
                        "before": [round(r["before"], 6) for r in losses],
-                       "after": [round(r["after"], 6) for r in losses]}}
+                       "after": [round(r["after"], 6) for r in losses],
+                       "skipped": [r["layer"] for r in losses if not r["ran"]]}}  # layers that already matched

@@ -58,6 +58,11 @@ class RefineSettings:
                 **({"refine_device": self.device} if on and self.device != "cpu" else {})}
 
 
+# What each target fits, in a plan's summary.
+TARGET_WORDS = {"attention": "original attention's output on the same inputs",
+                "stream": "original model's activations after the layer"}
+
+
 # The options' types carry their checks, so a conversion that redeclares a field (its own default or
 # help) keeps them: `refine_steps: Steps = Field(30, description=...)`.
 Steps = Annotated[int, Field(ge=0)]
@@ -113,6 +118,10 @@ class RefineOptions(ConversionOptions):
                               schedule=self.refine_schedule, device=device)
 
 
+# A relative squared error this small is float32 rounding: the layer already matches what it would fit.
+EXACT = 1e-9
+
+
 def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int) -> float:
     """Floating-point work the CPU does refining one layer (`dims`: resources.Dims) on `tokens`
     calibration tokens: none when the steps run on a GPU (`steps_words` says they are not estimated)."""
@@ -145,7 +154,8 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
                  forward_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
     """Train `converted`'s attention parameters in place (see the module docstring); x [N, T, D] are its
     inputs, x0 the original model's activations at this depth (target `stream`). Returns the relative
-    squared error over all of x before and after.
+    squared error over all of x before and after, and whether the steps ran: a layer that already matches
+    (error at most EXACT) is left as it is.
 
     trainable: names of `converted.self_attn`'s parameters to train (default: the q/k/v/o
     projections' weights and biases; norms stay as they are).
@@ -180,6 +190,10 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
             return ((out - targets).pow(2).sum() / scale.clamp_min(1e-30)).item()
 
     before = error()
+    if before <= EXACT:
+        # Already exact (a merge of KV heads that were copies): nothing to fit, and Adam would scale the
+        # rounding noise of a zero gradient up to full-size steps.
+        return {"before": before, "after": before, "ran": False}
     attn = converted.self_attn
     params = dict(attn.named_parameters())
     names = trainable or [n for n in params if n.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -201,7 +215,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
         if schedule is not None:
             schedule.step()
     converted.requires_grad_(False)
-    return {"before": before, "after": error()}
+    return {"before": before, "after": error(), "ran": True}
 
 
 def _refine_on(device: str, converted, original, x, cos, sin, settings: RefineSettings, x0, trainable, converted_rope,

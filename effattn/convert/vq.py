@@ -46,7 +46,7 @@ from ..models import ModelSpec
 from .calibrate import batches
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .options import ConversionOptions
-from .refine import RefineOptions, Steps, refine_flops
+from .refine import TARGET_WORDS, RefineOptions, Steps, refine_flops
 
 # Default far position (`--far-position`) as a multiple of the window. ReRoPE classically sees far keys
 # at the window's own distance; on SmolLM2 a larger constant costs much less (BENCHMARKS.md, vq-quality:
@@ -243,10 +243,6 @@ VQ_REFINE_EXTRA = 1.5
 # bytes per column a step scores (window, step, codes) plus a fixed part. Fitted to the peak RSS the same
 # layer added: +175 MiB at W = C = 128, +230-255 MiB at W 256, C 512.
 REFINE_GRAPH_BYTES_PER_COLUMN, REFINE_GRAPH_BYTES_FIXED = 8, 7680
-_REFINE_WORDS = {"attention": "original attention's output on the same inputs",
-                 "stream": "original model's activations after the layer"}
-
-
 class VQConversion(_ReRoPEBase):
     name = "vq"
     # the VQ cache pays off at long context: the card measures there (break-even in the KV line)
@@ -322,7 +318,7 @@ class VQConversion(_ReRoPEBase):
                      ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
                                    f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
                      *([("refinement", f"{refine.steps_words} on q/k/v/o through the "
-                                       f"VQ attention, fitting the {_REFINE_WORDS[refine.target]}; codebooks kept")]
+                                       f"VQ attention, fitting the {TARGET_WORDS[refine.target]}; codebooks kept")]
                        if refine.steps else []),
                      ("KV cache", _vq_cache_line(kv, state_bytes, exact_bytes, exact_heads)),
                      ("VQ kernel", _kernel_line()),
