@@ -45,7 +45,7 @@ def write_heal_recipe(root: Path, **sections) -> Path:
     src = make_model(root / "tiny", "llama", heads=6, kv_heads=3)
     (root / "train.txt").write_text(TRAIN_TEXT)
     (root / "held.txt").write_text(HELD_OUT)
-    recipe = {"student": {"model": str(src), "convert": {"to": "mqa"}},
+    recipe = {"student": {"model": str(src), "convert": {"to": "mqa", "refine_steps": 0}},  # the merge alone: quick
               "data": {"sources": [str(root / "train.txt")], "seq_len": 32},
               "train": {"batch_size": 2}, "schedule": {"warmup_steps": 2},
               "eval": {"corpora": [str(root / "held.txt")], "seq_len": 64, "tokens": 256}} | sections
@@ -60,7 +60,7 @@ def heal(tiny, tmp_path):
     (tmp_path / "train.txt").write_text(TRAIN_TEXT)
     (tmp_path / "held.txt").write_text(HELD_OUT)
     base = {
-        "student": {"model": str(src), "convert": {"to": "mqa"}},
+        "student": {"model": str(src), "convert": {"to": "mqa", "refine_steps": 0}},
         "data": {"sources": [str(tmp_path / "train.txt")], "seq_len": 32},
         "train": {"max_steps": 12, "batch_size": 2},
         "optimizer": {"lr": 3e-3},

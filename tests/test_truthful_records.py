@@ -97,7 +97,7 @@ def sized_model(folder: Path) -> Path:
 
 @pytest.mark.parametrize("args", [
     "--to mqa --method mean",
-    "--to mqa --calib-tokens 2048 --eval --eval-tokens 1024",
+    "--to mqa --calib-tokens 2048 --refine-steps 2 --eval --eval-tokens 1024",  # the default's refinement, 2 steps
     "--to vq --codebook-size 32 --window 64 --calib-tokens 2048 --calib-seq-len 256 --no-eval",
 ])
 def test_the_memory_estimate_is_within_2x_of_the_measured_peak(tmp_path_factory, args):
