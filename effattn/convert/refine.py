@@ -151,7 +151,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
                  sin: torch.Tensor, settings: RefineSettings, x0: torch.Tensor | None = None,
                  trainable: list[str] | None = None,
                  converted_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 forward_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
+                 forward_kwargs: dict[str, Any] | None = None) -> dict[str, float | bool]:
     """Train `converted`'s attention parameters in place (see the module docstring); x [N, T, D] are its
     inputs, x0 the original model's activations at this depth (target `stream`). Returns the relative
     squared error over all of x before and after, and whether the steps ran: a layer that already matches
@@ -219,7 +219,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
 
 
 def _refine_on(device: str, converted, original, x, cos, sin, settings: RefineSettings, x0, trainable, converted_rope,
-               forward_kwargs) -> dict[str, float]:
+               forward_kwargs) -> dict[str, float | bool]:
     """refine_layer with its steps on `device`; the modules come back to the CPU whatever happens."""
     from dataclasses import replace
 
