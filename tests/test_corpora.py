@@ -174,3 +174,21 @@ def test_the_standard_library_is_found_beside_os_when_sysconfig_names_another_fo
     with pytest.raises(EffattnError, match="has no zipfile.py") as info:
         corpora._stdlib_file("zipfile")
     assert "plays" in info.value.fix
+
+
+def test_several_texts_interleave_so_every_prefix_mixes_them(tmp_path):
+    """`--calib a,b` (load_texts): the sources alternate block by block, so the first tokens calibration
+    reads hold some of each; a file whose own name holds a comma is one source."""
+    from effattn.data.corpora import load_texts, text_sources
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("\n\n".join(f"alpha paragraph {i} " + "a" * 900 for i in range(10)))
+    b.write_text("\n\n".join(f"beta paragraph {i} " + "b" * 900 for i in range(10)))
+    mixed = load_texts(f"{a},{b}")
+    assert mixed.index("beta paragraph 0") < mixed.index("alpha paragraph 3") < mixed.index("beta paragraph 3")  # blocks of >= 2,000 characters
+    assert sorted(mixed.split("\n\n")) == sorted(a.read_text().split("\n\n") + b.read_text().split("\n\n"))  # nothing lost or repeated
+    assert load_texts(str(a)) == a.read_text()
+    odd = tmp_path / "x,y.txt"
+    odd.write_text("one source")
+    assert text_sources(str(odd)) == [str(odd)] and load_texts(str(odd)) == "one source"
+    assert text_sources("calib, wiki") == ["calib", "wiki"]

@@ -36,6 +36,10 @@ def test_the_dry_run_refuses_what_the_run_refuses(capsys, tiny, tmp_path):
         (["--to", "vq", "--calib", "britannica", "--codebook-size", "8", "--window", "16", "-o", tmp_path / "o4"],
          "evaluation corpus"),
         (["--to", "mqa", "--calib-tokens", "100000000000", "-o", tmp_path / "o5"], "is more than 'calib' holds"),
+        (["--to", "mqa", "--calib", "calib,shakespeare", "-o", tmp_path / "o6"], "--calib shakespeare is an evaluation corpus"),
+        (["--to", "mla", "--kv-size", "16", "--calib", f"calib,{tmp_path / 'missing.txt'}", "-o", tmp_path / "o7"], "missing.txt"),
+        (["--to", "mqa", "--calib", "calib,,wiki", "-o", tmp_path / "o8"], "empty name between commas"),
+        (["--to", "mqa", "--calib", "calib,calib", "-o", tmp_path / "o9"], "names calib more than once"),
     ]
     for args, needle in cases:
         for dry in ([], ["--dry-run"]):
@@ -63,6 +67,23 @@ def test_the_record_states_the_calibration_tokens_used(capsys, tiny, tmp_path):
                              "-o", tmp_path / "out", "--no-eval", "--json")
     assert code in (0, None), err
     assert json.loads(out)["record"]["conversion"]["calib_tokens"] == 1024  # two sequences of 512
+
+
+def test_a_conversion_calibrates_on_several_texts_interleaved(capsys, tiny, tmp_path):
+    """--calib a,b: calibration reads the interleaved text (two files of 600 tokens each hold the 1,024
+    asked for only together), and the record names both."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("first text. " * 50)  # 600 bytes: 600 byte-level tokens
+    b.write_text("second text. " * 47)
+    src = tiny("llama")
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--calib", a, "--calib-tokens", "1024",
+                           "-o", tmp_path / "one", "--dry-run")
+    assert_one_line_error(code, err, "is more than")
+    code, out, err = run_cli(capsys, "convert", src, "--to", "mqa", "--calib", f"{a},{b}", "--calib-tokens", "1024",
+                             "--refine-steps", "0", "-o", tmp_path / "out", "--no-eval", "--json")
+    assert code in (0, None), err
+    conversion = json.loads(out)["record"]["conversion"]
+    assert conversion["calib"] == f"{a},{b}" and conversion["calib_tokens"] == 1024
 
 
 def test_eval_refuses_fewer_tokens_than_one_block(capsys, tiny):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.functional import attention_heads, output_projection
-from ..data.corpora import CORPORA, DEFAULT_CALIB, corpus_names, leading_tokens, load_text, token_blocks
+from ..data.corpora import CORPORA, DEFAULT_CALIB, corpus_names, leading_tokens, load_texts, text_sources, token_blocks
 from ..errors import EffattnError
 from ..families import AttentionShape
 
@@ -38,13 +38,14 @@ class CalibSettings:
         corpus, not empty) and, given the model's folder, its tokenizer and that the text holds the
         tokens asked for. Returns the settings as they will be used: `tokens` rounded down to whole
         sequences, `text_chars` for the memory estimate."""
-        if self.corpus in CORPORA and CORPORA[self.corpus].role == "eval":
-            raise EffattnError(f"--calib {self.corpus} is an evaluation corpus, held out from calibration and training",
-                               f"calibrate on {', '.join(corpus_names('train'))} or your own text")
+        for source in text_sources(self.corpus):
+            if source in CORPORA and CORPORA[source].role == "eval":
+                raise EffattnError(f"--calib {source} is an evaluation corpus, held out from calibration and training",
+                                   f"calibrate on {', '.join(corpus_names('train'))} or your own text")
         if self.tokens < self.seq_len:
             raise EffattnError(f"--calib-tokens ({self.tokens}) must be at least one sequence ({self.seq_len} tokens)",
                                f"use --calib-tokens {self.seq_len} or more")
-        text = load_text(self.corpus)
+        text = load_texts(self.corpus)
         if not text.strip():
             raise EffattnError(f"calibration text {self.corpus} is empty", "point --calib to a text with content")
         used = self.tokens // self.seq_len * self.seq_len
@@ -71,6 +72,10 @@ class CalibSettings:
         return min(self.text_chars, 12 * self.tokens) * TOKENIZE_BYTES_PER_CHAR
 
 
+# The `--calib` option's help, shared by every calibrated conversion (each may add what it calibrates).
+CALIB_HELP = "calibration text: a corpus name or a text file, or several joined by commas (interleaved block by block)"
+
+
 def _tokenizer(folder):
     from transformers import AutoTokenizer
 
@@ -78,7 +83,7 @@ def _tokenizer(folder):
 
 
 def calibration_tokens(folder, settings: CalibSettings) -> torch.Tensor:
-    return token_blocks(_tokenizer(folder), load_text(settings.corpus), settings.seq_len, settings.tokens)
+    return token_blocks(_tokenizer(folder), load_texts(settings.corpus), settings.seq_len, settings.tokens)
 
 
 def batches(x: torch.Tensor, size: int):

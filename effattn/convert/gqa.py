@@ -26,7 +26,7 @@ from ..resources import Dims, compute_seconds
 from ..attention.functional import project_qkv
 from ..data.corpora import DEFAULT_CALIB
 from .base import Plan, kv_bytes_per_token, passthrough, read_time, same_specs
-from .calibrate import CalibSettings, batches, refit_o_proj
+from .calibrate import CALIB_HELP, CalibSettings, batches, refit_o_proj
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .refine import TARGET_WORDS, LearningRate, RefineOptions, Steps, Target, refine_flops
 from .headmerge import KeyMerge, align_keys, align_values, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
@@ -315,7 +315,7 @@ class GQAOptions(RefineOptions):
     kv_heads: int | Literal["heads"] | None = Field(None, description="KV heads after conversion (required; mqa sets 1, "
                                                                      "mha the number of query heads)")
     method: str = Field(DEFAULT_METHOD, description=f"how heads are merged: {', '.join(METHODS)}")
-    calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file (calibrated methods)")
+    calib: str = Field(DEFAULT_CALIB, description=CALIB_HELP + " (calibrated methods)")
     calib_tokens: int = Field(16384, ge=1, description="calibration tokens (calibrated methods)")
     # On by default since 2026-12-05: on SmolLM2's MQA, 20 steps towards the original model's activations at
     # 3e-4 lower held-out perplexity by 11-25% and keep the conversion under 5 minutes (BENCHMARKS, gqa-refine).

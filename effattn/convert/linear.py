@@ -51,7 +51,7 @@ from ..io.writer import SafetensorsWriter, TensorSpec
 from ..models import ModelSpec
 from ..resources import Dims, compute_seconds
 from .base import Plan, kv_bytes_per_token, out_dtype, read_time, same_specs
-from .calibrate import CalibSettings
+from .calibrate import CALIB_HELP, CalibSettings
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .refine import LearningRate, RefineOptions, Steps, Target, refine_flops
 
@@ -78,7 +78,7 @@ class LinearOptions(RefineOptions):
                                                                f"(F = 2P features; default {MAP_DEFAULTS['projection_dim']})")
     features: int | None = Field(None, ge=1, description="performer: number of random features F "
                                                          f"(default {MAP_DEFAULTS['features']})")
-    calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file (attention transfer)")
+    calib: str = Field(DEFAULT_CALIB, description=CALIB_HELP + " (attention transfer)")
     calib_tokens: int = Field(8192, ge=1, description="calibration tokens (attention transfer)")
     calib_seq_len: int = Field(2048, ge=2, description="calibration sequence length: the length the maps learn to "
                                                        "weigh far keys at (longer than the window)")

@@ -72,7 +72,7 @@ from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
 from ..resources import Dims, compute_seconds
 from .base import Plan, build_native, kv_bytes_per_token, out_dtype, read_time
-from .calibrate import CalibSettings, batches, ridge_solve
+from .calibrate import CALIB_HELP, CalibSettings, batches, ridge_solve
 from .gqa import LayerAttention, _Moments
 from .headmerge import complex_rows, merge_keys, merged_key_rows
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers
@@ -96,7 +96,7 @@ class MLAOptions(RefineOptions):
     latent_fit: Literal["balanced", "weighted"] = Field(
         "balanced", description="latent PCA: balanced (TransMLA: K/V norms balanced; measured best) or weighted "
                                 "(key dims by query energy, values by o_proj, parts balanced)")
-    calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file")
+    calib: str = Field(DEFAULT_CALIB, description=CALIB_HELP)
     calib_tokens: int = Field(16384, ge=1, description="calibration tokens")
     refit_o: bool = Field(True, description="refit o_proj by ridge least squares on calibration activations (the "
                                             "original attention's output from the converted heads)")

@@ -33,7 +33,7 @@ from ..models import ModelSpec
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
 from .base import Plan, build_native, passthrough, read_time, same_specs
-from .calibrate import CalibSettings, batches
+from .calibrate import CALIB_HELP, CalibSettings, batches
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from ..kernels.sinks import sink_attention
 from .options import ConversionOptions
@@ -51,7 +51,7 @@ class SWAOptions(ConversionOptions):
                                                   "attention output most on calibration text")
     full_layer_ids: str | None = Field(None, description="comma-separated layer indices that keep full attention "
                                                          "(instead of ranking them)")
-    calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file (ranking for --full-layers)")
+    calib: str = Field(DEFAULT_CALIB, description=CALIB_HELP + " (ranking for --full-layers)")
     calib_tokens: int = Field(16384, ge=1, description="calibration tokens (ranking for --full-layers)")
 
 

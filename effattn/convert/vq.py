@@ -43,7 +43,7 @@ from ..resources import Dims, compute_seconds
 from .base import Plan, read_time, same_specs
 from .kmeans import KMeansMethod, kmeans
 from ..models import ModelSpec
-from .calibrate import batches
+from .calibrate import CALIB_HELP, batches
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .options import ConversionOptions
 from .refine import TARGET_WORDS, RefineOptions, Steps, refine_flops
@@ -84,7 +84,7 @@ class ReRoPEOptions(ConversionOptions):
 class VQOptions(ReRoPEOptions, RefineOptions):  # ReRoPE's options, VQ's own, then refinement's (rerope has none)
     codebook_size: int = Field(512, ge=1, description="codewords per layer and KV head")
     sinks: int = Field(0, ge=0, description="first positions of a sequence that are never quantized")
-    calib: str = Field(DEFAULT_CALIB, description="calibration corpus name or text file")
+    calib: str = Field(DEFAULT_CALIB, description=CALIB_HELP)
     calib_tokens: int = Field(16384, ge=1, description="calibration tokens")
     calib_seq_len: int = Field(1024, ge=1, description="calibration sequence length (longer than the window)")
     metric: Metric = Field(

@@ -186,7 +186,7 @@ def _docstrings() -> str:
     return "\n\n".join(docs)
 
 
-def _interleave(*texts: str) -> str:
+def interleave(*texts: str) -> str:
     """Interleave ~2,000-character blocks of the texts round-robin.
 
     Any prefix mixes all sources in equal shares until the shortest runs out (~200k characters per
@@ -219,9 +219,9 @@ CORPORA: dict[str, Corpus] = {
         Corpus("britannica", "eval", "EB1911 entry on Shakespeare (encyclopedic prose)", _britannica),
         Corpus("python", "eval", "standard-library source code", _python_code),
         Corpus("calib", "train", "poems + docs + code, interleaved (default calibration)",
-               lambda: _interleave(_poems(), _docs(), _code())),
+               lambda: interleave(_poems(), _docs(), _code())),
         Corpus("mix", "train", "plays + poems + docs + code, interleaved (default training data)",
-               lambda: _interleave(_train_plays(), _poems(), _docs(), _code())),
+               lambda: interleave(_train_plays(), _poems(), _docs(), _code())),
         Corpus("plays", "train", "plays not held out for evaluation", _train_plays),
         Corpus("poems", "train", "sonnets and narrative poems", _poems),
         Corpus("docs", "train", "standard-library docstrings and the Python language reference", _docs),
@@ -257,6 +257,27 @@ def load_text(name_or_path: str) -> str:
                                "convert it to UTF-8 plain text") from None
     raise EffattnError(f"corpus {name_or_path!r} is neither a built-in corpus nor an existing file",
                        one_of(name_or_path, CORPORA))
+
+
+def text_sources(spec: str) -> list[str]:
+    """The sources a text argument names: one corpus or file, or several separated by commas
+    (`calib,wiki`, `calib,notes.txt`). A file whose own name holds a comma is read as one source."""
+    if spec in CORPORA or "," not in spec or Path(spec).expanduser().exists():
+        return [spec]
+    parts = [p.strip() for p in spec.split(",")]
+    if not all(parts):
+        raise EffattnError(f"{spec!r} has an empty name between commas", "name each corpus or file once: a,b")
+    seen = {p for p in parts if parts.count(p) > 1}
+    if seen:
+        raise EffattnError(f"{spec!r} names {', '.join(sorted(seen))} more than once", "name each corpus or file once")
+    return parts
+
+
+def load_texts(spec: str) -> str:
+    """The text of `spec` (text_sources): one source's text, or several sources' texts interleaved
+    block by block (interleave), so any prefix of it mixes them all."""
+    parts = text_sources(spec)
+    return load_text(parts[0]) if len(parts) == 1 else interleave(*(load_text(p) for p in parts))
 
 
 def leading_tokens(tokenizer, text: str, need: int) -> list[int]:
