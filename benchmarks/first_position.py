@@ -50,9 +50,9 @@ def main() -> None:
     ref, tok, _ = load_model(args.reference)
     vocab = ref.config.vocab_size
     single = torch.randint(100, vocab - 100, (args.tokens, 1), generator=torch.Generator().manual_seed(0))
-    blocks = token_blocks(tok, load_text("calib"), 512, 512 * args.blocks)[: args.blocks]
-
-    text_ids = tok(load_text("calib")[: args.text_chars], add_special_tokens=False)["input_ids"]
+    calib = load_text("calib")
+    blocks = token_blocks(tok, calib, 512, 512 * args.blocks)[: args.blocks]
+    text_ids = tok(calib[: args.text_chars], add_special_tokens=False)["input_ids"]
     counts = Counter(text_ids)
     distinct = torch.tensor(sorted(counts))[:, None]  # (V', 1)
 
@@ -65,9 +65,8 @@ def main() -> None:
     peak = int(median.argmax())
     threshold = median[peak].item() / 4
     ref_states = hidden(ref, blocks)
-    del ref
     for path in [args.reference, *args.models]:
-        model = load_model(path)[0]
+        model = ref if path == args.reference else load_model(path)[0]
         n = ref_norms if path == args.reference else norms(model, single)
         reached = norms(model, distinct)[:, peak] >= threshold
         failing = sorted(((counts[int(t)], int(t)) for t, ok in zip(distinct[:, 0], reached) if not ok), reverse=True)
@@ -81,8 +80,11 @@ def main() -> None:
                           "massive_in_text": round(1 - sum(c for c, _ in failing) / len(text_ids), 4),
                           "failing_in_text": [[tok.decode([t]), c] for c, t in failing[:12]],
                           "median_norm_pos0": [round(v) for v in n.median(0).values.tolist()],
+                          # the other positions of the `calib` blocks, for comparison
+                          "median_norm_other": [round(h[:, 1:].norm(dim=-1).median().item()) for h in states],
                           "stream_share_pos0": share if path != args.reference else None}), flush=True)
-        del model
+        if model is not ref:
+            del model
 
 
 if __name__ == "__main__":
