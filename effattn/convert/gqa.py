@@ -28,7 +28,7 @@ from ..data.corpora import DEFAULT_CALIB
 from .base import Plan, kv_bytes_per_token, passthrough, read_time, same_specs
 from .calibrate import CALIB_HELP, CalibSettings, batches, refit_o_proj
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
-from .refine import TARGET_WORDS, LearningRate, RefineOptions, Steps, Target, refine_flops
+from .refine import TARGET_WORDS, LearningRate, RefineOptions, Steps, Target, refine_default, refine_flops
 from .headmerge import KeyMerge, align_keys, align_values, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
 
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -321,10 +321,8 @@ class GQAOptions(RefineOptions):
     # 3e-4 lower held-out perplexity by 11-25% and keep the conversion under 5 minutes (BENCHMARKS, gqa-refine).
     refine_steps: Steps = Field(20, description="local refinement: optimizer steps per layer fitting the original "
                                                 "model (calibrated methods; 0: off, the closed-form merge alone)")
-    refine_lr: LearningRate = Field(3e-4, description="learning rate of local refinement (Adam)")
-    refine_target: Target = Field("stream", description="what refinement fits: stream (the original model's "
-                                  "activations after the layer) or attention (the original attention's output "
-                                  "on the same inputs)")
+    refine_lr: LearningRate = refine_default("refine_lr", 3e-4)
+    refine_target: Target = refine_default("refine_target", "stream")
 
     @field_validator("method")
     @classmethod

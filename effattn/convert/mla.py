@@ -76,7 +76,7 @@ from .calibrate import CALIB_HELP, CalibSettings, batches, ridge_solve
 from .gqa import LayerAttention, _Moments
 from .headmerge import complex_rows, merge_keys, merged_key_rows
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers
-from .refine import LearningRate, RefineOptions, Steps, Target, refine_flops
+from .refine import LearningRate, RefineOptions, Steps, Target, refine_default, refine_flops
 
 LATENT_EPS = 1e-6  # transformers' kv_a_layernorm eps, whatever the config says (transformers #44261)
 LINEAR_MARGIN = 1e-6  # ms(latent) <= LINEAR_MARGIN * eps for every input: the norm is linear within 5e-7
@@ -104,10 +104,8 @@ class MLAOptions(RefineOptions):
     # 1.99x to 1.51x / 1.99x / 1.75x (BENCHMARKS.md, MLA), for ~6 minutes of conversion on 2 cores.
     refine_steps: Steps = Field(30, description="local refinement: optimizer steps per layer fitting the original "
                                                 "model's activations after the layer (0: off, a faster conversion)")
-    refine_lr: LearningRate = Field(3e-4, description="learning rate of local refinement (Adam)")
-    refine_target: Target = Field("stream", description="what refinement fits: stream (the original model's "
-                                                        "activations after the layer) or attention (the original "
-                                                        "attention's output on the same inputs)")
+    refine_lr: LearningRate = refine_default("refine_lr", 3e-4)
+    refine_target: Target = refine_default("refine_target", "stream")
 
 
 def default_split(kv_size: int, head_dim: int, kv_rank: int | None, rope_dim: int | None) -> tuple[int, int]:

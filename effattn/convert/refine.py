@@ -118,6 +118,12 @@ class RefineOptions(ConversionOptions):
                               schedule=self.refine_schedule, device=device)
 
 
+def refine_default(name: str, value: Any) -> Any:
+    """A refinement field redeclared with another default only: `refine_lr: LearningRate =
+    refine_default("refine_lr", 3e-4)` keeps RefineOptions' description (the annotation keeps its checks)."""
+    return Field(value, description=RefineOptions.model_fields[name].description)
+
+
 # A relative squared error this small is float32 rounding: the layer already matches what it would fit.
 EXACT = 1e-9
 
