@@ -412,3 +412,39 @@ def test_models_load_without_hub_kernels_unless_asked(tiny, monkeypatch, kernels
 
         with pytest.raises(EffattnError, match="Kernels are not available"):
             load_model(src, tokenizer=False)
+
+
+def test_the_gguf_cache_keeps_one_entry_per_gguf_that_still_exists(tmp_path, monkeypatch):
+    """A dequantized GGUF is cached under a key of the file's path, size and mtime; an entry whose file is
+    gone or changed is deleted when the next GGUF is converted, so the cache does not grow with every
+    path a GGUF was read from."""
+    import os
+
+    from effattn.io.resolve import _gguf_entry_name, prune_gguf_cache
+
+    monkeypatch.setenv("EFFATTN_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "gguf"
+
+    def entry(source: Path, name: str | None = None, complete: bool = True) -> Path:
+        folder = root / (name or _gguf_entry_name(source))
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"0" * 64)
+        (folder / "effattn-source.txt").write_text(f"{source.absolute()}\n")
+        if complete:
+            (folder / ".complete").touch()
+        return folder
+
+    files = {name: tmp_path / f"{name}.gguf" for name in ("live", "gone", "changed", "writing", "partial")}
+    for path in files.values():
+        path.write_bytes(b"GGUF")
+    live, gone, changed = entry(files["live"]), entry(files["gone"]), entry(files["changed"])
+    writing = entry(files["writing"], name=".writing.tmp-1")  # atomic_output's temporary: another run's
+    partial = entry(files["partial"], complete=False)
+    files["gone"].unlink()
+    files["changed"].write_bytes(b"GGUF v2")
+    os.utime(files["changed"], ns=(1, 1))
+    files["writing"].unlink()
+    files["partial"].unlink()
+    assert sorted(prune_gguf_cache()) == sorted([gone, changed])
+    assert sorted(p.name for p in root.iterdir()) == sorted([live.name, writing.name, partial.name])
+    assert prune_gguf_cache() == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -34,7 +35,8 @@ def test_inspect_smollm2(capsys, smollm2_path):
 @pytest.fixture(scope="module")
 def smollm2_mqa(tmp_path_factory, smollm2_path):
     out = tmp_path_factory.mktemp("real") / "smollm2-mqa-mean"
-    return convert("llama", out, to="mqa", options={"method": "mean"}, measure=False).out
+    yield convert("llama", out, to="mqa", options={"method": "mean"}, measure=False).out
+    shutil.rmtree(out)  # 0.5 GB, not kept to the session's end
 
 
 def test_mqa_conversion_loads_with_plain_transformers(smollm2_mqa):
@@ -71,8 +73,9 @@ def test_mean_mqa_is_measured_against_the_original(mean_mqa_report):
 @pytest.fixture(scope="module")
 def smollm2_calibrated(tmp_path_factory, smollm2_path):
     out = tmp_path_factory.mktemp("real") / "smollm2-mqa-calibrated"
-    return convert("llama", out, to="mqa", options={"method": "calibrated", "calib_tokens": 4096, "refine_steps": 0},
-                   measure=False).out  # the merge alone: refinement's gain is measured in BENCHMARKS, not here
+    yield convert("llama", out, to="mqa", options={"method": "calibrated", "calib_tokens": 4096, "refine_steps": 0},
+                  measure=False).out  # the merge alone: refinement's gain is measured in BENCHMARKS, not here
+    shutil.rmtree(out)
 
 
 def test_calibrated_mqa_beats_mean_by_a_wide_margin(mean_mqa_report, smollm2_calibrated):
@@ -99,6 +102,12 @@ def test_a_gguf_file_is_a_valid_model_argument(capsys, tmp_path, smollm2_path):
     code, out, _ = run_cli(capsys, "inspect", gguf, "--json")
     info = json.loads(out)
     assert code == 0 and (info["family"], info["kv_heads"], info["layers"]) == ("llama", 3, 30)
+    from effattn.io.resolve import gguf_folder, prune_gguf_cache
+
+    cached = gguf_folder(gguf)
+    assert (cached / ".complete").exists()
+    gguf.unlink()  # the file is gone, so its 0.5 GB entry goes at the next prune (this test's own clean-up)
+    assert cached in prune_gguf_cache() and not cached.exists()
 
 
 def test_vq_init_keeps_smollm2_close_to_rerope_and_its_cache_small(tmp_path, smollm2_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,7 @@ def test_the_memory_estimate_is_within_2x_of_the_measured_peak(tmp_path_factory,
     assert 0.5 <= measured / estimate <= 2.0, (args, estimate / 2**20, measured / 2**20)
     # the record keeps the run's own estimate beside the measurement
     assert 0.5 <= res["estimated"]["peak_rss_bytes"] / estimate <= 2.0
+    shutil.rmtree(out)  # a module-scoped folder: removed here, not at the session's end
 
 
 # -- 3. the card ------------------------------------------------------------------------------------

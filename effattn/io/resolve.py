@@ -122,16 +122,49 @@ def _unpack_builtin(model, name: str, folder: Path) -> None:
     gguf_path.unlink()
 
 
-def gguf_folder(path: Path) -> Path:
-    """A GGUF file dequantized to a cached safetensors folder (keyed by the file's path, size and mtime)."""
+def _gguf_entry_name(path: Path) -> str:
+    """The cache folder name of a GGUF file: its stem and a key of its absolute path, size and mtime."""
     st = path.stat()
     key = hashlib.sha256(f"{path.absolute()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    return f"{path.stem}-{key}"
+
+
+def gguf_folder(path: Path) -> Path:
+    """A GGUF file dequantized to a cached safetensors folder (keyed by the file's path, size and mtime).
+    A new entry first clears the entries of GGUF files that are gone or changed (`prune_gguf_cache`)."""
+    folder = cache_dir() / "gguf" / _gguf_entry_name(path)
     if not (folder / ".complete").exists():
+        prune_gguf_cache()
         with cache_lock(f"gguf-{folder.name}"):
             if not (folder / ".complete").exists():
                 _gguf_to_folder(path, folder, source=str(path.absolute()))
     return folder
+
+
+def prune_gguf_cache() -> list[Path]:
+    """Delete the cached conversions whose GGUF file no longer exists, or has changed since (another size
+    or mtime): nothing can ask for them again, and each is the size of the dequantized model. Returns them.
+
+    Without this the cache grew by one model for every path a GGUF was ever read from (a test's temporary
+    folder, a download moved or replaced). Folders being written (hidden temporaries) and folders
+    without a recorded source are left alone."""
+    root = cache_dir() / "gguf"
+    removed = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        source_file = folder / "effattn-source.txt"
+        if folder.name.startswith(".") or not (folder / ".complete").exists() or not source_file.exists():
+            continue
+        source = Path(source_file.read_text().strip())
+        try:
+            if source.is_file() and _gguf_entry_name(source) == folder.name:
+                continue
+        except OSError:
+            pass  # unreadable now: it cannot be converted again from this path either
+        with cache_lock(f"gguf-{folder.name}"):
+            shutil.rmtree(folder, ignore_errors=True)
+        (cache_dir() / "locks" / f"gguf-{folder.name}.lock").unlink(missing_ok=True)
+        removed.append(folder)
+    return removed
 
 
 def _gguf_to_folder(gguf_path: Path, folder: Path, source: str) -> None:
