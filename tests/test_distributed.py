@@ -39,7 +39,7 @@ def runs(tmp_path_factory):
     port = iter(range(29700 + os.getpid() % 200 * 10, 30000 + os.getpid() % 200 * 10))
 
     def torchrun(name: str, *overrides: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TMPDIR=str(root))  # torchrun's log folder
         env.pop("EFFATTN_KILL_AT", None)
         if kill_at:
             env["EFFATTN_KILL_AT"] = kill_at

@@ -510,7 +510,7 @@ def test_torchrun_two_processes_end_with_the_same_model(heal, tmp_path):
     recipe = [f"student.model={student}", "student.convert=null", f"teacher.model={heal.src}", "train.max_steps=6",
               "eval.every=3", "checkpoint.every=3", "loss.ce=0.5"]
     out, report = heal.root / "ddp", heal.root / "ranks"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))  # torchrun's log folder
     torchrun = Path(sys.executable).with_name("torchrun")
     done = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(29500 + os.getpid() % 1000),
                            str(REPO / "tests" / "finetune_worker.py"), str(heal.recipe_file), str(report),
