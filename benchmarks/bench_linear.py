@@ -132,7 +132,8 @@ def decode(args) -> None:
     from benchmarks.bench_mla import decode_rows
 
     linear = args.model or str(make(*parse_variant(args.variant)[:3], "transfer", parse_variant(args.variant)[3])[0])
-    decode_rows([("original", "llama"), ("linear", linear)], args.contexts, args.tokens, record, mode="native")
+    decode_rows([("original", "llama"), ("linear", linear)], args.contexts, args.tokens, record, mode="native",
+                gemv=args.gemv)
 
 
 def main() -> None:
@@ -147,6 +148,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="16384")
     parser.add_argument("--variant", default="hedgehog-w64", help="decode: the linear model (converted if needed)")
     parser.add_argument("--model", default=None, help="decode: an already converted linear model instead")
+    parser.add_argument("--gemv", action="store_true", help="decode: both models' linear layers through effattn's "
+                        "kernels/gemv")
     args = parser.parse_args()
     if args.tokens is None:
         args.tokens = 8192 if args.mode == "quality" else 16

@@ -86,7 +86,7 @@ def quality(args) -> None:
 
 
 DECODE = r"""
-import json, statistics, sys, time, torch
+import json, os, statistics, sys, time, torch
 from effattn.data.corpora import load_text
 from effattn.io.load import load_model
 path, context, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -100,6 +100,10 @@ ids = ids[:, :context]
 paths = {"native": model}
 if path != "llama" and sys.argv[4:] != ["native"]:  # an MLA model: effattn's absorbed path and transformers' 
     paths = {"absorbed": model, "transformers": load_model(path, tokenizer=False, attn_implementation="sdpa")[0]}
+if os.environ.get("EFFATTN_BENCH_GEMV") == "1":  # --gemv: every model's linear layers through kernels/gemv
+    from effattn.kernels.gemv import use_for_decoding
+    for m in paths.values():
+        assert use_for_decoding(m), "kernels/gemv is unavailable"
 out = {}
 with torch.inference_mode():
     t0 = time.perf_counter()
@@ -127,21 +131,23 @@ print(json.dumps(out))
 
 def decode(args) -> None:
     models = [("original", "llama")] + [(v, model_of(v)[0]) for v in args.variants.split(",")]
-    decode_rows(models, args.contexts, args.tokens, record)
+    decode_rows(models, args.contexts, args.tokens, record, gemv=args.gemv)
 
 
-def decode_rows(models, contexts: str, tokens: int, record, mode: str = "mla") -> None:
+def decode_rows(models, contexts: str, tokens: int, record, mode: str = "mla", gemv: bool = False) -> None:
     """Run DECODE for each (name, path) of `models` at each of the comma-separated `contexts`, recording
-    and printing a row each. mode "mla": an MLA model decodes through both paths; "native": one path."""
+    and printing a row each. mode "mla": an MLA model decodes through both paths; "native": one path.
+    `gemv`: every model's linear layers through effattn's matrix-vector product (kernels/gemv)."""
     for context in map(int, contexts.split(",")):
         for name, path in models:
             load = os.getloadavg()[0]
             proc = subprocess.run([sys.executable, "-c", DECODE, path, str(context), str(tokens), mode],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, env={**os.environ, "EFFATTN_BENCH_GEMV": str(int(gemv))})
             if proc.returncode:
                 raise SystemExit(proc.stderr[-3000:])
             result = json.loads(proc.stdout.strip().splitlines()[-1])
             row = {"kind": "decode", "variant": name, "context": context, "tokens": tokens, "load_before": load,
+                   "linears": "gemv" if gemv else "torch",
                    "load_after": os.getloadavg()[0], "machine": machine(), "commit": _commit(), **result}
             record(row)
             speeds = {k: f"{1 / v['s_per_token']:.2f} tok/s" for k, v in result.items() if isinstance(v, dict)}
@@ -159,6 +165,7 @@ def main() -> None:
     parser.add_argument("--variants", default="k128,k192")
     parser.add_argument("--tokens", type=int, default=None, help="quality: tokens per corpus (8192); decode: steps (16)")
     parser.add_argument("--contexts", default="4096,16384")
+    parser.add_argument("--gemv", action="store_true", help="decode: linear layers through effattn's kernels/gemv")
     args = parser.parse_args()
     if args.tokens is None:
         args.tokens = 8192 if args.mode == "quality" else 16

@@ -9,7 +9,8 @@ cache, then `--tokens` cached greedy steps. Reports prefill seconds, decode toke
 the first) and the mean time of one attention module per layer and step (its forward, timed around
 it), which shows what a layer's attention costs beside the rest of the model. `--old-path` adds rows
 for the VQ model with EFFATTN_VQ_DECODE=0 (the chunk kernel for every step, as before the decode step).
-Results go to benchmarks/results/vq-decode.json and, with --update, to BENCHMARKS.md.
+`--gemv` runs every model's linear layers through effattn's matrix-vector product (kernels/gemv).
+Results go to benchmarks/results/vq-decode.json (or --results).
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "vq-decode.json"
 
 RUN = r"""
-import json, statistics, sys, time, torch
+import json, os, statistics, sys, time, torch
 import effattn  # registers effattn_vq
 from effattn.data.corpora import load_text
 from effattn.evaluate import speed_prompt
 from effattn.io.load import load_model
 path, context, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 model, tok, _ = load_model(path, tokenizer="llama")
+if os.environ.get("EFFATTN_BENCH_GEMV") == "1":  # --gemv: the linear layers through kernels/gemv
+    from effattn.kernels.gemv import use_for_decoding
+    assert use_for_decoding(model), "kernels/gemv is unavailable"
 ids = speed_prompt(tok, load_text("shakespeare"), context)
 attn_time = [0.0, 0]
 def timed(module):
@@ -107,7 +111,11 @@ def main() -> None:
     parser.add_argument("--original-contexts", default="512,8192,16384")
     parser.add_argument("--tokens", type=int, default=16, help="cached greedy steps per run")
     parser.add_argument("--old-path", default="", help="contexts for EFFATTN_VQ_DECODE=0 rows (e.g. 8192)")
+    parser.add_argument("--gemv", action="store_true", help="every model's linear layers through effattn's "
+                        "kernels/gemv (EFFATTN_BENCH_GEMV=1 in each process)")
+    parser.add_argument("--results", default=str(RESULTS), help="where the JSON goes")
     args = parser.parse_args()
+    os.environ["EFFATTN_BENCH_GEMV"] = str(int(args.gemv))  # the runs inherit it
     rows = []
     for context in (int(c) for c in args.original_contexts.split(",") if c):
         rows.append(run("original", "llama", context, args.tokens))
@@ -119,7 +127,8 @@ def main() -> None:
         rows.append(run(f"vq ({Path(folders[0]).name}), chunk kernel per step", folders[0], context, args.tokens,
                         {"EFFATTN_VQ_DECODE": "0"}))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    RESULTS.write_text(json.dumps({"machine": machine(), "commit": commit, "vq": args.vq, "rows": rows}, indent=1))
+    Path(args.results).write_text(json.dumps({"machine": machine(), "commit": commit, "vq": args.vq,
+                                              "linears": "gemv" if args.gemv else "torch", "rows": rows}, indent=1))
     print(table(rows))
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .data import corpora
 from .data.corpora import load_text, token_blocks
 from .errors import EffattnError
+from .kernels import gemv
 
 
 @dataclass
@@ -60,6 +61,8 @@ class EvalReport:
     tokens: dict[str, int] = field(default_factory=dict)
     # the context beyond which the model decodes faster than the baseline (decode_break_even)
     decode_break_even: dict[str, Any] | None = None
+    # what ran the linear layers of the timed decode steps, the same for both models (kernels/gemv)
+    decode_linears: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -304,16 +307,20 @@ def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=Non
             continue
         measure_.kv_context = speed_ids.shape[1]
         measure_.kv_bytes_per_token = kv_cache_bytes(lm, speed_ids) / speed_ids.shape[1]
-        if settings.speed:
+        if not settings.speed:
+            continue
+        # both models decode with the same linear layers: effattn's matrix-vector product on the CPU
+        with gemv.decoding(lm) if next(lm.parameters()).device.type == "cpu" else nullcontext(0) as switched:
             measure_.prefill_tokens_per_s, measure_.decode_tokens_per_s = speed(
                 lm, speed_ids, settings.decode_tokens, settings.speed_repeats)
             measure_.speed.append({"context": speed_ids.shape[1], "prefill_tokens_per_s": measure_.prefill_tokens_per_s,
                                    "decode_tokens_per_s": measure_.decode_tokens_per_s})
-        if long_ids is not None and long_ids.shape[1] != speed_ids.shape[1]:
-            # one prefill at a long context takes long and varies little: timed once
-            prefill, decode = speed(lm, long_ids, settings.decode_tokens, repeats=1)
-            measure_.speed.append({"context": long_ids.shape[1], "prefill_tokens_per_s": prefill,
-                                   "decode_tokens_per_s": decode})
+            if long_ids is not None and long_ids.shape[1] != speed_ids.shape[1]:
+                # one prefill at a long context takes long and varies little: timed once
+                prefill, decode = speed(lm, long_ids, settings.decode_tokens, repeats=1)
+                measure_.speed.append({"context": long_ids.shape[1], "prefill_tokens_per_s": prefill,
+                                       "decode_tokens_per_s": decode})
+        report.decode_linears = gemv.describe(switched)
     if base is not None:
         report.decode_break_even = decode_break_even(mine.speed, base.speed)
     return report

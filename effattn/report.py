@@ -57,8 +57,11 @@ def eval_table(report: EvalReport) -> Table:
         row(f"decode tokens/s (after {at:,} tok)", point["decode_tokens_per_s"], other.get("decode_tokens_per_s"),
             ",.1f", lower=False)
     row("parameters", m.params, b.params if b else None, ",.0f")
-    if report.decode_break_even is not None:
-        table.caption = escape(break_even_line(report.decode_break_even))
+    caption = [break_even_line(report.decode_break_even)] if report.decode_break_even is not None else []
+    if report.decode_linears and m.speed:
+        caption.append(f"decode steps' linear layers: {report.decode_linears}")
+    if caption:
+        table.caption = escape("\n".join(caption))
     return table
 
 

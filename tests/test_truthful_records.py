@@ -168,6 +168,8 @@ def test_a_vq_card_measures_at_long_context_and_states_the_break_even(tiny, tmp_
     # speed at both lengths for both models, and where the VQ model starts decoding faster
     assert "| decode tokens/s (after 8,192 tokens) |" in card and "| prefill tokens/s (2,048 tokens) |" in card
     assert m["decode_break_even"]["measured"] == [2048, 8192]
+    # and what ran the decode steps' linear layers (kernels/gemv where it builds), the same for both models
+    assert f"both models' linear layers run by {m['decode_linears']}." in card
     assert "Decode break-even: the converted model decodes" in card and "than the original" in card
 
 

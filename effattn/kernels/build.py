@@ -35,34 +35,36 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(cpu_flags_line().partition(":")[2].split())
 
 
-def machine_tag(source: Path) -> str:
+def machine_tag(source: Path, extra: tuple[str, ...] = ()) -> str:
     """A hash of the source, the flags and the CPU."""
-    text = source.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode() + cpu_flags_line().encode()
+    text = (source.read_bytes() + " ".join(FLAGS + tuple(extra)).encode() + platform.machine().encode()
+            + cpu_flags_line().encode())
     return hashlib.sha256(text).hexdigest()[:16]
 
 
-def build(source: Path, target: Path) -> None:
-    """Compile `source` into the shared library `target`; RuntimeError when it cannot."""
+def build(source: Path, target: Path, extra: tuple[str, ...] = ()) -> None:
+    """Compile `source` (with `extra` flags, e.g. ``-fopenmp``) into the shared library `target`;
+    RuntimeError when it cannot."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *FLAGS, *extra, str(source), "-o", str(built), "-lm"],
                                 capture_output=True, text=True, timeout=120)  # fmt: skip
         if result.returncode:
             raise RuntimeError(f"{compiler} failed to build {source.name}: {result.stderr.strip()[-500:]}")
         os.replace(built, target)  # atomic: another process may be building the same file
 
 
-def load_library(source: Path, stem: str) -> ctypes.CDLL:
+def load_library(source: Path, stem: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The compiled `source`, built on first use as ``<cache>/kernels/<stem>-<machine tag>.so``."""
     if platform.system() != "Linux":
         raise RuntimeError("effattn's compiled kernels are built for Linux only")
     from effattn.io.cache import cache_dir
 
-    target = cache_dir() / "kernels" / f"{stem}-{machine_tag(source)}.so"
+    target = cache_dir() / "kernels" / f"{stem}-{machine_tag(source, extra)}.so"
     if not target.exists():
-        build(source, target)
+        build(source, target, extra)
     return ctypes.CDLL(str(target))

@@ -1,0 +1,101 @@
+"""kernels/gemv: the compiled matrix-vector product of decode steps against PyTorch's linear (its reference),
+the cases it leaves to PyTorch, and a model decoding through it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from effattn.kernels import gemv
+from effattn.kernels.gemv import native, naive
+
+from .test_cli_errors import run_cli
+from .test_eval import corpus  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"kernels/gemv unavailable: {gemv.why_unavailable()}")
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 13), (33, 64), (200, 577), (1536, 576)])
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (2, 1), (8,), (3, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_product_equals_pytorchs_linear_at_odd_sizes(n, k, lead, bias):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(*lead, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    want = naive.linear(x, w, b)
+    with torch.no_grad():
+        assert native.applies(x, w, b)
+        for threads in (1, 2, 3):
+            got = native.linear(x, w, b, threads=threads)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_what_it_does_not_compute_goes_to_pytorch_bit_for_bit():
+    layer = nn.Linear(24, 40)
+    layer.__class__ = gemv.DecodeLinear
+    x = torch.randn(1, 24)
+    cases = {
+        "autograd on": (torch.enable_grad, x, layer.weight),
+        "more than MAX_ROWS rows": (torch.no_grad, torch.randn(gemv.MAX_ROWS + 1, 24), layer.weight),
+        "bfloat16": (torch.no_grad, x.bfloat16(), layer.weight.bfloat16()),
+        "a weight that is a transposed view": (torch.no_grad, x, torch.randn(24, 40).t()),
+    }
+    for why, (mode, xs, weight) in cases.items():
+        with mode():
+            assert not native.applies(xs, weight, layer.bias.to(weight.dtype)), why
+    with torch.enable_grad():
+        out = layer(x)
+        assert out.requires_grad and torch.equal(out, F.linear(x, layer.weight, layer.bias))
+    with torch.no_grad():
+        many = torch.randn(gemv.MAX_ROWS + 1, 24)
+        assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
+
+
+def test_a_model_decodes_the_same_tokens_through_it_and_gets_its_layers_back(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny("llama", layers=2), dtype=torch.float32).eval()
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    keys = list(model.state_dict())
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+
+    def greedy(steps=10):
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True)
+            cache, token, tokens, logits = out.cache, out.logits[:, -1:].argmax(-1), [], []
+            for _ in range(steps):
+                out = model(input_ids=token, cache=cache, use_cache=True)
+                cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+                tokens.append(token.item())
+                logits.append(out.logits)
+        return tokens, torch.cat(logits)
+
+    tokens, logits = greedy()
+    with gemv.decoding(model) as switched:
+        assert switched == len(linears) > 0 and all(type(m) is gemv.DecodeLinear for m in linears)
+        fast_tokens, fast_logits = greedy()
+        assert list(model.state_dict()) == keys
+    assert all(type(m) is nn.Linear for m in linears)  # restored
+    assert fast_tokens == tokens
+    torch.testing.assert_close(fast_logits, logits, rtol=1e-4, atol=1e-4)
+    assert gemv.use_for_decoding(model) == len(linears) and type(linears[0]) is gemv.DecodeLinear
+
+
+def test_eval_records_what_ran_the_decode_steps_and_the_switch_turns_it_off(capsys, tiny, corpus, monkeypatch):  # noqa: F811
+    src = tiny("llama", layers=2)
+    args = ["eval", src, "--baseline", src, "--corpus", str(corpus), "--context", "64", "--max-tokens", "128", "--json"]
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0 and json.loads(out)["decode_linears"].startswith("effattn's matrix-vector product")
+    monkeypatch.setenv("EFFATTN_GEMV", "0")
+    assert not gemv.available() and gemv.why_unavailable() == "turned off by EFFATTN_GEMV=0"
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0 and json.loads(out)["decode_linears"] == "PyTorch's linear (turned off by EFFATTN_GEMV=0)"
+    code, out, _ = run_cli(capsys, *args[:-1])
+    assert code == 0 and "PyTorch's linear" in out
+    code, out, _ = run_cli(capsys, *args[:-1], "--no-speed", "--json")
+    assert json.loads(out)["decode_linears"] is None
