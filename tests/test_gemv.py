@@ -16,7 +16,13 @@ from effattn.kernels.gemv import native, naive
 from .test_cli_errors import run_cli
 from .test_eval import corpus  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.skipif(not gemv.available(), reason=f"kernels/gemv unavailable: {gemv.why_unavailable()}")
+pytestmark = pytest.mark.skipif(not native.built(), reason=f"kernels/gemv does not build here: {native._why_not}")
+
+
+@pytest.fixture(autouse=True)
+def _forced_on(monkeypatch):
+    """Used whatever this machine's check found (EFFATTN_GEMV=1); the check has its own test."""
+    monkeypatch.setenv("EFFATTN_GEMV", "1")
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (7, 13), (33, 64), (200, 577), (1536, 576)])
@@ -99,3 +105,36 @@ def test_eval_records_what_ran_the_decode_steps_and_the_switch_turns_it_off(caps
     assert code == 0 and "PyTorch's linear" in out
     code, out, _ = run_cli(capsys, *args[:-1], "--no-speed", "--json")
     assert json.loads(out)["decode_linears"] is None
+
+
+def test_it_is_used_only_where_it_measured_faster_and_the_measurement_is_kept(tmp_path, monkeypatch):
+    monkeypatch.delenv("EFFATTN_GEMV")
+    monkeypatch.setenv("EFFATTN_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_checks", {})
+    calls = []
+
+    def measured(speeds):
+        def measure(threads):
+            calls.append(threads)
+            return speeds
+        return measure
+
+    monkeypatch.setattr(native, "measure", measured({"gemv_gb_s": 10.0, "torch_gb_s": 10.5}))
+    assert not gemv.available() and "no faster than PyTorch's linear on this machine (10.0 against 10.5 GB/s" in gemv.why_unavailable()
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert gemv.use_for_decoding(model) == 0 and type(model[0]) is nn.Linear
+    assert len(calls) == 1 and len(json.loads((tmp_path / "gemv-check.json").read_text())) == 1
+    monkeypatch.setattr(native, "_checks", {})  # a new process reads the kept result instead of measuring
+    assert not gemv.available() and len(calls) == 1
+    monkeypatch.setenv("EFFATTN_GEMV", "1")
+    assert gemv.available()
+    monkeypatch.delenv("EFFATTN_GEMV")
+    (tmp_path / "gemv-check.json").unlink()
+    monkeypatch.setattr(native, "_checks", {})
+    monkeypatch.setattr(native, "measure", measured({"gemv_gb_s": 25.7, "torch_gb_s": 10.7}))
+    assert gemv.available() and gemv.why_unavailable() == "" and len(calls) == 2
+
+
+def test_the_check_measures_both_products():
+    speeds = native.measure(1, rows=4096, cols=64, repeats=1)
+    assert set(speeds) == {"gemv_gb_s", "torch_gb_s"} and all(v > 0 for v in speeds.values())

@@ -4,7 +4,8 @@
 module, state dict and output, whose forward takes native.c's product for inputs of at most
 ``MAX_ROWS`` rows (a decode step) of float32 CPU tensors outside autograd, and ``F.linear`` otherwise
 (prefill, training, GPUs, other dtypes). `effattn eval` puts it in both models it times, so their
-speeds stay comparable; ``EFFATTN_GEMV=0`` leaves PyTorch's linear everywhere.
+speeds stay comparable. It is used only where it measured faster than PyTorch's linear (native.py);
+``EFFATTN_GEMV=0`` leaves PyTorch's linear everywhere.
 """
 
 from __future__ import annotations

@@ -1,56 +1,115 @@
 """native.c's matrix-vector product (``gemv_rows``), float32 on the CPU, on torch's thread count.
 
 Built on first use by a C compiler with OpenMP (``kernels/build.py``; cached per source and machine).
-Where it cannot be built, or with ``EFFATTN_NATIVE=0`` or ``EFFATTN_GEMV=0``, ``available`` is False and
-callers use PyTorch's linear; ``why_unavailable`` says why.
+It is used where it streams weights faster than PyTorch's linear on this machine: the first use at a
+thread count times both on a matrix larger than any cache (a few tenths of a second) and keeps the
+result in effattn's cache folder (``gemv-check.json``). ``EFFATTN_GEMV=1`` uses it without that check,
+``EFFATTN_GEMV=0`` (or ``EFFATTN_NATIVE=0``) never; ``why_unavailable`` says why it is not used.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from effattn.kernels.build import load_library
+from effattn.kernels.build import load_library, machine_tag
 
 SOURCE = Path(__file__).with_name("native.c")
 MAX_ROWS = 8  # more rows than this are a GEMM, where MKL's blocking wins
+MIN_GAIN = 1.1  # the check's bar: this much faster than PyTorch's linear, or not used
 
 _lib = None  # the loaded library, False once it failed
 _why_not = ""
+_checks: dict[int, tuple[bool, str]] = {}  # thread count -> (faster here, why not)
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
 def _turned_off() -> str:
     for name in ("EFFATTN_NATIVE", "EFFATTN_GEMV"):
-        if os.environ.get(name, "1") == "0":
+        if os.environ.get(name, "") == "0":
             return f"turned off by {name}=0"
     return ""
 
 
-def available() -> bool:
-    """Whether the compiled product can run here (built and loaded on the first call)."""
+def built() -> bool:
+    """Whether the library is built and loaded here (on the first call)."""
     global _lib, _why_not
-    if _turned_off():
-        return False
     if _lib is None:
         try:
-            import torch  # noqa: F401 - its OpenMP runtime is loaded first, so the library shares it
-
-            _lib = load_library(SOURCE, "gemv_native", extra=("-fopenmp",))
+            _lib = load_library(SOURCE, "gemv_native", extra=("-fopenmp",))  # torch's OpenMP runtime is loaded: shared
             _lib.gemv_rows.argtypes, _lib.gemv_rows.restype = [_P, _P, _P, _P, _L, _L, _L, _I], None
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             _lib, _why_not = False, str(error)
     return bool(_lib)
 
 
+def available() -> bool:
+    """Whether ``linear`` is used here: built, not turned off, and faster than PyTorch's (or forced on)."""
+    if _turned_off() or not built():
+        return False
+    return os.environ.get("EFFATTN_GEMV", "") == "1" or _faster_here()[0]
+
+
 def why_unavailable() -> str:
     """Why the compiled product is not used ('' when it is)."""
-    return "" if available() else (_turned_off() or _why_not)
+    if available():
+        return ""
+    return _turned_off() or _why_not or _faster_here()[1]
+
+
+def _faster_here() -> tuple[bool, str]:
+    threads = torch.get_num_threads()
+    if threads not in _checks:
+        _checks[threads] = _check(threads)
+    return _checks[threads]
+
+
+def _check(threads: int) -> tuple[bool, str]:
+    """(kernels/gemv is at least MIN_GAIN times PyTorch's speed here, why not), from this machine's record
+    in the cache folder, measured and recorded there on first use."""
+    from effattn.io.cache import cache_dir
+    from effattn.resources import _cpu_model
+
+    key = f"{_cpu_model()} x{threads} threads, torch {torch.__version__}, kernel {machine_tag(SOURCE, ('-fopenmp',))}"
+    path = cache_dir() / "gemv-check.json"
+    try:
+        known = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = measure(threads)
+        try:
+            from effattn.io.writer import write_json
+
+            write_json(path, known)
+        except OSError:
+            pass  # a read-only cache: measured again by the next process
+    gemv, plain = known[key]["gemv_gb_s"], known[key]["torch_gb_s"]
+    if gemv >= MIN_GAIN * plain:
+        return True, ""
+    return False, f"no faster than PyTorch's linear on this machine ({gemv:.1f} against {plain:.1f} GB/s; EFFATTN_GEMV=1 uses it anyway)"
+
+
+def measure(threads: int, rows: int = 49152, cols: int = 576, repeats: int = 5) -> dict[str, float]:
+    """GB/s of one-row products with a [rows, cols] float32 matrix (113 MB by default: the size of
+    SmolLM2's head, larger than a CPU's caches), PyTorch's and this kernel's, best of `repeats`."""
+    weight = torch.empty(rows, cols).uniform_(-1, 1)
+    x = torch.empty(1, cols).uniform_(-1, 1)
+    best = {"torch": float("inf"), "gemv": float("inf")}
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first round warms both up
+            for name in best:
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, weight) if name == "torch" else linear(x, weight, None, threads)
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return {f"{name}_gb_s": weight.numel() * 4 / seconds / 1e9 for name, seconds in best.items()}
 
 
 def applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -62,12 +121,11 @@ def applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: int | None = None) -> Tensor:
-    """x Wᵀ + b for x [..., k] with at most MAX_ROWS rows (check ``applies`` first)."""
+    """x Wᵀ + b for x [..., k] with at most MAX_ROWS rows (the library must be ``built``)."""
     x = x.contiguous()
     n, k = weight.shape
     rows = x.numel() // k
     y = x.new_empty(*x.shape[:-1], n)
-    _lib.gemv_rows(weight.data_ptr(), x.data_ptr(),
-                   None if bias is None else bias.data_ptr(), y.data_ptr(), rows, n, k,
-                   threads or torch.get_num_threads())
+    _lib.gemv_rows(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                   rows, n, k, threads or torch.get_num_threads())
     return y
