@@ -65,26 +65,14 @@ def matmul_flops() -> float:
     """This CPU's float32 matmul throughput (FLOP/s) when idle: the best of this process's probe and the
     best earlier probe on this machine (same CPU and thread count, kept in the cache folder), so that a
     probe that happened to share the cores with another job does not halve every estimate."""
-    import json
-
-    from .io.cache import cache_dir
+    from .io.cache import read_machine_record, write_machine_record
 
     live = device_flops(torch.float32, device="cpu")
     key = f"{_cpu_model()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
-    path = cache_dir() / "matmul-flops.json"
-    try:
-        known = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        known = {}
+    known = read_machine_record("matmul-flops.json")
     best = max(live, float(known.get(key, 0.0)))
     if best > float(known.get(key, 0.0)):
-        try:
-            from .io.writer import write_json
-
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(path, known | {key: best})
-        except OSError:
-            pass  # a read-only cache only costs the memory of the best probe
+        write_machine_record("matmul-flops.json", known | {key: best})
     return best
 
 

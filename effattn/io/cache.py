@@ -37,3 +37,25 @@ def cache_lock(name: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def read_machine_record(name: str) -> dict:
+    """The JSON object a measurement of this machine keeps in the cache folder as `name` ({} when it is
+    missing or unreadable: the caller measures again)."""
+    import json
+
+    path = cache_dir() / name
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_machine_record(name: str, data: dict) -> None:
+    """Keep `data` as the cache folder's `name`; a read-only cache only costs measuring again."""
+    from .writer import write_json
+
+    try:
+        write_json(cache_dir() / name, data)
+    except OSError:
+        pass

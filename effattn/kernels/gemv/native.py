@@ -10,7 +10,6 @@ result in effattn's cache folder (``gemv-check.json``). ``EFFATTN_GEMV=1`` uses 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import subprocess
 import time
@@ -74,23 +73,14 @@ def _faster_here() -> tuple[bool, str]:
 def _check(threads: int) -> tuple[bool, str]:
     """(kernels/gemv is at least MIN_GAIN times PyTorch's speed here, why not), from this machine's record
     in the cache folder, measured and recorded there on first use."""
-    from effattn.io.cache import cache_dir
+    from effattn.io.cache import read_machine_record, write_machine_record
     from effattn.resources import _cpu_model
 
     key = f"{_cpu_model()} x{threads} threads, torch {torch.__version__}, kernel {machine_tag(SOURCE, ('-fopenmp',))}"
-    path = cache_dir() / "gemv-check.json"
-    try:
-        known = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        known = {}
+    known = read_machine_record("gemv-check.json")
     if key not in known:
         known[key] = measure(threads)
-        try:
-            from effattn.io.writer import write_json
-
-            write_json(path, known)
-        except OSError:
-            pass  # a read-only cache: measured again by the next process
+        write_machine_record("gemv-check.json", known)
     gemv, plain = known[key]["gemv_gb_s"], known[key]["torch_gb_s"]
     if gemv >= MIN_GAIN * plain:
         return True, ""
