@@ -62,15 +62,30 @@ def test_what_it_does_not_compute_goes_to_pytorch_bit_for_bit():
         assert torch.equal(layer(many), F.linear(many, layer.weight, layer.bias))
 
 
-def test_a_model_decodes_the_same_tokens_through_it_and_gets_its_layers_back(tiny):
-    from transformers import AutoModelForCausalLM
+CONVERSIONS = {
+    "original": None,
+    "vq": {"codebook_size": 16, "window": 16, "calib_tokens": 1024, "calib_seq_len": 128},
+    "linear": {"window": 8, "calib_tokens": 512, "calib_seq_len": 64, "refine_steps": 2},
+    "mla": {"kv_size": 16, "calib_tokens": 512},
+}
 
-    model = AutoModelForCausalLM.from_pretrained(tiny("llama", layers=2), dtype=torch.float32).eval()
+
+@pytest.mark.parametrize("to", list(CONVERSIONS))
+def test_a_model_decodes_the_same_tokens_through_it_and_gets_its_layers_back(tiny, tmp_path, to):
+    """Greedy decoding past the window (VQ's codes, the linear state) through effattn's own decode steps."""
+    import effattn  # noqa: F401 - registers effattn's model classes
+    from effattn.convert import convert
+    from effattn.io.load import load_model
+
+    src = tiny("llama", layers=2)
+    if CONVERSIONS[to] is not None:
+        src = convert(src, tmp_path / to, to=to, options=CONVERSIONS[to], measure=False).out
+    model = load_model(str(src), tokenizer=False)[0].eval()
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     keys = list(model.state_dict())
-    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
 
-    def greedy(steps=10):
+    def greedy(steps=12):
         with torch.inference_mode():
             out = model(input_ids=ids, use_cache=True)
             cache, token, tokens, logits = out.cache, out.logits[:, -1:].argmax(-1), [], []
