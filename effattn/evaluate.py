@@ -320,7 +320,7 @@ def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=Non
                 prefill, decode = speed(lm, long_ids, settings.decode_tokens, repeats=1)
                 measure_.speed.append({"context": long_ids.shape[1], "prefill_tokens_per_s": prefill,
                                        "decode_tokens_per_s": decode})
-        report.decode_linears = gemv.describe(switched)
+        report.decode_linears = gemv.describe(switched, next(lm.parameters()).dtype)
     if base is not None:
         report.decode_break_even = decode_break_even(mine.speed, base.speed)
     return report

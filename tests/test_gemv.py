@@ -3,6 +3,7 @@ the cases it leaves to PyTorch, and a model decoding through it."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -28,17 +29,34 @@ def _forced_on(monkeypatch):
 @pytest.mark.parametrize("n,k", [(1, 1), (7, 13), (33, 64), (200, 577), (1536, 576)])
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (2, 1), (8,), (3, 2)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_product_equals_pytorchs_linear_at_odd_sizes(n, k, lead, bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_product_equals_pytorchs_linear_at_odd_sizes(n, k, lead, bias, dtype):
     g = torch.Generator().manual_seed(n * 1000 + k)
-    w, x = torch.randn(n, k, generator=g), torch.randn(*lead, k, generator=g)
-    b = torch.randn(n, generator=g) if bias else None
+    w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(*lead, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     want = naive.linear(x, w, b)
+    # bfloat16: both sum in float32 and round once; the order of the sums may move the rounding by one step
+    tol = dict(rtol=1e-5, atol=1e-5 * k ** 0.5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3 * k ** 0.5)
     with torch.no_grad():
         assert native.applies(x, w, b)
         for threads in (1, 2, 3):
             got = native.linear(x, w, b, threads=threads)
-            assert got.shape == want.shape
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+            assert got.shape == want.shape and got.dtype == dtype
+            torch.testing.assert_close(got, want, **tol)
+
+
+def test_bfloat16_rounds_to_nearest_even_and_keeps_nan_and_inf():
+    w = torch.tensor([[1.0], [1.0], [1.0], [1.0], [1.0]]).bfloat16()
+    # 1 + 2^-8 lies halfway between two bfloat16 numbers (ties to even: 1), 1 + 3 * 2^-8 too (to 1 + 2^-6)
+    x_values = [1 + 2**-8, 1 + 3 * 2**-8, float("nan"), float("inf"), -float("inf")]
+    with torch.no_grad():
+        for value in x_values:
+            x = torch.tensor([[1.0]]).bfloat16()
+            b = torch.full((5,), value - 1.0).bfloat16() if value == value and abs(value) != float("inf") else None
+            xs = x if b is not None else torch.tensor([[value]]).bfloat16()
+            got = native.linear(xs, w, b)
+            want = F.linear(xs.float(), w.float(), None if b is None else b.float()).bfloat16()
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()]), value
 
 
 def test_what_it_does_not_compute_goes_to_pytorch_bit_for_bit():
@@ -48,12 +66,14 @@ def test_what_it_does_not_compute_goes_to_pytorch_bit_for_bit():
     cases = {
         "autograd on": (torch.enable_grad, x, layer.weight),
         "more than MAX_ROWS rows": (torch.no_grad, torch.randn(gemv.MAX_ROWS + 1, 24), layer.weight),
-        "bfloat16": (torch.no_grad, x.bfloat16(), layer.weight.bfloat16()),
+        "float16 (no kernel)": (torch.no_grad, x.half(), layer.weight.half()),
+        "an input of another dtype than the weight": (torch.no_grad, x.bfloat16(), layer.weight),
         "a weight that is a transposed view": (torch.no_grad, x, torch.randn(24, 40).t()),
     }
     for why, (mode, xs, weight) in cases.items():
         with mode():
             assert not native.applies(xs, weight, layer.bias.to(weight.dtype)), why
+    assert gemv.why_unavailable(torch.float16) == "torch.float16 has no kernel (float32 and bfloat16 do)"
     with torch.enable_grad():
         out = layer(x)
         assert out.requires_grad and torch.equal(out, F.linear(x, layer.weight, layer.bias))
@@ -129,13 +149,14 @@ def test_it_is_used_only_where_it_measured_faster_and_the_measurement_is_kept(tm
     calls = []
 
     def measured(speeds):
-        def measure(threads):
-            calls.append(threads)
+        def measure(threads, dtype):
+            calls.append((threads, dtype))
             return speeds
         return measure
 
     monkeypatch.setattr(native, "measure", measured({"gemv_gb_s": 10.0, "torch_gb_s": 10.5}))
-    assert not gemv.available() and "no faster than PyTorch's linear on this machine (10.0 against 10.5 GB/s" in gemv.why_unavailable()
+    assert not gemv.available() and "no faster than PyTorch's float32 linear on this machine (10.0 against 10.5 GB/s" \
+        in gemv.why_unavailable()
     model = nn.Sequential(nn.Linear(4, 4))
     assert gemv.use_for_decoding(model) == 0 and type(model[0]) is nn.Linear
     assert len(calls) == 1 and len(json.loads((tmp_path / "gemv-check.json").read_text())) == 1
@@ -151,5 +172,22 @@ def test_it_is_used_only_where_it_measured_faster_and_the_measurement_is_kept(tm
 
 
 def test_the_check_measures_both_products():
-    speeds = native.measure(1, rows=4096, cols=64, repeats=1)
-    assert set(speeds) == {"gemv_gb_s", "torch_gb_s"} and all(v > 0 for v in speeds.values())
+    for dtype in native.DTYPES:
+        speeds = native.measure(1, dtype, rows=4096, cols=64, repeats=1)
+        assert set(speeds) == {"gemv_gb_s", "torch_gb_s"} and all(v > 0 for v in speeds.values())
+
+
+def test_a_bfloat16_model_decodes_through_it_within_bfloat16s_rounding(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny("llama", layers=2), dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        prefix = model(input_ids=ids[:, :-1], use_cache=True)
+        step = lambda: model(input_ids=ids[:, -1:], cache=copy.deepcopy(prefix.cache), use_cache=True).logits  # noqa: E731
+        plain = step()
+        with gemv.decoding(model) as switched:
+            assert switched > 0
+            fast = step()
+    assert fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float(), plain.float(), rtol=3e-2, atol=3e-2)

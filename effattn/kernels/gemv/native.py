@@ -26,7 +26,8 @@ MIN_GAIN = 1.1  # the check's bar: this much faster than PyTorch's linear, or no
 
 _lib = None  # the loaded library, False once it failed
 _why_not = ""
-_checks: dict[int, tuple[bool, str]] = {}  # thread count -> (faster here, why not)
+_checks: dict[tuple[int, torch.dtype], tuple[bool, str]] = {}  # (threads, dtype) -> (faster here, why not)
+DTYPES = {torch.float32: "gemv_rows", torch.bfloat16: "gemv_rows_bf16"}
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
@@ -44,78 +45,98 @@ def built() -> bool:
         try:
             _lib = load_library(SOURCE, "gemv_native", extra=("-fopenmp",))  # torch's OpenMP runtime is loaded: shared
             _lib.gemv_rows.argtypes, _lib.gemv_rows.restype = [_P, _P, _P, _P, _L, _L, _L, _I], None
+            _lib.gemv_rows_bf16.argtypes, _lib.gemv_rows_bf16.restype = [_P, _P, _P, _P, _L, _L, _L, _I], _I
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             _lib, _why_not = False, str(error)
     return bool(_lib)
 
 
-def available() -> bool:
-    """Whether ``linear`` is used here: built, not turned off, and faster than PyTorch's (or forced on)."""
-    if _turned_off() or not built():
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``linear`` is used here for `dtype` (float32 or bfloat16): built, not turned off, and faster
+    than PyTorch's (or forced on)."""
+    if _turned_off() or not built() or dtype not in DTYPES:
         return False
-    return os.environ.get("EFFATTN_GEMV", "") == "1" or _faster_here()[0]
+    return os.environ.get("EFFATTN_GEMV", "") == "1" or _faster_here(dtype)[0]
 
 
-def why_unavailable() -> str:
-    """Why the compiled product is not used ('' when it is)."""
-    if available():
+def why_unavailable(dtype: torch.dtype = torch.float32) -> str:
+    """Why the compiled product is not used for `dtype` ('' when it is)."""
+    if available(dtype):
         return ""
-    return _turned_off() or _why_not or _faster_here()[1]
+    if dtype not in DTYPES:
+        return f"{dtype} has no kernel (float32 and bfloat16 do)"
+    return _turned_off() or _why_not or _faster_here(dtype)[1]
 
 
-def _faster_here() -> tuple[bool, str]:
-    threads = torch.get_num_threads()
-    if threads not in _checks:
-        _checks[threads] = _check(threads)
-    return _checks[threads]
+def _faster_here(dtype: torch.dtype) -> tuple[bool, str]:
+    key = (torch.get_num_threads(), dtype)
+    if key not in _checks:
+        _checks[key] = _check(*key)
+    return _checks[key]
 
 
-def _check(threads: int) -> tuple[bool, str]:
+def _check(threads: int, dtype: torch.dtype) -> tuple[bool, str]:
     """(kernels/gemv is at least MIN_GAIN times PyTorch's speed here, why not), from this machine's record
     in the cache folder, measured and recorded there on first use."""
     from effattn.io.cache import read_machine_record, write_machine_record
     from effattn.resources import _cpu_model
 
-    key = f"{_cpu_model()} x{threads} threads, torch {torch.__version__}, kernel {machine_tag(SOURCE, ('-fopenmp',))}"
+    key = (f"{_cpu_model()} x{threads} threads, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
+           f"kernel {machine_tag(SOURCE, ('-fopenmp',))}")
     known = read_machine_record("gemv-check.json")
     if key not in known:
-        known[key] = measure(threads)
+        known[key] = measure(threads, dtype)
         write_machine_record("gemv-check.json", known)
     gemv, plain = known[key]["gemv_gb_s"], known[key]["torch_gb_s"]
     if gemv >= MIN_GAIN * plain:
         return True, ""
-    return False, f"no faster than PyTorch's linear on this machine ({gemv:.1f} against {plain:.1f} GB/s; EFFATTN_GEMV=1 uses it anyway)"
+    return False, (f"no faster than PyTorch's {str(dtype).removeprefix('torch.')} linear on this machine ({gemv:.1f} "
+                   f"against {plain:.1f} GB/s; EFFATTN_GEMV=1 uses it anyway)")
 
 
-def measure(threads: int, rows: int = 49152, cols: int = 576, repeats: int = 5) -> dict[str, float]:
-    """GB/s of one-row products with a [rows, cols] float32 matrix (113 MB by default: the size of
-    SmolLM2's head, larger than a CPU's caches), PyTorch's and this kernel's, best of `repeats`."""
-    weight = torch.empty(rows, cols).uniform_(-1, 1)
-    x = torch.empty(1, cols).uniform_(-1, 1)
+def measure(threads: int, dtype: torch.dtype = torch.float32, rows: int = 49152, cols: int = 576,
+            repeats: int = 5) -> dict[str, float]:
+    """GB/s of one-row products with a [rows, cols] matrix of `dtype` (113 MB in float32 by default: the
+    size of SmolLM2's head, larger than a CPU's caches), PyTorch's and this kernel's, best of `repeats`."""
+    weight = torch.empty(rows, cols).uniform_(-1, 1).to(dtype)
+    x = torch.empty(1, cols).uniform_(-1, 1).to(dtype)
     best = {"torch": float("inf"), "gemv": float("inf")}
-    with torch.inference_mode():
-        for _ in range(repeats + 1):  # the first round warms both up
-            for name in best:
-                t0 = time.perf_counter()
-                torch.nn.functional.linear(x, weight) if name == "torch" else linear(x, weight, None, threads)
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return {f"{name}_gb_s": weight.numel() * 4 / seconds / 1e9 for name, seconds in best.items()}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # PyTorch's side at the same thread count
+    try:
+        with torch.inference_mode():
+            for _ in range(repeats + 1):  # the first round warms both up
+                for name in best:
+                    t0 = time.perf_counter()
+                    torch.nn.functional.linear(x, weight) if name == "torch" else linear(x, weight, None, threads)
+                    best[name] = min(best[name], time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(previous)
+    return {f"{name}_gb_s": weight.numel() * weight.element_size() / seconds / 1e9 for name, seconds in best.items()}
 
 
 def applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether `linear` computes this product: float32 CPU tensors, at most MAX_ROWS rows, no autograd."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and weight.is_contiguous() and not torch.is_grad_enabled()
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-            and x.numel() <= MAX_ROWS * weight.shape[1] and x.shape[-1] == weight.shape[1] and available())
+    """Whether `linear` computes this product: float32 or bfloat16 CPU tensors of one dtype, at most
+    MAX_ROWS rows, no autograd."""
+    dtype = weight.dtype
+    return (x.dtype == dtype and dtype in DTYPES and x.device.type == "cpu" and weight.device.type == "cpu"
+            and weight.is_contiguous() and not torch.is_grad_enabled()
+            and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
+            and x.numel() <= MAX_ROWS * weight.shape[1] and x.shape[-1] == weight.shape[1] and available(dtype))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: int | None = None) -> Tensor:
-    """x Wᵀ + b for x [..., k] with at most MAX_ROWS rows (the library must be ``built``)."""
+    """x Wᵀ + b for x [..., k] with at most MAX_ROWS rows, float32 or bfloat16 (the library must be
+    ``built``)."""
     x = x.contiguous()
     n, k = weight.shape
     rows = x.numel() // k
     y = x.new_empty(*x.shape[:-1], n)
-    _lib.gemv_rows(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                   rows, n, k, threads or torch.get_num_threads())
+    args = (weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), rows, n, k,
+            threads or torch.get_num_threads())
+    if weight.dtype == torch.bfloat16:
+        if _lib.gemv_rows_bf16(*args):
+            raise MemoryError(f"kernels/gemv could not allocate {rows * k * 4} bytes")
+    else:
+        _lib.gemv_rows(*args)
     return y
