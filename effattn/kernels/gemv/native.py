@@ -1,9 +1,10 @@
-"""native.c's matrix-vector product (``gemv_rows``), float32 on the CPU, on torch's thread count.
+"""native.c's matrix-vector products (``gemv_rows``, ``gemv_rows_bf16``), float32 and bfloat16 on the
+CPU, on torch's thread count.
 
 Built on first use by a C compiler with OpenMP (``kernels/build.py``; cached per source and machine).
 It is used where it streams weights faster than PyTorch's linear on this machine: the first use at a
-thread count times both on a matrix larger than any cache (a few tenths of a second) and keeps the
-result in effattn's cache folder (``gemv-check.json``). ``EFFATTN_GEMV=1`` uses it without that check,
+thread count and dtype times both on a matrix larger than any cache (a few tenths of a second) and
+keeps the result in effattn's cache folder (``gemv-check.json``). ``EFFATTN_GEMV=1`` uses it without that check,
 ``EFFATTN_GEMV=0`` (or ``EFFATTN_NATIVE=0``) never; ``why_unavailable`` says why it is not used.
 """
 
@@ -27,7 +28,7 @@ MIN_GAIN = 1.1  # the check's bar: this much faster than PyTorch's linear, or no
 _lib = None  # the loaded library, False once it failed
 _why_not = ""
 _checks: dict[tuple[int, torch.dtype], tuple[bool, str]] = {}  # (threads, dtype) -> (faster here, why not)
-DTYPES = {torch.float32: "gemv_rows", torch.bfloat16: "gemv_rows_bf16"}
+DTYPES = {torch.float32: "gemv_rows", torch.bfloat16: "gemv_rows_bf16"}  # dtype -> native.c's function
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
@@ -134,9 +135,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: int |
     y = x.new_empty(*x.shape[:-1], n)
     args = (weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), rows, n, k,
             threads or torch.get_num_threads())
-    if weight.dtype == torch.bfloat16:
-        if _lib.gemv_rows_bf16(*args):
-            raise MemoryError(f"kernels/gemv could not allocate {rows * k * 4} bytes")
-    else:
-        _lib.gemv_rows(*args)
+    if getattr(_lib, DTYPES[weight.dtype])(*args):  # only the bfloat16 product allocates (x in float32)
+        raise MemoryError(f"kernels/gemv could not allocate {rows * k * 4} bytes")
     return y
