@@ -191,3 +191,18 @@ def test_a_bfloat16_model_decodes_through_it_within_bfloat16s_rounding(tiny):
             fast = step()
     assert fast.dtype == torch.bfloat16
     torch.testing.assert_close(fast.float(), plain.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_without_a_compiler_every_product_is_pytorchs_and_the_record_says_why(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("cc failed to build native.c: fatal error: omp.h: No such file\ncompilation terminated.")
+
+    monkeypatch.setattr(native, "load_library", no_compiler)
+    monkeypatch.setattr(native, "_lib", None)  # both restored after the test: the library loads as before
+    monkeypatch.setattr(native, "_why_not", "")
+    assert not native.built() and not gemv.available(torch.float32) and not gemv.available(torch.bfloat16)
+    assert gemv.why_unavailable() == "cc failed to build native.c: fatal error: omp.h: No such file"
+    model = nn.Sequential(nn.Linear(4, 4))
+    with gemv.decoding(model) as switched:
+        assert switched == 0 and type(model[0]) is nn.Linear
+    assert gemv.describe(switched) == "PyTorch's linear (cc failed to build native.c: fatal error: omp.h: No such file)"

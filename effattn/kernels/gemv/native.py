@@ -48,7 +48,7 @@ def built() -> bool:
             _lib.gemv_rows.argtypes, _lib.gemv_rows.restype = [_P, _P, _P, _P, _L, _L, _L, _I], None
             _lib.gemv_rows_bf16.argtypes, _lib.gemv_rows_bf16.restype = [_P, _P, _P, _P, _L, _L, _L, _I], _I
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            _lib, _why_not = False, str(error)
+            _lib, _why_not = False, (str(error).strip().splitlines() or [type(error).__name__])[0]  # one line for a record
     return bool(_lib)
 
 
@@ -66,7 +66,9 @@ def why_unavailable(dtype: torch.dtype = torch.float32) -> str:
         return ""
     if dtype not in DTYPES:
         return f"{dtype} has no kernel (float32 and bfloat16 do)"
-    return _turned_off() or _why_not or _faster_here(dtype)[1]
+    if _turned_off() or not built():
+        return _turned_off() or _why_not
+    return _faster_here(dtype)[1]
 
 
 def _faster_here(dtype: torch.dtype) -> tuple[bool, str]:
