@@ -90,8 +90,20 @@ CONVERSIONS = {
 }
 
 
+def count_native_calls(monkeypatch) -> list[int]:
+    """native.linear, wrapped to record the rows of each call it computes."""
+    calls, linear = [], native.linear
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.numel() // x.shape[-1])
+        return linear(x, *args, **kwargs)
+
+    monkeypatch.setattr(native, "linear", counted)
+    return calls
+
+
 @pytest.mark.parametrize("to", list(CONVERSIONS))
-def test_a_model_decodes_the_same_tokens_through_it_and_gets_its_layers_back(tiny, tmp_path, to):
+def test_a_model_decodes_the_same_tokens_through_it_and_gets_its_layers_back(tiny, tmp_path, to, monkeypatch):
     """Greedy decoding past the window (VQ's codes, the linear state) through effattn's own decode steps."""
     import effattn  # noqa: F401 - registers effattn's model classes
     from effattn.convert import convert
@@ -117,10 +129,16 @@ def test_a_model_decodes_the_same_tokens_through_it_and_gets_its_layers_back(tin
         return tokens, torch.cat(logits)
 
     tokens, logits = greedy()
+    calls = count_native_calls(monkeypatch)
     with gemv.decoding(model) as switched:
         assert switched == len(linears) > 0 and all(type(m) is gemv.DecodeLinear for m in linears)
         fast_tokens, fast_logits = greedy()
         assert list(model.state_dict()) == keys
+    # the 12 steps' products ran through native.c, one row each; the 40-token prefill's did not. Every linear
+    # runs once a step, but MLA's absorbed step reads kv_b_proj's weight itself, without calling the layer.
+    absorbed = sum(name.endswith("kv_b_proj") for name, m in model.named_modules() if m in linears)
+    assert absorbed == (2 if to == "mla" else 0)
+    assert calls == [1] * (12 * (len(linears) - absorbed))
     assert all(type(m) is nn.Linear for m in linears)  # restored
     assert fast_tokens == tokens
     torch.testing.assert_close(fast_logits, logits, rtol=1e-4, atol=1e-4)
@@ -177,7 +195,7 @@ def test_the_check_measures_both_products():
         assert set(speeds) == {"gemv_gb_s", "torch_gb_s"} and all(v > 0 for v in speeds.values())
 
 
-def test_a_bfloat16_model_decodes_through_it_within_bfloat16s_rounding(tiny):
+def test_a_bfloat16_model_decodes_through_it_within_bfloat16s_rounding(tiny, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny("llama", layers=2), dtype=torch.bfloat16).eval()
@@ -186,9 +204,11 @@ def test_a_bfloat16_model_decodes_through_it_within_bfloat16s_rounding(tiny):
         prefix = model(input_ids=ids[:, :-1], use_cache=True)
         step = lambda: model(input_ids=ids[:, -1:], cache=copy.deepcopy(prefix.cache), use_cache=True).logits  # noqa: E731
         plain = step()
+        calls = count_native_calls(monkeypatch)
         with gemv.decoding(model) as switched:
             assert switched > 0
             fast = step()
+        assert calls == [1] * switched
     assert fast.dtype == torch.bfloat16
     torch.testing.assert_close(fast.float(), plain.float(), rtol=3e-2, atol=3e-2)
 

@@ -160,9 +160,8 @@ def prune_gguf_cache() -> list[Path]:
                 continue
         except OSError:
             pass  # unreadable now: it cannot be converted again from this path either
-        with cache_lock(f"gguf-{folder.name}"):
+        with cache_lock(f"gguf-{folder.name}"):  # its lock file stays: deleting one another process waits on splits the lock
             shutil.rmtree(folder, ignore_errors=True)
-        (cache_dir() / "locks" / f"gguf-{folder.name}.lock").unlink(missing_ok=True)
         removed.append(folder)
     return removed
 

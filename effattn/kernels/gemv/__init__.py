@@ -3,7 +3,7 @@
 ``use_for_decoding(model)`` turns every ``nn.Linear`` of a model into a ``DecodeLinear``: the same
 module, state dict and output, whose forward takes native.c's product for inputs of at most
 ``MAX_ROWS`` rows (a decode step) of float32 or bfloat16 CPU tensors outside autograd, and ``F.linear``
-otherwise (prefill, training, GPUs, other dtypes). `effattn eval` puts it in both models it times, so their
+otherwise (prefill, training, other dtypes); layers on a GPU are not switched. `effattn eval` puts it in both models it times, so their
 speeds stay comparable. It is used only where it measured faster than PyTorch's linear (native.py);
 ``EFFATTN_GEMV=0`` leaves PyTorch's linear everywhere.
 """
@@ -33,11 +33,12 @@ class DecodeLinear(nn.Linear):
 
 
 def _switchable(model: nn.Module) -> list[nn.Linear]:
-    """The plain ``nn.Linear``s of `model` whose weight dtype the compiled product is used for here."""
+    """The plain ``nn.Linear``s of `model` on the CPU whose weight dtype the compiled product is used for
+    here (``available``: decided now, for as long as they stay switched)."""
     used: dict[torch.dtype, bool] = {}
     found = []
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) is nn.Linear and module.weight.device.type == "cpu":
             dtype = module.weight.dtype
             if dtype not in used:
                 used[dtype] = available(dtype)

@@ -22,6 +22,7 @@ from torch import Tensor
 from effattn.kernels.build import load_library, machine_tag
 
 SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ("-fopenmp",)  # beside kernels/build.py's own
 MAX_ROWS = 8  # more rows than this are a GEMM, where MKL's blocking wins
 MIN_GAIN = 1.1  # the check's bar: this much faster than PyTorch's linear, or not used
 
@@ -44,7 +45,7 @@ def built() -> bool:
     global _lib, _why_not
     if _lib is None:
         try:
-            _lib = load_library(SOURCE, "gemv_native", extra=("-fopenmp",))  # torch's OpenMP runtime is loaded: shared
+            _lib = load_library(SOURCE, "gemv_native", extra=FLAGS)  # torch's OpenMP runtime is loaded: shared
             _lib.gemv_rows.argtypes, _lib.gemv_rows.restype = [_P, _P, _P, _P, _L, _L, _L, _I], None
             _lib.gemv_rows_bf16.argtypes, _lib.gemv_rows_bf16.restype = [_P, _P, _P, _P, _L, _L, _L, _I], _I
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
@@ -85,7 +86,7 @@ def _check(threads: int, dtype: torch.dtype) -> tuple[bool, str]:
     from effattn.resources import _cpu_model
 
     key = (f"{_cpu_model()} x{threads} threads, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
-           f"kernel {machine_tag(SOURCE, ('-fopenmp',))}")
+           f"kernel {machine_tag(SOURCE, FLAGS)}")
     known = read_machine_record("gemv-check.json")
     if key not in known:
         known[key] = measure(threads, dtype)
@@ -119,13 +120,14 @@ def measure(threads: int, dtype: torch.dtype = torch.float32, rows: int = 49152,
 
 
 def applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether `linear` computes this product: float32 or bfloat16 CPU tensors of one dtype, at most
-    MAX_ROWS rows, no autograd."""
+    """Whether `linear` can compute this product: float32 or bfloat16 CPU tensors of one dtype, at most
+    MAX_ROWS rows, no autograd. Whether it *should* here (``available``) is decided once, when a layer is
+    switched (gemv.use_for_decoding), not at every call: this runs once per layer and token."""
     dtype = weight.dtype
     return (x.dtype == dtype and dtype in DTYPES and x.device.type == "cpu" and weight.device.type == "cpu"
             and weight.is_contiguous() and not torch.is_grad_enabled()
             and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
-            and x.numel() <= MAX_ROWS * weight.shape[1] and x.shape[-1] == weight.shape[1] and available(dtype))
+            and x.numel() <= MAX_ROWS * weight.shape[1] and x.shape[-1] == weight.shape[1])
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: int | None = None) -> Tensor:
