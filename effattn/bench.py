@@ -104,6 +104,21 @@ def _vq(naive: bool = False, key_means: bool = False, bf16: bool = False):
     return build
 
 
+def _vq_heavy(x: dict):
+    from effattn.kernels.vq import nearest_codes
+    from effattn.kernels.vq.heavy import vq_heavy_chunk
+
+    spec = x["spec"]
+    codebook = x["randn"](spec["kv_heads"], spec["codebook_size"], spec["head_dim"])
+
+    def run():
+        codes = nearest_codes(x["k"], codebook)
+        return vq_heavy_chunk(x["q"], x["k"], x["v"], codebook, codes, x["cos"], x["sin"], x["far_cos"], x["far_sin"],
+                              window=spec["window"], update=spec["block_size"], budget=spec["heavy_keys"], key_means=True)
+
+    return run
+
+
 def pattern_for(kind: str, spec: dict):
     """The Pattern a sparse kind runs: `--pattern` at its conversion defaults, or the window (swa)."""
     from effattn.kernels.patterns import Pattern
@@ -189,6 +204,8 @@ for _kind in (
     BenchKind("vq_bf16", "vq with the code products in bfloat16 (bf16_products; AMX / AVX-512 BF16 CPUs)",
               _vq(bf16=True)),
     BenchKind("vq_means_bf16", "vq_means with the code products in bfloat16", _vq(key_means=True, bf16=True)),
+    BenchKind("vq_heavy", "vq_means with the --heavy-keys far keys per KV head that drew the most attention kept "
+                          "exact, cut every --block-size positions (vq_heavy_chunk, PyTorch)", _vq_heavy),
     BenchKind("vq_naive", "vq through the quadratic reference vq_attention_naive", _vq(naive=True), NAIVE_MAX_LENGTH,
               score_copies=4),
     BenchKind("sparse", "--pattern (longformer, bigbird, strided) on FlexAttention block masks, compiled",
@@ -222,6 +239,7 @@ def bench_attention(
     codebook_size: int = 512,
     block_size: int = 64,
     sinks: int = 0,
+    heavy_keys: int = 192,
     pattern: str = "strided",
     feature_map: str = "hedgehog",
     dtype: str | torch.dtype = "float32",
@@ -242,6 +260,7 @@ def bench_attention(
         heads, kv_heads, head_dim: query heads, key/value heads (``heads % kv_heads == 0``), head size.
         window, codebook_size, block_size, sinks: Transformer-VQ settings (W, C, L, sinks); window and
             sinks are also the `swa` kind's.
+        heavy_keys: the `vq_heavy` kind's budget of exact far keys per KV head.
         pattern: the `sparse` kinds' pattern: longformer, bigbird or strided.
         feature_map: the `linear` kinds' feature map: hedgehog, elu, performer or taylor.
         dtype: input dtype, e.g. ``"float32"`` or ``"bfloat16"``.
@@ -269,6 +288,7 @@ def bench_attention(
         kinds, lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window,
         codebook_size=codebook_size, block_size=block_size, sinks=sinks, dtype=dtype_name, repeats=repeats,
         threads=threads, device=device, omp_wait_policy=omp_wait_policy, pattern=pattern, feature_map=feature_map,
+        heavy_keys=heavy_keys,
     )  # fmt: skip
     if memory_check:
         check_bench_memory(kinds, lengths, device=device, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -281,6 +301,7 @@ def bench_attention(
         codebook_size=codebook_size,
         block_size=block_size,
         sinks=sinks,
+        heavy_keys=heavy_keys,
         pattern=pattern,
         feature_map=feature_map,
         dtype=dtype_name,
@@ -301,7 +322,7 @@ def bench_attention(
 
 def check_settings(
     kinds, lengths, *, heads, kv_heads, head_dim, window, codebook_size, block_size, sinks, dtype, repeats,
-    threads=None, device="cpu", omp_wait_policy=None, pattern="strided", feature_map="hedgehog",
+    threads=None, device="cpu", omp_wait_policy=None, pattern="strided", feature_map="hedgehog", heavy_keys=192,
 ) -> None:  # fmt: skip
     """Raise :class:`BenchSettingsError` (a ValueError) on the first bad setting of ``bench_attention``."""
     unknown = [kind for kind in kinds if kind not in BENCH_KINDS]
@@ -312,7 +333,7 @@ def check_settings(
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise BenchSettingsError(f"Unknown dtype {dtype!r}", "pass a torch dtype name such as float32 or bfloat16")
     positive = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, codebook_size=codebook_size,
-                    block_size=block_size, repeats=repeats, threads=threads or 1)  # fmt: skip
+                    block_size=block_size, repeats=repeats, threads=threads or 1, heavy_keys=heavy_keys)  # fmt: skip
     for name, value in {**positive, **{f"length {n}": n for n in lengths}}.items():
         if value < 1:
             raise BenchSettingsError(f"{name} must be at least 1, got {value}", "pass a positive value")
@@ -395,6 +416,8 @@ def describe(report: dict) -> str:
         f"One causal attention layer forward, batch 1, {s['heads']} query heads, {s['kv_heads']} key/value heads, "
         f"head_dim {s['head_dim']}, {s['dtype']}, on {s['device']}; VQ: window {s['window']}, codebook "
         f"{s['codebook_size']}, block_size {s['block_size']}, sinks {s['sinks']}"
+        + (f"; vq_heavy: {s.get('heavy_keys')} exact far keys per KV head"
+           if any(r["kind"] == "vq_heavy" for r in report["results"]) else "")
         + (f"; sparse: {s.get('pattern')}" if any(r["kind"] in ("sparse", "sparse_naive") for r in report["results"]) else "")
         + (f"; linear: {s.get('feature_map')} map, window {s['window']}"
            if any(r["kind"].startswith("linear") for r in report["results"]) else "")

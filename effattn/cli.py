@@ -399,6 +399,7 @@ def bench(
     codebook_size: int = typer.Option(512, "--codebook-size", help="VQ: codewords per key/value head"),
     block_size: int = typer.Option(64, "--block-size", help="VQ: block length of the stop-gradient rule"),
     sinks: int = typer.Option(0, "--sinks", help="VQ: first positions never quantized; swa: sink tokens"),
+    heavy_keys: int = typer.Option(192, "--heavy-keys", help="vq_heavy: exact far keys per KV head"),
     pattern: str = typer.Option("strided", "--pattern", help="sparse kinds: longformer, bigbird or strided (their "
                                                              "`convert --to sparse` defaults)"),
     feature_map: str = typer.Option("hedgehog", "--feature-map", help="linear kinds: hedgehog, elu, performer or "
@@ -430,7 +431,7 @@ def bench(
                                     for k in BENCH_KINDS.values()], title="effattn bench · attention kinds"))
     kinds, sizes = parse_kinds(attention), parse_lengths(lengths)
     settings = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, codebook_size=codebook_size,
-                    block_size=block_size, sinks=sinks, pattern=pattern, feature_map=feature_map, dtype=dtype,
+                    block_size=block_size, sinks=sinks, heavy_keys=heavy_keys, pattern=pattern, feature_map=feature_map, dtype=dtype,
                     repeats=repeats, threads=threads,
                     device=device, omp_wait_policy=omp_wait_policy, memory_check=memory_check)
     if plot is not None:

@@ -73,7 +73,7 @@ def test_bench_sparse_patterns_report_their_density(capsys):
 
 @pytest.mark.parametrize("args, needles", [
     (["--attention", "sparse", "--pattern", "dense"], ["Unknown pattern 'dense'", "longformer"]),
-    (["--attention", "sdpa,flash"], ["Unknown attention kind(s) ['flash']", "valid: linear, linear_naive, sdpa, sparse, sparse_naive, swa, vq, vq_bf16, vq_means, vq_means_bf16, vq_naive"]),
+    (["--attention", "sdpa,flash"], ["Unknown attention kind(s) ['flash']", "valid: linear, linear_naive, sdpa, sparse, sparse_naive, swa, vq, vq_bf16, vq_heavy, vq_means, vq_means_bf16, vq_naive"]),
     (["--attention", "linear", "--feature-map", "cosformer"], ["Unknown feature map 'cosformer'", "hedgehog"]),
     (["--attention", "vqq"], ["did you mean 'vq'?"]),
     (["--lengths", "1k,abc"], ["'1k'", "pass e.g. 1024,4096"]),

@@ -12,6 +12,8 @@ attention modules are replaced by `VQAttention`:
 * `vq_quantize: false` gives the ReRoPE model alone (no codebook; its cache holds every key);
 * `vq_key_means: true` scores each code at the mean of this sequence's far keys that share it instead
   of at its codeword (the codebook only partitions the keys; the cache keeps a key sum per code);
+* `vq_heavy_keys: B` keeps, per KV head, the B far keys that have drawn the most attention exact (their own
+  logit and value), as H2O keeps heavy hitters; the rest go through their codes (`kernels/vq/heavy.py`);
 * `vq_exact_heads` ([layer, KV head] pairs) gives a few KV heads back their original attention (full
   RoPE over every key, no window, no codebook), as DuoAttention and RazorAttention keep full caches for
   the few retrieval heads that need them: those heads' cache grows with the sequence, the others' does not.
@@ -35,6 +37,7 @@ from effattn.kernels.vq.chunk import VQState, vq_attention_chunk
 from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.codes import code_table, nearest_codes
 from effattn.kernels.vq.decode import VQDecodeState, can_decode, from_state, vq_decode_step
+from effattn.kernels.vq.heavy import vq_heavy_chunk, vq_heavy_naive
 from effattn.kernels.vq.naive import vq_attention_naive
 
 VQ_MODEL_TYPE = "effattn_vq"
@@ -54,6 +57,7 @@ VQ_DEFAULTS = {
     "vq_exact_heads": [],  # [layer, KV head] pairs that keep their original attention (a growing cache on those heads)
     "vq_key_means": False,  # score a far key's code at the mean of the sequence's far keys sharing it, not its codeword
     "vq_bf16_products": False,  # CPU inference: the code columns' products in bfloat16 where the CPU has AMX/AVX-512 BF16
+    "vq_heavy_keys": 0,  # far keys per KV head kept exact, chosen by the attention they received (kernels/vq/heavy.py)
 }
 
 
@@ -149,6 +153,14 @@ class VQAttention(AdoptedAttention):
         if getattr(config, "vq_key_means", False) and config.vq_code_bias:
             raise ValueError("vq_key_means and vq_code_bias do not combine: the code bias corrects a fixed "
                              "codeword, key means replace it; set one of them to false in config.json")
+        if self.heavy_keys and config.vq_sinks:
+            raise ValueError("vq_heavy_keys and vq_sinks do not combine: heavy hitters keep the first positions exact "
+                             "when they draw attention; set vq_sinks to 0 in config.json")
+
+    @property
+    def heavy_keys(self) -> int:
+        """Far keys per KV head kept exact by the attention they received (0: the plain VQ kernels)."""
+        return int(getattr(self.config, "vq_heavy_keys", 0) or 0) if self.config.vq_quantize else 0
 
     @property
     def exact_heads(self) -> list[int]:
@@ -197,6 +209,14 @@ class VQAttention(AdoptedAttention):
     def _kernel(self, args, sinks, state, stateful, key_means=False):
         cfg = self.config
         q = args[0]
+        if self.heavy_keys and sinks != _ALL_SINKS:  # heavy hitters: their own kernels, prefill and decode alike
+            settings = dict(window=cfg.vq_window, update=cfg.vq_block_size, budget=self.heavy_keys, scale=self.scaling,
+                            key_means=key_means)
+            if cfg.vq_kernel == "naive" and not stateful:
+                return vq_heavy_naive(*args, **settings), None
+            if stateful:
+                return vq_heavy_chunk(*args, **settings, state=state, return_state=True)
+            return vq_heavy_chunk(*args, **settings), None
         if stateful and self._decodes(q) and can_decode(state, q.shape[1]):  # one token: the decode step
             if not isinstance(state, VQDecodeState):
                 state = from_state(state, args[3], args[7], args[8], self.scaling, q.shape[2], q.dtype)

@@ -84,6 +84,9 @@ class ReRoPEOptions(ConversionOptions):
 class VQOptions(ReRoPEOptions, RefineOptions):  # ReRoPE's options, VQ's own, then refinement's (rerope has none)
     codebook_size: int = Field(512, ge=1, description="codewords per layer and KV head")
     sinks: int = Field(0, ge=0, description="first positions of a sequence that are never quantized")
+    heavy_keys: int = Field(0, ge=0, description="B: per KV head, the B far keys that have drawn the most attention "
+                                                 "keep their own logit and value (H2O's heavy hitters; the cache "
+                                                 "holds up to B + block size of them); 0: every far key is coded")
     calib: str = Field(DEFAULT_CALIB, description=CALIB_HELP)
     calib_tokens: int = Field(16384, ge=1, description="calibration tokens")
     calib_seq_len: int = Field(1024, ge=1, description="calibration sequence length (longer than the window)")
@@ -152,6 +155,10 @@ class _ReRoPEBase:
             raise EffattnError(f"--far-position {far} is inside the window ({window}): far keys would be seen closer "
                                "than near ones", f"use --far-position {window} or more (default {FAR_MULTIPLE} x window)")
         sinks = getattr(opts, "sinks", 0)
+        heavy = getattr(opts, "heavy_keys", 0)
+        if heavy and sinks:
+            raise EffattnError(f"--heavy-keys {heavy} and --sinks {sinks} both keep far keys exact",
+                               "drop --sinks: heavy hitters keep the first positions exact when they draw attention")
         block = opts.block_size
         size = opts.codebook_size if self.quantize else 1
         use_bias = self.quantize and opts.code_bias  # off by default: measured to hurt
@@ -162,7 +169,7 @@ class _ReRoPEBase:
                                "pass --no-key-means with --code-bias, or drop --code-bias")
         config = vq_config_from(ckpt.config, vq_quantize=self.quantize, codebook_size=size if self.quantize else 0,
                                 vq_window=window, vq_far_position=far, vq_sinks=sinks, vq_block_size=block,
-                                vq_code_bias=use_bias, vq_key_means=key_means)
+                                vq_code_bias=use_bias, vq_key_means=key_means, vq_heavy_keys=heavy)
         if target is not None:
             config["dtype"] = str(target).replace("torch.", "")
             config.pop("torch_dtype", None)
@@ -176,7 +183,7 @@ class _ReRoPEBase:
         config_class=lambda: _vq_classes()[0], model_class=lambda: _vq_classes()[1],
         modeling_file="modeling_effattn_vq.py",
         modules=("kernels/rope.py", "kernels/vq/naive.py", "kernels/vq/chunk.py", "kernels/vq/codes.py", "kernels/vq/decode.py",
-                 "attention/wrapped.py", "attention/vq.py"))
+                 "kernels/vq/heavy.py", "attention/wrapped.py", "attention/vq.py"))
 
 
 class ReRoPEConversion(_ReRoPEBase):
@@ -282,7 +289,11 @@ class VQConversion(_ReRoPEBase):
         # exact_bytes below)
         key_means = c.config["vq_key_means"]
         per_code = shape.head_dim * (2 if key_means else 1) + 1
+        # heavy hitters: up to B + block size far keys and values per quantized KV head (E just before a cut)
+        heavy = c.config["vq_heavy_keys"]
+        exact_far = heavy + c.block if heavy else 0
         state_bytes = (shape.layers * shape.kv_heads * (window - 1 + sinks) * 2 * shape.head_dim * 4
+                       + (shape.layers * shape.kv_heads - exact_heads) * exact_far * 2 * shape.head_dim * 4
                        + (shape.layers * shape.kv_heads - exact_heads) * size * per_code * 4)
         exact_bytes = exact_heads * 2 * shape.head_dim * (c.target or ckpt.dtype).itemsize  # per token, growing
         # per layer: keys and far-attention statistics (an attention pass), Lloyd's k-means (15 rounds of
@@ -305,7 +316,7 @@ class VQConversion(_ReRoPEBase):
         return Plan(
             conversion=self.name,
             settings={"codebook_size": size, "window": window, "far_position": c.far, "sinks": sinks,
-                      "block_size": c.block, "metric": metric, "code_bias": c.config["vq_code_bias"], "key_means": key_means,
+                      "block_size": c.block, "heavy_keys": heavy, "metric": metric, "code_bias": c.config["vq_code_bias"], "key_means": key_means,
                       "kmeans": method, "calib": calib.corpus, "calib_tokens": calib.tokens,
                       "calib_seq_len": calib.seq_len, "exact_heads": exact_heads, "seed": opts.seed, **refine.record()},
             config=c.config, specs=c.specs,
@@ -314,14 +325,17 @@ class VQConversion(_ReRoPEBase):
                                    f"codebook {size} per KV head"
                                    + (", each code scored at the mean of the sequence's keys it holds" if key_means
                                       else ", each code scored at its codeword")
-                                   + (f", {sinks} sink positions never quantized" if sinks else "")),
+                                   + (f", {sinks} sink positions never quantized" if sinks else "")
+                                   + (f", the {heavy} far keys per KV head that drew the most attention kept exact "
+                                      f"(heavy hitters, cut every {c.block} positions)" if heavy else "")),
                      ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
                                    f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
                      *([("refinement", f"{refine.steps_words} on q/k/v/o through the "
                                        f"VQ attention, fitting the {TARGET_WORDS[refine.target]}; codebooks kept")]
                        if refine.steps else []),
                      ("KV cache", _vq_cache_line(kv, state_bytes, exact_bytes, exact_heads)),
-                     ("VQ kernel", _kernel_line()),
+                     ("VQ kernel", "PyTorch heavy-hitter kernel (kernels/vq/heavy.py), prefill and decode; the "
+                                   "compiled loop runs plain VQ only" if heavy else _kernel_line()),
                      *([("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose attention output "
                                         "ReRoPE + VQ most changes on the calibration text keep their original attention")]
                        if exact_heads else [])],
@@ -330,7 +344,7 @@ class VQConversion(_ReRoPEBase):
             state={"shape": shape, "target": c.target, "size": size, "calib": calib, "metric": metric,
                    "kmeans": method, "seed": opts.seed, "exact_heads": exact_heads, "refine": refine,
                    # a query reads its window's keys, the sinks and one summary per code
-                   "attention_span": lambda context: window + sinks + size},
+                   "attention_span": lambda context: window + sinks + exact_far + size},
         )
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:

@@ -1,0 +1,138 @@
+"""Heavy-hitter VQ (`vq-init --heavy-keys B`, `effattn/kernels/vq/heavy.py`): the blockwise kernel against
+its quadratic reference at odd sizes and any chunking of the sequence, what the set of exact far keys holds,
+the model (cached decoding, naive kernel, remote code, the cache's size), and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import effattn  # noqa: F401  (registers effattn_vq)
+from effattn.kernels.rope import rope_tables
+from effattn.kernels.vq.heavy import vq_heavy_chunk, vq_heavy_naive
+from effattn.kernels.vq.naive import vq_attention_naive
+
+from .test_cli_errors import assert_one_line_error, run_cli
+from .test_vq_model import IDS, calib_file, decode_matches_full_forward, load, logits, vq_init  # noqa: F401
+
+
+def inputs(B=2, T=157, H=6, G=2, D=8, C=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    cos, sin = rope_tables(T, D, dtype=torch.float64)
+    far_cos, far_sin = (x[0] for x in rope_tables(torch.tensor([28]), D, dtype=torch.float64))
+    return (r(B, T, H, D), r(B, T, G, D), r(B, T, G, D), r(G, C, D), torch.randint(0, C, (B, T, G), generator=g),
+            cos, sin, far_cos, far_sin)
+
+
+def run_in_pieces(args, lengths, **settings):
+    q, k, v, codebook, codes, cos, sin, far_cos, far_sin = args
+    state, outs, a = None, [], 0
+    for n in lengths:
+        b = min(q.shape[1], a + n)
+        out, state = vq_heavy_chunk(q[:, a:b], k[:, a:b], v[:, a:b], codebook, codes[:, a:b], cos[a:b], sin[a:b],
+                                    far_cos, far_sin, **settings, state=state, return_state=True)
+        outs.append(out)
+        a = b
+    assert a == q.shape[1]
+    return torch.cat(outs, 1), state
+
+
+@pytest.mark.parametrize("key_means", [False, True])
+@pytest.mark.parametrize("window,update,budget", [(7, 5, 9), (4, 8, 3), (16, 16, 1)])
+def test_the_blockwise_kernel_is_the_reference_whole_and_in_pieces(key_means, window, update, budget):
+    args = inputs()
+    settings = dict(window=window, update=update, budget=budget, key_means=key_means)
+    ref = vq_heavy_naive(*args, **settings)
+    torch.testing.assert_close(vq_heavy_chunk(*args, **settings), ref, rtol=1e-12, atol=1e-12)
+    # any chunking, down to one token per call (a decode), continues the sequence exactly
+    out, state = run_in_pieces(args, [1, 3, 11, 1, 1, 20, 50] + [1] * 70, **settings)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    # E after the last cut (at 155) holds `budget` keys, then the 2 that left the window since
+    assert state.seen == 157 and state.recent_k.shape[2] == window - 1
+    assert state.heavy_k.shape[2] == budget + (157 - 155 // update * update)
+    # every far key is exact or counted in its code, once
+    assert torch.all(state.counts.sum(-1) + state.heavy_k.shape[2] == 157 - (window - 1))
+
+
+def test_a_budget_above_the_far_keys_is_rerope_alone_and_a_small_one_is_not():
+    args = inputs()
+    rerope = vq_attention_naive(*args, window=7, block_size=5, sinks=10**9)  # every key exact
+    whole = vq_heavy_naive(*args, window=7, update=5, budget=200, key_means=True)
+    torch.testing.assert_close(whole, rerope, rtol=1e-12, atol=1e-12)
+    assert (vq_heavy_naive(*args, window=7, update=5, budget=4, key_means=True) - rerope).abs().max() > 1e-2
+
+
+def test_the_keys_kept_are_those_that_drew_the_most_attention():
+    """Build keys where one far key draws nearly all attention: it must stay exact through every cut."""
+    q, k, v, codebook, codes, cos, sin, far_cos, far_sin = inputs(B=1, T=120, G=1, H=2)
+    k[0, 10, 0] = 0.0
+    q_dir = torch.randn(8, dtype=torch.float64)
+    from effattn.kernels.rope import apply_rope
+
+    # key 10 aligned with every query after rotation at the far position: a large far logit
+    k[0, 10, 0] = 6 * apply_rope(q_dir, far_cos, -far_sin) / q_dir.norm()
+    q[0, :, :] = q_dir
+    _, state = vq_heavy_chunk(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window=8, update=4, budget=2,
+                              return_state=True)
+    assert 10 in state.heavy_pos[0, 0].tolist()
+    assert state.heavy_score[0, 0].max() == state.heavy_score[0, 0][state.heavy_pos[0, 0] == 10]
+
+
+def test_gradients_flow_to_queries_keys_and_values():
+    q, k, v, *rest = inputs(T=40)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    vq_heavy_chunk(q, k, v, *rest, window=6, update=4, budget=3, key_means=True).square().sum().backward()
+    for x in (q, k, v):
+        assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_bad_settings_are_explained():
+    args = inputs(T=20)
+    with pytest.raises(ValueError, match="budget must be an integer >= 1"):
+        vq_heavy_chunk(*args, window=4, update=4, budget=0)
+    _, state = vq_heavy_chunk(*args, window=4, update=4, budget=2, return_state=True)
+    with pytest.raises(ValueError, match="continue a sequence with the settings that started it"):
+        vq_heavy_chunk(*args, window=4, update=4, budget=3, state=state)
+
+
+def test_the_model_decodes_through_a_constant_cache_and_matches_the_reference(tiny, tmp_path, calib_file):
+    from effattn.evaluate import kv_cache_bytes
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8, layers=2)
+    heavy = load(vq_init(src, tmp_path / "heavy", calib_file, heavy_keys=6, block_size=4, window=8))
+    plain = load(vq_init(src, tmp_path / "plain", calib_file, block_size=4, window=8))
+    assert heavy.config.vq_heavy_keys == 6
+    assert (logits(heavy) - logits(plain)).abs().max() > 1e-4  # exact far keys change the output
+    chunk = logits(heavy)
+    heavy.config.vq_kernel = "naive"
+    torch.testing.assert_close(logits(heavy), chunk, rtol=1e-9, atol=1e-9)
+    heavy.config.vq_kernel = "chunk"
+    decode_matches_full_forward(heavy, IDS[:1])
+    # constant in the length: at the same phase of the cuts (E holds budget + 4 keys after 400 and 800
+    # positions) the cache is the same size, and larger than the plain VQ cache by the exact far keys
+    long = torch.randint(0, 256, (1, 800))
+    size = kv_cache_bytes(heavy, long[:, :400])
+    assert size == kv_cache_bytes(heavy, long) and size > kv_cache_bytes(plain, long[:, :400])
+    # the exact heads split: heavy hitters on the quantized heads, full attention on the others
+    split = load(vq_init(src, tmp_path / "split", calib_file, heavy_keys=6, block_size=4, window=8, exact_heads=2))
+    decode_matches_full_forward(split, IDS[:1])
+
+
+def test_remote_code_runs_heavy_hitters_without_effattn(tiny, tmp_path, calib_file):
+    from .remote import remote_logits
+
+    out = vq_init(tiny("qwen3", heads=6, kv_heads=3, head_dim=8), tmp_path / "vq", calib_file, heavy_keys=5)
+    got = remote_logits(out, IDS, "EffattnVQForCausalLM", tmp_path)
+    torch.testing.assert_close(got, logits(load(out)), rtol=0, atol=0)
+
+
+def test_heavy_keys_with_sinks_is_a_one_line_error_and_the_dry_run_says_it(tiny, tmp_path, calib_file, capsys):
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    code, _, err = run_cli(capsys, "vq-init", str(src), "--heavy-keys", "8", "--sinks", "2", "--calib", str(calib_file),
+                           "--window", "16", "-o", str(tmp_path / "a"))
+    assert_one_line_error(code, err, "drop --sinks")
+    code, out, _ = run_cli(capsys, "vq-init", str(src), "--heavy-keys", "8", "--calib", str(calib_file), "--window", "16",
+                           "--calib-seq-len", "128", "--dry-run", "-o", str(tmp_path / "b"))
+    assert code == 0 and "heavy hitters" in out and "heavy-hitter kernel" in " ".join(out.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
