@@ -63,20 +63,26 @@ def test_a_budget_above_the_far_keys_is_rerope_alone_and_a_small_one_is_not():
     assert (vq_heavy_naive(*args, window=7, update=5, budget=4, key_means=True) - rerope).abs().max() > 1e-2
 
 
-def test_the_keys_kept_are_those_that_drew_the_most_attention():
-    """Build keys where one far key draws nearly all attention: it must stay exact through every cut."""
-    q, k, v, codebook, codes, cos, sin, far_cos, far_sin = inputs(B=1, T=120, G=1, H=2)
-    k[0, 10, 0] = 0.0
-    q_dir = torch.randn(8, dtype=torch.float64)
-    from effattn.kernels.rope import apply_rope
-
-    # key 10 aligned with every query after rotation at the far position: a large far logit
-    k[0, 10, 0] = 6 * apply_rope(q_dir, far_cos, -far_sin) / q_dir.norm()
-    q[0, :, :] = q_dir
-    _, state = vq_heavy_chunk(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window=8, update=4, budget=2,
-                              return_state=True)
-    assert 10 in state.heavy_pos[0, 0].tolist()
-    assert state.heavy_score[0, 0].max() == state.heavy_score[0, 0][state.heavy_pos[0, 0] == 10]
+def test_a_cut_keeps_the_keys_that_drew_the_most_attention_and_codes_the_rest():
+    q, k, v, codebook, codes, cos, sin, far_cos, far_sin = inputs(B=2, T=61)
+    settings = dict(window=7, update=5, budget=4, key_means=True)
+    # 60 positions: the state just before the cut at 60, E holding the 4 kept at 55 plus the 5 that left since
+    _, before = vq_heavy_chunk(q[:, :60], k[:, :60], v[:, :60], codebook, codes[:, :60], cos[:60], sin[:60], far_cos,
+                               far_sin, **settings, return_state=True)
+    assert before.heavy_k.shape[2] == 9
+    _, after = vq_heavy_chunk(q[:, 60:], k[:, 60:], v[:, 60:], codebook, codes[:, 60:], cos[60:], sin[60:], far_cos,
+                              far_sin, **settings, state=before, return_state=True)
+    for b in range(2):
+        for g in range(2):
+            ranked = before.heavy_pos[b, g][before.heavy_score[b, g].argsort(descending=True)]
+            kept = after.heavy_pos[b, g, :4]  # then key 54, which left the window for query 61
+            assert sorted(kept.tolist()) == sorted(ranked[:4].tolist()) and after.heavy_pos[b, g, 4] == 54
+            # the 5 others are counted in their codes, keys and values summed there
+            gone = [p for p in before.heavy_pos[b, g].tolist() if p not in kept.tolist()]
+            assert after.counts[b, g].sum() - before.counts[b, g].sum() == 5
+            torch.testing.assert_close(after.key_sums[b, g].sum(0) - before.key_sums[b, g].sum(0), k[b, gone, g].sum(0))
+    # the state handed in is left as it was
+    assert before.heavy_k.shape[2] == 9 and before.seen == 60
 
 
 def test_gradients_flow_to_queries_keys_and_values():

@@ -178,14 +178,15 @@ def _empty(B, G, C, D, Dv, dt, device, window, update, budget, key_means) -> Hea
 
 
 def _fold(state: HeavyState, keep: Tensor, rest: Tensor) -> None:
-    """Cut E to the indices ``keep``; the keys at ``rest`` go into their codes (detached)."""
+    """Cut E to the indices ``keep``; the keys at ``rest`` go into their codes (detached). Out of place:
+    a state handed back to a caller earlier is left as it was."""
     pick = lambda x, idx: x.gather(2, idx if x.dim() == 3 else idx[..., None].expand(-1, -1, -1, x.shape[-1]))
     z = state.heavy_codes.gather(2, rest)
-    state.counts.scatter_add_(2, z, torch.ones_like(z, dtype=state.counts.dtype))
-    state.sums.scatter_add_(2, z[..., None].expand(-1, -1, -1, state.sums.shape[-1]), pick(state.heavy_v, rest).detach())
+    state.counts = state.counts.scatter_add(2, z, torch.ones_like(z, dtype=state.counts.dtype))
+    per_code = lambda x: z[..., None].expand(-1, -1, -1, x.shape[-1])
+    state.sums = state.sums.scatter_add(2, per_code(state.sums), pick(state.heavy_v, rest).detach())
     if state.key_sums is not None:
-        state.key_sums.scatter_add_(2, z[..., None].expand(-1, -1, -1, state.key_sums.shape[-1]),
-                                    pick(state.heavy_k, rest).detach())
+        state.key_sums = state.key_sums.scatter_add(2, per_code(state.key_sums), pick(state.heavy_k, rest).detach())
     for name in ("heavy_k", "heavy_v", "heavy_codes", "heavy_score", "heavy_pos"):
         setattr(state, name, pick(getattr(state, name), keep))
 
@@ -232,12 +233,12 @@ def vq_heavy_chunk(
                          "pass the state returned for this sequence, batch and codebook.")
     else:
         state = HeavyState(**{f.name: getattr(state, f.name) for f in fields(state)})  # the caller's stays as it was
-        state.counts, state.sums = state.counts.clone(), state.sums.clone()
-        state.key_sums = None if state.key_sums is None else state.key_sums.clone()
     q_near, q_far, k_near = _rotated(q, k, cos, sin, far_cos, far_sin, scale)
-    q_near, q_far = (x.reshape(B, T, G, R, D).permute(0, 2, 3, 1, 4) for x in (q_near, q_far))  # (B, G, R, T, D)
+    # batch and KV heads flattened (BG), a KV head's query heads and queries the rows of one product
+    q_near, q_far = (x.reshape(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B * G, R, T, D) for x in (q_near, q_far))
     k, k_near, v = (x.transpose(1, 2) for x in (k, k_near, v))  # (B, G, T, *)
     z = codes.long().transpose(1, 2)
+    flat = lambda x: x.reshape(B * G, *x.shape[2:])
     outs = []
     a = 0
     while a < T:
@@ -245,26 +246,31 @@ def vq_heavy_chunk(
         if t0 and t0 % update == 0 and state.heavy_k.shape[2] > budget:  # the cut before query t0
             _fold(state, *_keep_order(state.heavy_score, budget))
         b = min(T, a + update - t0 % update)  # up to the next cut
-        Q, n = b - a, state.recent_k.shape[2]
+        Q, n, m = b - a, state.recent_k.shape[2], state.heavy_k.shape[2]
         span_k = torch.cat((state.recent_k, k[:, :, a:b]), 2)
         span_rk = torch.cat((state.recent_rk, k_near[:, :, a:b]), 2)
         span_v = torch.cat((state.recent_v, v[:, :, a:b]), 2)
         span_z = torch.cat((state.recent_codes, z[:, :, a:b]), 2)
-        qn, qf = q_near[:, :, :, a:b], q_far[:, :, :, a:b]
-        delta = n + torch.arange(Q, device=q.device)[:, None] - torch.arange(n + Q, device=q.device)  # (Q, S)
-        l_span = torch.where(delta < window, qn @ span_rk[:, :, None].mT, qf @ span_k[:, :, None].mT)
-        l_span = l_span.masked_fill(delta < 0, float("-inf"))
-        l_heavy = qf @ state.heavy_k[:, :, None].mT  # (B, G, R, Q, m)
+        qn, qf = (x[:, :, a:b].reshape(B * G, R * Q, D) for x in (q_near, q_far))  # rows (head, query)
+        if Q == 1 and n < window:  # one query (a decode step): every span key is near, none is masked
+            l_span = qn @ flat(span_rk).mT
+        else:
+            delta = n + torch.arange(Q, device=q.device)[:, None] - torch.arange(n + Q, device=q.device)  # (Q, S)
+            delta = delta.repeat(R, 1)  # (R * Q, S)
+            l_span = torch.where(delta < window, qn @ flat(span_rk).mT, qf @ flat(span_k).mT)
+            l_span = l_span.masked_fill(delta < 0, float("-inf"))
         count = state.counts.clamp(min=1)[..., None]
         code_k = state.key_sums / count if key_means else codebook[None].expand(B, -1, -1, -1)
         log_count = state.counts.log().masked_fill(state.counts == 0, float("-inf"))  # (B, G, C)
-        l_code = qf @ code_k[:, :, None].mT + log_count[:, :, None, None]
-        probs = torch.softmax(torch.cat((l_span, l_heavy, l_code), -1), dim=-1)
-        p_span, p_heavy, p_code = probs.split((n + Q, l_heavy.shape[-1], C), dim=-1)
-        outs.append(p_span @ span_v[:, :, None] + p_heavy @ state.heavy_v[:, :, None] + p_code @ (state.sums / count)[:, :, None])
-        received = p_span.detach().sum((2, 3))  # (B, G, S)
-        span_score = torch.cat((state.recent_score, torch.zeros_like(received[..., n:])), 2) + received
-        heavy_score = state.heavy_score + p_heavy.detach().sum((2, 3))
+        l_heavy = qf @ flat(state.heavy_k).mT
+        l_code = torch.baddbmm(flat(log_count)[:, None, :], qf, flat(code_k).mT)
+        probs = torch.softmax(torch.cat((l_span, l_heavy, l_code), -1), dim=-1)  # (BG, R * Q, S + m + C)
+        p_span, p_heavy, p_code = probs.split((n + Q, m, C), dim=-1)
+        out = (p_span @ flat(span_v)).baddbmm_(p_heavy, flat(state.heavy_v)).baddbmm_(p_code, flat(state.sums / count))
+        outs.append(out.view(B, G, R, Q, Dv))
+        received = probs.detach().view(B, G, R * Q, -1).sum(2)  # (B, G, S + m + C): the attention received
+        span_score = torch.cat((state.recent_score, received.new_zeros(B, G, Q)), 2) + received[..., : n + Q]
+        heavy_score = state.heavy_score + received[..., n + Q: n + Q + m]
         # keys that leave the window for the next query (position <= b_abs - W) join E; the last W - 1 stay recent
         leave = max(0, n + Q - (window - 1))
         first = t0 - n  # position of span key 0
