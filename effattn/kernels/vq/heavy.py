@@ -233,13 +233,12 @@ def vq_heavy_chunk(
                          "pass the state returned for this sequence, batch and codebook.")
     else:
         state = HeavyState(**{f.name: getattr(state, f.name) for f in fields(state)})  # the caller's stays as it was
-    q_near, q_far, k_near = _rotated(q, k, cos, sin, far_cos, far_sin, scale)
     # batch and KV heads flattened (BG), a KV head's query heads and queries the rows of one product
-    q_near, q_far = (x.reshape(B, T, G, R, D).permute(0, 2, 3, 1, 4).reshape(B * G, R, T, D) for x in (q_near, q_far))
-    k, k_near, v = (x.transpose(1, 2) for x in (k, k_near, v))  # (B, G, T, *)
+    heads_first = lambda x: x.reshape(B, -1, G, R, D).permute(0, 2, 3, 1, 4).reshape(B * G, R * x.shape[1], D)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, G, T, *)
     z = codes.long().transpose(1, 2)
     flat = lambda x: x.reshape(B * G, *x.shape[2:])
-    outs = []
+    outs = []  # per period; rotated copies are made period by period, so the working memory stays flat
     a = 0
     while a < T:
         t0 = state.seen
@@ -247,11 +246,13 @@ def vq_heavy_chunk(
             _fold(state, *_keep_order(state.heavy_score, budget))
         b = min(T, a + update - t0 % update)  # up to the next cut
         Q, n, m = b - a, state.recent_k.shape[2], state.heavy_k.shape[2]
+        q_near, q_far, k_near = _rotated(q[:, a:b], k[:, :, a:b].transpose(1, 2), cos[a:b], sin[a:b], far_cos, far_sin,
+                                         scale)
+        qn, qf = heads_first(q_near), heads_first(q_far)  # (BG, R * Q, D), rows (head, query)
         span_k = torch.cat((state.recent_k, k[:, :, a:b]), 2)
-        span_rk = torch.cat((state.recent_rk, k_near[:, :, a:b]), 2)
+        span_rk = torch.cat((state.recent_rk, k_near.transpose(1, 2)), 2)
         span_v = torch.cat((state.recent_v, v[:, :, a:b]), 2)
         span_z = torch.cat((state.recent_codes, z[:, :, a:b]), 2)
-        qn, qf = (x[:, :, a:b].reshape(B * G, R * Q, D) for x in (q_near, q_far))  # rows (head, query)
         if Q == 1 and n < window:  # one query (a decode step): every span key is near, none is masked
             l_span = qn @ flat(span_rk).mT
         else:
