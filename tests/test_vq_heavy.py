@@ -142,3 +142,18 @@ def test_heavy_keys_with_sinks_is_a_one_line_error_and_the_dry_run_says_it(tiny,
                            "--calib-seq-len", "128", "--dry-run", "-o", str(tmp_path / "b"))
     assert code == 0 and "heavy hitters" in out and "heavy-hitter kernel" in " ".join(out.split())
     assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
+
+
+def test_a_heavy_hitter_model_trains(tiny, tmp_path, calib_file):
+    """heal-vq's step on a heavy-hitter model: a loss, gradients into the projections through exact far keys."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    model = AutoModelForCausalLM.from_pretrained(vq_init(src, tmp_path / "vq", calib_file, heavy_keys=4, block_size=8,
+                                                         window=8)).train()
+    out = model(input_ids=IDS, labels=IDS, use_cache=False)
+    aux = sum(m.effattn_aux_loss for m in model.vq_attention_modules())
+    (out.loss + aux).backward()
+    attn = model.model.layers[1].self_attn
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert torch.isfinite(proj.weight.grad).all() and proj.weight.grad.abs().sum() > 0
