@@ -41,11 +41,16 @@ from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.naive import check_vq_inputs, compute_dtype
 
 
-def _check(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, update, budget) -> None:
+def _prologue(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, update, budget, scale):
+    """Check the inputs (as the plain kernels do, and the budget), then cast the float ones to the compute
+    dtype. Returns (q, k, v, codebook, cos, sin, far_cos, far_sin) cast, the logit scale and q's dtype."""
     check_vq_inputs(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, update, 0)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1 (far keys kept exact per KV head), got {budget!r}; "
                          "pass a positive number of keys, or use the plain VQ kernels for none.")
+    dt = compute_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return tuple(x.to(dt) for x in (q, k, v, codebook, cos, sin, far_cos, far_sin)), scale, q.dtype
 
 
 def _rotated(q, k, cos, sin, far_cos, far_sin, scale):
@@ -84,13 +89,10 @@ def vq_heavy_naive(
     Arguments as :func:`effattn.kernels.vq.naive.vq_attention_naive`'s, with ``update`` (U, the period of
     E's cuts) and ``budget`` (E's size after a cut, per KV head). Returns (B, T, H, Dv) in q's dtype.
     """
-    _check(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, update, budget)
+    (q, k, v, codebook, cos, sin, far_cos, far_sin), scale, in_dtype = _prologue(
+        q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, update, budget, scale)
     B, T, H, D = q.shape
-    G, C = k.shape[2], codebook.shape[1]
-    R = H // G
-    scale = D**-0.5 if scale is None else scale
-    in_dtype, dt = q.dtype, compute_dtype(q.dtype)
-    q, k, v, codebook, cos, sin, far_cos, far_sin = (x.to(dt) for x in (q, k, v, codebook, cos, sin, far_cos, far_sin))
+    G, C, R, dt = k.shape[2], codebook.shape[1], H // k.shape[2], q.dtype
     q_near, q_far, k_near = _rotated(q, k, cos, sin, far_cos, far_sin, scale)
 
     def per_head(x):  # (B, T, H, D) -> (B, G, R, T, D)
@@ -215,13 +217,10 @@ def vq_heavy_chunk(
 
     Returns the output (B, T, H, Dv) in q's dtype, and with ``return_state`` also the state after it.
     """
-    _check(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, update, budget)
+    (q, k, v, codebook, cos, sin, far_cos, far_sin), scale, in_dtype = _prologue(
+        q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, update, budget, scale)
     B, T, H, D = q.shape
-    G, C, Dv = k.shape[2], codebook.shape[1], v.shape[3]
-    R = H // G
-    scale = D**-0.5 if scale is None else scale
-    in_dtype, dt = q.dtype, compute_dtype(q.dtype)
-    q, k, v, codebook, cos, sin, far_cos, far_sin = (x.to(dt) for x in (q, k, v, codebook, cos, sin, far_cos, far_sin))
+    G, C, Dv, R, dt = k.shape[2], codebook.shape[1], v.shape[3], H // k.shape[2], q.dtype
     if state is None:
         state = _empty(B, G, C, D, Dv, dt, q.device, window, update, budget, key_means)
     elif (state.window, state.update, state.budget, state.key_sums is not None) != (window, update, budget, key_means):
