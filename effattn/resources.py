@@ -109,6 +109,32 @@ def rss() -> int:
     return _status("VmRSS") or _lifetime_peak()
 
 
+def heap_free_bytes() -> int:
+    """Bytes glibc's malloc holds free in its heaps (`mallinfo2().fordblks`): resident, since effattn never
+    trims the heap (`effattn._keep_freed_memory`), and reused by the next allocations. 0 where malloc is not
+    glibc's (or older than 2.33)."""
+    import ctypes
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return 0
+    mallinfo2.restype = Mallinfo2
+    return int(mallinfo2().fordblks)
+
+
+def held() -> int:
+    """The memory this process holds that new work cannot reuse: its resident memory less the free memory in
+    its heap. After a step that allocated and freed much (tokenizing a long text), `rss()` stays at that
+    step's peak; an estimate of what a run adds on top must start from this instead, or it counts the freed
+    memory twice."""
+    return max(0, rss() - heap_free_bytes())
+
+
 def process_age() -> float:
     """Seconds since this process started (its interpreter start-up and imports, which the same command
     pays again): from /proc on Linux, else 0."""

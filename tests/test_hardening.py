@@ -145,7 +145,7 @@ def test_an_alias_is_echoed_as_the_user_wrote_it(capsys, tiny, tmp_path):
 
 
 def test_runs_that_cannot_fit_name_the_option_and_the_largest_value_that_fits(capsys, tiny, tmp_path, monkeypatch):
-    from effattn.resources import rss
+    from effattn.resources import held, rss
 
     src = tiny("llama")
     # the machine's own budget: an absurd context, batch and bench length are refused
@@ -166,7 +166,7 @@ def test_runs_that_cannot_fit_name_the_option_and_the_largest_value_that_fits(ca
     assert_one_line_error(code, err, "--to vq needs about", "use --calib-tokens ", "or less")
     best = int(err.split("use --calib-tokens ")[1].split()[0])
     assert best % 1024 == 0 and 16384 <= best < 262144  # whole calibration sequences
-    monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", str(rss()))
+    monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", str(held()))  # no room above what the process holds
     for args in (["convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "o"],
                  ["eval", src, "--max-tokens", "256", "--context", "64", "--no-speed"]):
         code, _, err = run_cli(capsys, *args)
@@ -177,6 +177,24 @@ def test_runs_that_cannot_fit_name_the_option_and_the_largest_value_that_fits(ca
                            "--no-memory-check")
     assert code in (0, None), err
     assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_held_memory_leaves_out_what_the_heap_keeps_free():
+    """After a step that allocates and frees much, the resident set stays at its peak (effattn never trims the
+    heap); the memory an estimate starts from must not count that freed memory again."""
+    import platform
+
+    from effattn.resources import heap_free_bytes, held, rss
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallinfo2 is glibc's")
+    before = held()
+    blocks = [bytearray(4096) for _ in range(50_000)]  # ~200 MB from malloc's heap
+    assert held() > before + 150 * 2**20
+    del blocks
+    free = heap_free_bytes()
+    assert free > 150 * 2**20  # kept in the heap, still resident
+    assert rss() - held() >= 150 * 2**20 and held() < before + 50 * 2**20
 
 
 def test_the_largest_value_that_fits_is_found_and_rounded_down(monkeypatch):

@@ -157,3 +157,15 @@ def test_a_heavy_hitter_model_trains(tiny, tmp_path, calib_file):
     attn = model.model.layers[1].self_attn
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
         assert torch.isfinite(proj.weight.grad).all() and proj.weight.grad.abs().sum() > 0
+
+
+def test_a_config_with_heavy_keys_and_sinks_is_refused_at_load(tiny, tmp_path, calib_file):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    folder = vq_init(tiny("llama", heads=6, kv_heads=3, head_dim=8), tmp_path / "vq", calib_file, heavy_keys=4)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"vq_sinks": 2}))
+    with pytest.raises(ValueError, match="vq_heavy_keys and vq_sinks do not combine"):
+        AutoModelForCausalLM.from_pretrained(folder)

@@ -30,7 +30,7 @@ from ..io.resolve import ModelRef
 from ..io.writer import SafetensorsWriter, TensorSpec, atomic_output, check_output, copy_side_files, parse_size, write_json
 from ..models import model_spec
 from ..resources import (FORWARD_EFFICIENCY, MEMORY_MARGIN, MODEL_LOAD_SECONDS, Dims, PeakRSS, check_memory,
-                         compute_seconds, disk_seconds, memory_budget, read_seconds, rss, side_by_side)
+                         compute_seconds, disk_seconds, held, memory_budget, read_seconds, side_by_side)
 from .options import ConversionOptions, flag, resolve
 
 
@@ -176,7 +176,7 @@ def convert(
     if out is None and not dry_run:
         raise EffattnError("no output folder given", "pass -o OUT")
     measuring, skipped = _measurement(ckpt, ref, measure)
-    conversion_peak = rss() + plan.est_peak_bytes
+    conversion_peak = held() + plan.est_peak_bytes
     _add_estimates(plan, ckpt, measure=measuring, eval_tokens=eval_tokens, contexts=measure_contexts(conversion))
     if memory_check:
         _check_memory(conversion, to, ckpt, family, opts, target, plan, conversion_peak, measuring, eval_tokens)
@@ -302,7 +302,7 @@ def _add_estimates(plan: Plan, ckpt: Checkpoint, *, measure: bool, eval_tokens: 
             work = max(work, measure_peak_bytes(ckpt.config, ckpt.num_params, ckpt.num_params, context=context,
                                                 batch_size=max(1, 1024 // context), text_chars=chars))
     plan.est_seconds = seconds
-    plan.est_peak_bytes = rss() + work
+    plan.est_peak_bytes = held() + work
 
 
 def reproduce_command(source: str, out: Path, to: str, opts: ConversionOptions, settings: dict[str, Any], *,
