@@ -85,38 +85,30 @@ def _sdpa(x: dict):
     return run
 
 
-def _vq(naive: bool = False, key_means: bool = False, bf16: bool = False):
+def _vq(naive: bool = False, key_means: bool = False, bf16: bool = False, heavy: bool = False):
     def build(x: dict):
         from effattn.kernels.vq import nearest_codes, vq_attention_chunk, vq_attention_naive
+        from effattn.kernels.vq.heavy import vq_heavy_chunk
 
-        kernel = vq_attention_naive if naive else vq_attention_chunk
         spec = x["spec"]
         codebook = x["randn"](spec["kv_heads"], spec["codebook_size"], spec["head_dim"])
+        if heavy:  # the far keys that drew the most attention kept exact, cut every block
+            kernel = vq_heavy_chunk
+            settings = dict(window=spec["window"], update=spec["block_size"], budget=spec["heavy_keys"],
+                            key_means=key_means)
+        else:
+            kernel = vq_attention_naive if naive else vq_attention_chunk
+            settings = dict(window=spec["window"], block_size=spec["block_size"], sinks=spec["sinks"],
+                            key_means=key_means, **({"bf16_products": True} if bf16 else {}))
 
         def run():
             codes = nearest_codes(x["k"], codebook)
             return kernel(x["q"], x["k"], x["v"], codebook, codes, x["cos"], x["sin"], x["far_cos"], x["far_sin"],
-                          window=spec["window"], block_size=spec["block_size"], sinks=spec["sinks"], key_means=key_means,
-                          **({"bf16_products": True} if bf16 else {}))
+                          **settings)
 
         return run
 
     return build
-
-
-def _vq_heavy(x: dict):
-    from effattn.kernels.vq import nearest_codes
-    from effattn.kernels.vq.heavy import vq_heavy_chunk
-
-    spec = x["spec"]
-    codebook = x["randn"](spec["kv_heads"], spec["codebook_size"], spec["head_dim"])
-
-    def run():
-        codes = nearest_codes(x["k"], codebook)
-        return vq_heavy_chunk(x["q"], x["k"], x["v"], codebook, codes, x["cos"], x["sin"], x["far_cos"], x["far_sin"],
-                              window=spec["window"], update=spec["block_size"], budget=spec["heavy_keys"], key_means=True)
-
-    return run
 
 
 def pattern_for(kind: str, spec: dict):
@@ -205,7 +197,7 @@ for _kind in (
               _vq(bf16=True)),
     BenchKind("vq_means_bf16", "vq_means with the code products in bfloat16", _vq(key_means=True, bf16=True)),
     BenchKind("vq_heavy", "vq_means with the --heavy-keys far keys per KV head that drew the most attention kept "
-                          "exact, cut every --block-size positions (vq_heavy_chunk, PyTorch)", _vq_heavy),
+                          "exact, cut every --block-size positions (vq_heavy_chunk, PyTorch)", _vq(key_means=True, heavy=True)),
     BenchKind("vq_naive", "vq through the quadratic reference vq_attention_naive", _vq(naive=True), NAIVE_MAX_LENGTH,
               score_copies=4),
     BenchKind("sparse", "--pattern (longformer, bigbird, strided) on FlexAttention block masks, compiled",

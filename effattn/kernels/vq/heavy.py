@@ -268,7 +268,7 @@ def vq_heavy_chunk(
         p_span, p_heavy, p_code = probs.split((n + Q, m, C), dim=-1)
         out = (p_span @ flat(span_v)).baddbmm_(p_heavy, flat(state.heavy_v)).baddbmm_(p_code, flat(state.sums / count))
         outs.append(out.view(B, G, R, Q, Dv))
-        received = probs.detach().view(B, G, R * Q, -1).sum(2)  # (B, G, S + m + C): the attention received
+        received = probs.detach()[..., : n + Q + m].reshape(B, G, R * Q, -1).sum(2)  # (B, G, S + m): attention received
         span_score = torch.cat((state.recent_score, received.new_zeros(B, G, Q)), 2) + received[..., : n + Q]
         heavy_score = state.heavy_score + received[..., n + Q: n + Q + m]
         # keys that leave the window for the next query (position <= b_abs - W) join E; the last W - 1 stay recent
