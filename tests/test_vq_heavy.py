@@ -10,6 +10,7 @@ import torch
 import effattn  # noqa: F401  (registers effattn_vq)
 from effattn.kernels.rope import rope_tables
 from effattn.kernels.vq.heavy import vq_heavy_chunk, vq_heavy_naive
+from effattn.kernels.vq.heavy_decode import HeavyDecodeState
 from effattn.kernels.vq.naive import vq_attention_naive
 
 from .test_cli_errors import assert_one_line_error, run_cli
@@ -114,7 +115,8 @@ def test_the_model_decodes_through_a_constant_cache_and_matches_the_reference(ti
     heavy.config.vq_kernel = "naive"
     torch.testing.assert_close(logits(heavy), chunk, rtol=1e-9, atol=1e-9)
     heavy.config.vq_kernel = "chunk"
-    decode_matches_full_forward(heavy, IDS[:1])
+    cache, _ = decode_matches_full_forward(heavy, IDS[:1])
+    assert all(isinstance(s, HeavyDecodeState) for s in cache.states.values())  # the decode step ran
     # constant in the length: at the same phase of the cuts (E holds budget + 4 keys after 400 and 800
     # positions) the cache is the same size, and larger than the plain VQ cache by the exact far keys
     long = torch.randint(0, 256, (1, 800))
@@ -122,7 +124,8 @@ def test_the_model_decodes_through_a_constant_cache_and_matches_the_reference(ti
     assert size == kv_cache_bytes(heavy, long) and size > kv_cache_bytes(plain, long[:, :400])
     # the exact heads split: heavy hitters on the quantized heads, full attention on the others
     split = load(vq_init(src, tmp_path / "split", calib_file, heavy_keys=6, block_size=4, window=8, exact_heads=2))
-    decode_matches_full_forward(split, IDS[:1])
+    cache, _ = decode_matches_full_forward(split, IDS[:1])
+    assert all(isinstance(s.quantized, HeavyDecodeState) for s in cache.states.values())
 
 
 def test_remote_code_runs_heavy_hitters_without_effattn(tiny, tmp_path, calib_file):

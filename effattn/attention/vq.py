@@ -38,6 +38,9 @@ from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.codes import code_table, nearest_codes
 from effattn.kernels.vq.decode import VQDecodeState, can_decode, from_state, vq_decode_step
 from effattn.kernels.vq.heavy import vq_heavy_chunk, vq_heavy_naive
+from effattn.kernels.vq.heavy_decode import HeavyDecodeState, vq_heavy_decode_step
+from effattn.kernels.vq.heavy_decode import can_decode as heavy_can_decode
+from effattn.kernels.vq.heavy_decode import from_state as heavy_from_state
 from effattn.kernels.vq.naive import vq_attention_naive
 
 VQ_MODEL_TYPE = "effattn_vq"
@@ -214,6 +217,13 @@ class VQAttention(AdoptedAttention):
                             key_means=key_means)
             if cfg.vq_kernel == "naive" and not stateful:
                 return vq_heavy_naive(*args, **settings), None
+            if stateful and self._decodes(q) and heavy_can_decode(state, q.shape[1]):  # one token: the decode step
+                if not isinstance(state, HeavyDecodeState):
+                    state = heavy_from_state(state, args[3], args[7], args[8], self.scaling, q.shape[2], q.dtype)
+                q, k, v, _, codes, cos, sin = args[:7]
+                return vq_heavy_decode_step(q, k, v, codes, cos, sin, state)
+            if isinstance(state, HeavyDecodeState):  # several positions after decode steps: the plain state
+                state = state.to_state()
             if stateful:
                 return vq_heavy_chunk(*args, **settings, state=state, return_state=True)
             return vq_heavy_chunk(*args, **settings), None

@@ -183,7 +183,7 @@ class _ReRoPEBase:
         config_class=lambda: _vq_classes()[0], model_class=lambda: _vq_classes()[1],
         modeling_file="modeling_effattn_vq.py",
         modules=("kernels/rope.py", "kernels/vq/naive.py", "kernels/vq/chunk.py", "kernels/vq/codes.py", "kernels/vq/decode.py",
-                 "kernels/vq/heavy.py", "attention/wrapped.py", "attention/vq.py"))
+                 "kernels/vq/heavy.py", "kernels/vq/heavy_decode.py", "attention/wrapped.py", "attention/vq.py"))
 
 
 class ReRoPEConversion(_ReRoPEBase):

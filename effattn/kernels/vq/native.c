@@ -24,6 +24,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -684,4 +685,106 @@ void vq_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int C, int m
             rope_row(ks, far_cos, far_sin, 1.0f / *cnt, D, ck);
         }
     }
+}
+
+/* One decode step of heavy-hitter VQ (heavy_decode.py's vq_heavy_decode_step, read it first). Per
+ * key/value group bg the N = W + P + C columns are the window's ring (keys rotated to their positions,
+ * read by the query rotated to t), the P rows of E (pre-RoPE keys, the first m live) and the C codes (the
+ * code's key, pre-RoPE), both read by the query rotated to the far position. Shapes, float32 but for
+ * the int64 codes and positions, rows of bg = b * G + g:
+ *   q (BG, R, D), k (BG, D) pre-RoPE; v (BG, Dv); z (BG) the new key's code; cos, sin (D) position t;
+ *   far_cos, far_sin (D) position F; keys (BG, N, D), bias (BG, N), values (BG, N, Dv), score (BG, W + P);
+ *   ring_k (BG, W, D), ring_z (BG, W); heavy_z, heavy_pos (BG, P); counts (BG, C), sums (BG, C, Dv),
+ *   key_sums (BG, C, D) with key means (else NULL); out (BG, R, Dv); work: vq_heavy_decode_work_floats.
+ * Returns E's size after the step (the same in every group). */
+typedef struct {
+    float score;
+    int index;
+} ranked_t;
+
+/* higher score first, ties to the lower index (the older key): torch.sort(-score, stable=True)'s order */
+static int by_score(const void *a, const void *b) {
+    const ranked_t *x = a, *y = b;
+    if (x->score != y->score) return x->score > y->score ? -1 : 1;
+    return x->index - y->index;
+}
+
+long vq_heavy_decode_work_floats(int R, int D, int W, int P, int C) {
+    return (long)R * (W + P + C) + 2L * R * D + 3L * P;
+}
+
+int vq_heavy_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int P, int C, int m, int budget, int U, long t,
+                    float scale, int key_means, const float *q, const float *k, const float *v, const int64_t *z,
+                    const float *cos_t, const float *sin_t, const float *far_cos, const float *far_sin, float *keys,
+                    float *bias, float *values, float *score, float *ring_k, int64_t *ring_z, int64_t *heavy_z,
+                    int64_t *heavy_pos, float *counts, float *sums, float *key_sums, float *out, float *work) {
+    const int N = W + P + C, cut = t % U == 0 && m > budget, slot = (int)(t % W), leaving = (int)((t + 1) % W);
+    const int live = cut ? budget : m; /* E's keys during the step */
+    float *logits = work, *qn = work + (long)R * N, *qf = qn + (long)R * D;
+    ranked_t *rank = (ranked_t *)(qf + (long)R * D);
+    int *keep = (int *)(rank + P);
+    for (int bg = 0; bg < BG; bg++) {
+        float *K = keys + (long)bg * N * D, *V = values + (long)bg * N * Dv, *bs = bias + (long)bg * N;
+        float *sc = score + (long)bg * (W + P), *cnt = counts + (long)bg * C, *sm = sums + (long)bg * C * Dv;
+        float *ks = key_means ? key_sums + (long)bg * C * D : NULL;
+        int64_t *hz = heavy_z + (long)bg * P, *hp = heavy_pos + (long)bg * P;
+        const float *Q = q + (long)bg * R * D;
+        if (cut) { /* E keeps its `budget` keys of highest score, in order; the rest join their codes */
+            for (int i = 0; i < m; i++) rank[i] = (ranked_t){sc[W + i], i};
+            qsort(rank, m, sizeof *rank, by_score);
+            memset(keep, 0, sizeof(int) * m);
+            for (int i = 0; i < budget; i++) keep[rank[i].index] = 1;
+            int w = 0;
+            for (int i = 0; i < m; i++) {
+                float *Ki = K + (long)(W + i) * D, *Vi = V + (long)(W + i) * Dv;
+                if (keep[i]) {
+                    if (w != i) {
+                        memcpy(K + (long)(W + w) * D, Ki, sizeof(float) * D);
+                        memcpy(V + (long)(W + w) * Dv, Vi, sizeof(float) * Dv);
+                        sc[W + w] = sc[W + i], hz[w] = hz[i], hp[w] = hp[i];
+                    }
+                    w++;
+                    continue;
+                }
+                const long c = hz[i];
+                const float n = cnt[c] += 1.0f;
+                float *sum = sm + c * Dv, *mean = V + (W + P + c) * Dv;
+                for (int d = 0; d < Dv; d++) sum[d] += Vi[d], mean[d] = sum[d] / n;
+                bs[W + P + c] = logf(n);
+                if (key_means) {
+                    float *ksum = ks + c * D, *ck = K + (W + P + c) * D;
+                    for (int d = 0; d < D; d++) ksum[d] += Ki[d], ck[d] = ksum[d] / n;
+                }
+            }
+            for (int i = budget; i < m; i++) bs[W + i] = MASKED;
+        }
+        /* the new key (rotated to t) and value take the ring row of position t - W */
+        rope_row(k + (long)bg * D, cos_t, sin_t, 1.0f, D, K + (long)slot * D);
+        memcpy(V + (long)slot * Dv, v + (long)bg * Dv, sizeof(float) * Dv);
+        memcpy(ring_k + ((long)bg * W + slot) * D, k + (long)bg * D, sizeof(float) * D);
+        ring_z[(long)bg * W + slot] = z[bg];
+        sc[slot] = 0.0f;
+        for (int r = 0; r < R; r++) {
+            rope_row(Q + (long)r * D, cos_t, sin_t, scale, D, qn + (long)r * D);
+            rope_row(Q + (long)r * D, far_cos, far_sin, scale, D, qf + (long)r * D);
+        }
+        gemm_abt(sgemm, R, W, D, qn, D, K, D, logits, N);
+        gemm_abt(sgemm, R, P + C, D, qf, D, K + (long)W * D, D, logits + W, N);
+        for (int r = 0; r < R; r++) { /* softmax, row by row (masked rows and empty codes: 0) */
+            float *row = logits + (long)r * N, top = MASKED;
+            for (int j = 0; j < N; j++) row[j] += bs[j];
+            for (int j = 0; j < N; j++) top = row[j] > top ? row[j] : top;
+            const float inv = 1.0f / exp_sum(row, N, top, 1);
+            for (int j = 0; j < N; j++) row[j] *= inv;
+        }
+        gemm_ab(sgemm, R, Dv, N, logits, N, V, Dv, 0.0f, out + (long)bg * R * Dv, Dv);
+        for (int r = 0; r < R; r++) /* the attention each window and E key received */
+            for (int j = 0; j < W + live; j++) sc[j] += logits[(long)r * N + j];
+        /* position t - W + 1 leaves the window: it joins E */
+        const int j = W + live;
+        memcpy(K + (long)j * D, ring_k + ((long)bg * W + leaving) * D, sizeof(float) * D);
+        memcpy(V + (long)j * Dv, V + (long)leaving * Dv, sizeof(float) * Dv);
+        sc[j] = sc[leaving], hz[live] = ring_z[(long)bg * W + leaving], hp[live] = t - W + 1, bs[j] = 0.0f;
+    }
+    return live + 1;
 }

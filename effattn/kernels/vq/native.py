@@ -235,3 +235,39 @@ def decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos: Tens
                    state.scale, int(state.key_sums is not None), *(x.data_ptr() for x in inputs),
                    *state.native_args, out.data_ptr(), state.work.data_ptr())  # fmt: skip
     return out
+
+
+_HEAVY_DECODE_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int] * 10 + [ctypes.c_long, ctypes.c_float, ctypes.c_int]
+                          + [ctypes.c_void_p] * 21)
+
+
+def heavy_decode_ready(state, q: Tensor) -> bool:
+    """Whether ``heavy_decode_step`` can run the step of ``state`` (heavy_decode.py's HeavyDecodeState) for ``q``."""
+    return (q.dtype == state.keys.dtype == torch.float32 and q.device.type == "cpu" and q.shape[-1] <= 512
+            and available())  # fmt: skip
+
+
+def heavy_decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """One heavy-hitter decode step in C (``native.c``'s ``vq_heavy_decode``): the same as heavy_decode.py's
+    ``vq_heavy_decode_step``, whose state this advances in place (but for ``seen``, which the caller moves).
+    Returns (B, 1, H, Dv)."""
+    B, _, H, D = q.shape
+    BG, N, _ = state.keys.shape
+    W, P, C, R, Dv = state.window, state.slots, state.counts.shape[1], H // (BG // B), state.values.shape[2]
+    if _lib.vq_heavy_decode.argtypes is None:
+        _lib.vq_heavy_decode.argtypes, _lib.vq_heavy_decode.restype = _HEAVY_DECODE_ARGTYPES, ctypes.c_int
+        _lib.vq_heavy_decode_work_floats.restype = ctypes.c_long
+    buffers = (state.keys, state.bias, state.values, state.score, state.ring_k, state.ring_z, state.heavy_z,
+               state.heavy_pos, state.counts, state.sums)  # fmt: skip
+    if state.work is None:
+        if not all(x.is_contiguous() for x in buffers) or not (state.key_sums is None or state.key_sums.is_contiguous()):
+            raise ValueError("the heavy decode state's buffers must be contiguous")
+        state.work = torch.empty(_lib.vq_heavy_decode_work_floats(R, D, W, P, C), dtype=torch.float32)
+    out = q.new_empty(B, 1, H, Dv)
+    inputs = [x.contiguous() for x in (q, k, v, codes, cos, sin, state.far_cos, state.far_sin)]
+    state.m = _lib.vq_heavy_decode(
+        ctypes.cast(_blas.sgemm_, ctypes.c_void_p), BG, R, D, Dv, W, P, C, state.m, state.budget, state.update,
+        state.seen, state.scale, int(state.key_sums is not None), *(x.data_ptr() for x in inputs),
+        *(x.data_ptr() for x in buffers), None if state.key_sums is None else state.key_sums.data_ptr(),
+        out.data_ptr(), state.work.data_ptr())  # fmt: skip
+    return out
