@@ -212,7 +212,7 @@ class VQAttention(AdoptedAttention):
     def _kernel(self, args, sinks, state, stateful, key_means=False):
         cfg = self.config
         q = args[0]
-        if self.heavy_keys:  # heavy hitters (quantized models only): their own kernels, prefill and decode alike
+        if self.heavy_keys:  # heavy hitters (quantized models only): their own kernels and decode layout
             settings = dict(window=cfg.vq_window, update=cfg.vq_block_size, budget=self.heavy_keys, scale=self.scaling,
                             key_means=key_means)
             if cfg.vq_kernel == "naive" and not stateful:

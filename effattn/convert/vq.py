@@ -134,6 +134,16 @@ def _kernel_line() -> str:
     return f"compiled step loop (native.c); with vq_bf16_products: {native.BF16_KERNELS[native.bf16_kernel()]}"
 
 
+def _heavy_kernel_line() -> str:
+    """Which heavy-hitter kernels run here: prefill is PyTorch; decode steps are C where it is built."""
+    from ..kernels.vq import native
+
+    why = native.why_unavailable()
+    step = f"PyTorch (the compiled one is unavailable: {why})" if why else "compiled (native.c)"
+    return (f"heavy-hitter kernel (kernels/vq/heavy.py, PyTorch) for prefill; decode step {step}, "
+            "kernels/vq/heavy_decode.py")
+
+
 def _vq_classes():
     from ..attention.vq import EffattnVQConfig, EffattnVQForCausalLM
 
@@ -334,8 +344,7 @@ class VQConversion(_ReRoPEBase):
                                        f"VQ attention, fitting the {TARGET_WORDS[refine.target]}; codebooks kept")]
                        if refine.steps else []),
                      ("KV cache", _vq_cache_line(kv, state_bytes, exact_bytes, exact_heads)),
-                     ("VQ kernel", "PyTorch heavy-hitter kernel (kernels/vq/heavy.py), prefill and decode; the "
-                                   "compiled loop runs plain VQ only" if heavy else _kernel_line()),
+                     ("VQ kernel", _heavy_kernel_line() if heavy else _kernel_line()),
                      *([("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose attention output "
                                         "ReRoPE + VQ most changes on the calibration text keep their original attention")]
                        if exact_heads else [])],
