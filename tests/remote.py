@@ -20,15 +20,27 @@ builtins.__import__ = guarded
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({folder!r}, trust_remote_code=True, dtype=torch.float64).eval()
 assert "effattn" not in sys.modules and type(model).__name__ == {cls!r}, type(model).__name__
+ids, prefix = torch.tensor({ids!r}), {prefix!r}
 with torch.no_grad():
-    torch.save(model(input_ids=torch.tensor({ids!r}), use_cache=False).logits, {out!r})
+    if prefix is None:
+        torch.save(model(input_ids=ids, use_cache=False).logits, {out!r})
+    else:  # prefill `prefix` tokens through the model's cache, then decode the rest one token per call
+        step = model(input_ids=ids[:, :prefix], use_cache=True)
+        own = lambda out: out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+        steps, cache = [step.logits], own(step)
+        for t in range(prefix, ids.shape[1]):
+            step = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(step.logits)
+            cache = own(step)
+        torch.save(torch.cat(steps, 1), {out!r})
 """
 
 
-def remote_logits(folder: Path, ids: torch.Tensor, cls: str, tmp_path: Path) -> torch.Tensor:
-    """float64 logits of `folder` for `ids`, loaded through its bundled code alone (asserting the class)."""
+def remote_logits(folder: Path, ids: torch.Tensor, cls: str, tmp_path: Path, prefix: int | None = None) -> torch.Tensor:
+    """float64 logits of `folder` for `ids`, loaded through its bundled code alone (asserting the class); with
+    `prefix`, the first `prefix` tokens are prefilled through the cache and the rest decoded one per call."""
     out = Path(tmp_path) / "remote.pt"
-    script = SCRIPT.format(folder=str(folder), cls=cls, ids=ids.tolist(), out=str(out))
+    script = SCRIPT.format(folder=str(folder), cls=cls, ids=ids.tolist(), out=str(out), prefix=prefix)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     return torch.load(out)

@@ -119,3 +119,28 @@ def test_a_recipe_converts_with_it_and_heals(vscale, tiny, tmp_path, capsys):
     record = json.loads((tmp_path / "healed" / "effattn.json").read_text())
     assert record["conversion"]["to"] == "vscale" and record["finetune"]["steps"] == 2
     assert "import effattn" not in (tmp_path / "healed" / "README.md").read_text()  # native: plain transformers loads it
+
+
+def test_every_bundled_model_defines_each_top_level_name_once():
+    """A model's remote code is its modules pasted into one namespace (models.ModelSpec.bundle): a name defined
+    in two of them would silently replace the first (heavy_decode.py's decode helpers once shadowed decode.py's)."""
+    import ast
+    from collections import defaultdict
+
+    import effattn  # noqa: F401  (registers every model)
+    from effattn.models import MODEL_SPECS, ROOT
+
+    assert len(MODEL_SPECS) >= 4
+    for spec in MODEL_SPECS.values():
+        where = defaultdict(list)
+        for rel in spec.modules:
+            for node in ast.parse((ROOT / rel).read_text()).body:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    where[node.name].append(rel)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                        if isinstance(target, ast.Name):
+                            where[target.id].append(rel)
+        twice = {name: files for name, files in where.items() if len(files) > 1}
+        assert not twice, f"{spec.model_type}: {twice}"
+        compile(spec.bundle(), spec.modeling_file, "exec")  # and the bundle is valid Python

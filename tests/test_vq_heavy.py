@@ -135,6 +135,9 @@ def test_remote_code_runs_heavy_hitters_without_effattn(tiny, tmp_path, calib_fi
     out = vq_init(tiny("qwen3", heads=6, kv_heads=3, head_dim=8), tmp_path / "vq", calib_file, heavy_keys=5)
     got = remote_logits(out, IDS, "EffattnVQForCausalLM", tmp_path)
     torch.testing.assert_close(got, logits(load(out)), rtol=0, atol=0)
+    # and it decodes: the bundled decode layout (a cut at 64 on the way) gives the full forward's logits
+    decoded = remote_logits(out, IDS, "EffattnVQForCausalLM", tmp_path, prefix=40)
+    torch.testing.assert_close(decoded, got, rtol=1e-9, atol=1e-9)
 
 
 def test_heavy_keys_with_sinks_is_a_one_line_error_and_the_dry_run_says_it(tiny, tmp_path, calib_file, capsys):

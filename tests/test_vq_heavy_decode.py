@@ -7,7 +7,9 @@ import torch
 
 from effattn.kernels.vq import heavy_decode, native
 from effattn.kernels.vq.heavy import vq_heavy_chunk
-from effattn.kernels.vq.heavy_decode import HeavyDecodeState, can_decode, from_state, vq_heavy_decode_step
+from effattn.kernels.vq.heavy_decode import HeavyDecodeState, vq_heavy_decode_step
+from effattn.kernels.vq.heavy_decode import heavy_can_decode as can_decode
+from effattn.kernels.vq.heavy_decode import heavy_from_state as from_state
 
 from .test_vq_heavy import inputs
 

@@ -209,6 +209,9 @@ def test_remote_code_loads_without_effattn(tiny, tmp_path, calib_file):
 
     got = remote_logits(out, IDS, "EffattnVQForCausalLM", tmp_path)
     torch.testing.assert_close(got, logits(load(out)), rtol=0, atol=0)
+    # and it decodes through the bundled decode layout (plain VQ's; heavy hitters' in test_vq_heavy.py)
+    decoded = remote_logits(out, IDS, "EffattnVQForCausalLM", tmp_path, prefix=40)
+    torch.testing.assert_close(decoded, got, rtol=1e-9, atol=1e-9)
 
 
 def test_training_exposes_the_commitment_loss_and_moves_the_codebook_by_ema(tiny, tmp_path, calib_file):

@@ -38,9 +38,7 @@ from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.codes import code_table, nearest_codes
 from effattn.kernels.vq.decode import VQDecodeState, can_decode, from_state, vq_decode_step
 from effattn.kernels.vq.heavy import vq_heavy_chunk, vq_heavy_naive
-from effattn.kernels.vq.heavy_decode import HeavyDecodeState, vq_heavy_decode_step
-from effattn.kernels.vq.heavy_decode import can_decode as heavy_can_decode
-from effattn.kernels.vq.heavy_decode import from_state as heavy_from_state
+from effattn.kernels.vq.heavy_decode import HeavyDecodeState, heavy_can_decode, heavy_from_state, vq_heavy_decode_step
 from effattn.kernels.vq.naive import vq_attention_naive
 
 VQ_MODEL_TYPE = "effattn_vq"
@@ -71,6 +69,9 @@ def far_position(config) -> int:
 
 # a ReRoPE-only model keeps every key exact: every position is a "sink" to the kernel
 _ALL_SINKS = 1 << 62
+# the decode steps by kind (plain VQ, heavy hitters): (layout, can_decode, from_state, step)
+_DECODERS = {False: (VQDecodeState, can_decode, from_state, vq_decode_step),
+             True: (HeavyDecodeState, heavy_can_decode, heavy_from_state, vq_heavy_decode_step)}
 
 
 class EffattnVQConfig(WrappedConfig):
@@ -212,28 +213,24 @@ class VQAttention(AdoptedAttention):
     def _kernel(self, args, sinks, state, stateful, key_means=False):
         cfg = self.config
         q = args[0]
-        if self.heavy_keys:  # heavy hitters (quantized models only): their own kernels and decode layout
+        # one token, no autograd: a decode step in its own layout (heavy hitters' or plain VQ's); several
+        # positions after decode steps: the layout's plain state back for the blockwise kernel
+        layout, can_step, to_layout, step = _DECODERS[bool(self.heavy_keys)]
+        if stateful and self._decodes(q) and can_step(state, q.shape[1]):
+            if not isinstance(state, layout):
+                state = to_layout(state, args[3], args[7], args[8], self.scaling, q.shape[2], q.dtype)
+            q, k, v, _, codes, cos, sin = args[:7]
+            return step(q, k, v, codes, cos, sin, state)
+        if isinstance(state, layout):
+            state = state.to_state()
+        if self.heavy_keys:  # heavy hitters (quantized models only): their own kernels
             settings = dict(window=cfg.vq_window, update=cfg.vq_block_size, budget=self.heavy_keys, scale=self.scaling,
                             key_means=key_means)
             if cfg.vq_kernel == "naive" and not stateful:
                 return vq_heavy_naive(*args, **settings), None
-            if stateful and self._decodes(q) and heavy_can_decode(state, q.shape[1]):  # one token: the decode step
-                if not isinstance(state, HeavyDecodeState):
-                    state = heavy_from_state(state, args[3], args[7], args[8], self.scaling, q.shape[2], q.dtype)
-                q, k, v, _, codes, cos, sin = args[:7]
-                return vq_heavy_decode_step(q, k, v, codes, cos, sin, state)
-            if isinstance(state, HeavyDecodeState):  # several positions after decode steps: the plain state
-                state = state.to_state()
             if stateful:
                 return vq_heavy_chunk(*args, **settings, state=state, return_state=True)
             return vq_heavy_chunk(*args, **settings), None
-        if stateful and self._decodes(q) and can_decode(state, q.shape[1]):  # one token: the decode step
-            if not isinstance(state, VQDecodeState):
-                state = from_state(state, args[3], args[7], args[8], self.scaling, q.shape[2], q.dtype)
-            q, k, v, _, codes, cos, sin = args[:7]
-            return vq_decode_step(q, k, v, codes, cos, sin, state)
-        if isinstance(state, VQDecodeState):  # several positions after decode steps: the plain state
-            state = state.to_state()
         settings = dict(window=cfg.vq_window, block_size=cfg.vq_block_size, sinks=sinks, scale=self.scaling,
                         key_means=key_means, bf16_products=bool(getattr(cfg, "vq_bf16_products", False)))
         if cfg.vq_kernel == "naive" and not stateful:  # the reference has no state: full sequences only

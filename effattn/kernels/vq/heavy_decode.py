@@ -1,5 +1,7 @@
 """Heavy-hitter VQ decoding: one token per call in a fixed layout, as ``decode.py`` does for plain VQ.
 
+(Names here differ from ``decode.py``'s: a model's bundled remote code puts both modules in one namespace.)
+
 ``vq_heavy_chunk`` continues a :class:`~effattn.kernels.vq.heavy.HeavyState` with any number of
 positions, and for one token it pays for that generality: it concatenates the span, the exact set E and
 the codes anew, rebuilds the code columns from the statistics and the state from slices. Here one
@@ -26,9 +28,9 @@ A step (the maths of ``vq_heavy_chunk`` for one query; read ``heavy.py`` first):
 3. every window and E column adds its probability, summed over the KV head's query heads, to its score;
 4. the key at ``t - W + 1`` leaves the window: it is appended to E with its score.
 
-The step applies once the window is full (``seen >= W - 1``, :func:`can_decode`); before that, and for
+The step applies once the window is full (``seen >= W - 1``, :func:`heavy_can_decode`); before that, and for
 several positions at once, ``vq_heavy_chunk`` runs (``to_state`` gives it the plain state back,
-``from_state`` builds this one). Float32 on the CPU runs the same step in C (``native.c``'s
+``heavy_from_state`` builds this one). Float32 on the CPU runs the same step in C (``native.c``'s
 ``vq_heavy_decode``) when it is built. Inference only: no autograd.
 """
 
@@ -39,6 +41,7 @@ from torch import Tensor
 
 from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.heavy import HeavyState, _keep_order
+from effattn.kernels.vq.decode import MASKED  # native.c's finite stand-in for -inf (it is built with -ffast-math)
 from effattn.kernels.vq.naive import compute_dtype
 
 try:  # the compiled step; absent where this file is bundled as a model's remote code
@@ -46,7 +49,7 @@ try:  # the compiled step; absent where this file is bundled as a model's remote
 except ImportError:
     _native = None
 
-MASKED = -1e30  # native.c's finite stand-in for -inf (it is built with -ffast-math)
+
 
 
 @dataclass
@@ -105,7 +108,7 @@ class HeavyDecodeState:
         )  # fmt: skip
 
 
-def can_decode(state: "HeavyState | HeavyDecodeState | None", T: int) -> bool:
+def heavy_can_decode(state: "HeavyState | HeavyDecodeState | None", T: int) -> bool:
     """Whether a call of T positions continuing ``state`` can be a decode step."""
     if T != 1 or state is None:
         return False
@@ -124,9 +127,9 @@ def _code_columns(state: HeavyDecodeState, codebook: Tensor | None = None) -> No
         state.keys[:, W + P:] = codebook.detach().to(state.keys.dtype).repeat(state.batch, 1, 1)
 
 
-def from_state(state: HeavyState, codebook: Tensor, far_cos: Tensor, far_sin: Tensor, scale: float, heads: int,
+def heavy_from_state(state: HeavyState, codebook: Tensor, far_cos: Tensor, far_sin: Tensor, scale: float, heads: int,
                dtype: torch.dtype) -> HeavyDecodeState:  # fmt: skip
-    """The decode layout of ``state`` (which must satisfy :func:`can_decode`): codebook (G, C, D), far_cos,
+    """The decode layout of ``state`` (which must satisfy :func:`heavy_can_decode`): codebook (G, C, D), far_cos,
     far_sin (D,) the RoPE row at the far position, ``heads`` query heads, ``dtype`` the query dtype."""
     dt = compute_dtype(dtype)
     B, G, n, D = state.recent_k.shape
