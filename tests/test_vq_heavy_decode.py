@@ -100,3 +100,14 @@ def test_the_decode_layout_waits_for_a_full_window_and_holds_its_size():
     size = layout.nbytes()
     _, layout = decode(args, state, 7, 40)
     assert layout.nbytes() == size and layout.m <= 3 + 4  # E's rows are reserved: the layout never grows
+
+
+def test_with_key_means_the_layout_is_the_size_of_the_state_with_e_full():
+    """Each code's statistics are held once (as means in the softmax's columns), so decoding does not hold
+    more than the cache `effattn eval` measures after prefill, at SmolLM2's shape (W 64, C 512, B 192)."""
+    B, T, H, G, D, C = 1, 320, 9, 3, 64, 512
+    args = tuple(x.float() if x.is_floating_point() else x for x in inputs(B, T, H, G, D, C))
+    _, state = vq_heavy_chunk(*args, window=64, update=64, budget=192, key_means=True, return_state=True)
+    assert state.heavy_k.shape[2] == 192 + 64  # E full: the largest the state gets
+    layout = from_state(state, args[3], args[7], args[8], D ** -0.5, H, torch.float32)
+    assert layout.nbytes() <= 1.05 * state.nbytes()

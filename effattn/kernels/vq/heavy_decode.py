@@ -20,6 +20,10 @@ decode step touches one key. :class:`HeavyDecodeState` keeps, per sequence and K
   each code's mean value;
 * ``score`` (BG, W + P): the attention each key of the window and of E has received (H2O's score).
 
+The code columns hold means, not sums: a key that joins its code moves the code's mean value (and mean
+key) by ``(x - mean) / count``, and ``to_state`` gives the sums back as ``mean * count``. So the layout
+holds each code's statistics once, and is about the size of the plain state with E full (``nbytes``).
+
 A step (the maths of ``vq_heavy_chunk`` for one query; read ``heavy.py`` first):
 
 1. at a cut (``t % update == 0`` and E holds more than ``budget`` keys) E keeps its ``budget`` keys of
@@ -72,8 +76,7 @@ class HeavyDecodeState:
     heavy_z: Tensor  # (BG, P) E's codes
     heavy_pos: Tensor  # (BG, P) E's positions
     counts: Tensor  # (BG, C)
-    sums: Tensor  # (BG, C, Dv)
-    key_sums: Tensor | None  # (BG, C, D), key means only
+    key_means: bool  # the code rows of ``keys`` are the means of their keys (else the codewords)
     far_cos: Tensor  # (D,) the RoPE row at the far position F
     far_sin: Tensor
     logits: Tensor  # (BG, R, N) the step's logits, reused
@@ -103,8 +106,9 @@ class HeavyDecodeState:
             recent_score=per_head(self.score[:, order]),
             heavy_k=per_head(self.keys[:, heavy]), heavy_v=per_head(self.values[:, heavy]),
             heavy_codes=per_head(self.heavy_z[:, :m]), heavy_score=per_head(self.score[:, heavy]),
-            heavy_pos=per_head(self.heavy_pos[:, :m]), counts=per_head(self.counts), sums=per_head(self.sums),
-            key_sums=None if self.key_sums is None else per_head(self.key_sums),
+            heavy_pos=per_head(self.heavy_pos[:, :m]), counts=per_head(self.counts),
+            sums=per_head(self.values[:, W + P:] * self.counts[..., None]),
+            key_sums=per_head(self.keys[:, W + P:] * self.counts[..., None]) if self.key_means else None,
         )  # fmt: skip
 
 
@@ -115,18 +119,6 @@ def heavy_can_decode(state: "HeavyState | HeavyDecodeState | None", T: int) -> b
     return isinstance(state, HeavyDecodeState) or state.seen >= state.window - 1
 
 
-def _code_columns(state: HeavyDecodeState, codebook: Tensor | None = None) -> None:
-    """The code columns (bias, values, and with key means keys) from the per-code statistics."""
-    W, P = state.window, state.slots
-    count = state.counts.clamp(min=1.0)[..., None]
-    state.bias[:, 0, W + P:] = state.counts.log().clamp(min=MASKED)
-    state.values[:, W + P:] = state.sums / count
-    if state.key_sums is not None:
-        state.keys[:, W + P:] = state.key_sums / count
-    elif codebook is not None:
-        state.keys[:, W + P:] = codebook.detach().to(state.keys.dtype).repeat(state.batch, 1, 1)
-
-
 def heavy_from_state(state: HeavyState, codebook: Tensor, far_cos: Tensor, far_sin: Tensor, scale: float, heads: int,
                dtype: torch.dtype) -> HeavyDecodeState:  # fmt: skip
     """The decode layout of ``state`` (which must satisfy :func:`heavy_can_decode`): codebook (G, C, D), far_cos,
@@ -135,6 +127,7 @@ def heavy_from_state(state: HeavyState, codebook: Tensor, far_cos: Tensor, far_s
     B, G, n, D = state.recent_k.shape
     W, U, budget, t, m = state.window, state.update, state.budget, state.seen, state.heavy_k.shape[2]
     C, Dv, P = codebook.shape[1], state.sums.shape[-1], budget + state.update
+    key_means = state.key_sums is not None
     BG, dev = B * G, state.recent_k.device
     if n != W - 1 or m > P:
         raise ValueError(f"the decode layout needs a full window (W - 1 = {W - 1} recent keys, got {n}) and at most "
@@ -159,11 +152,13 @@ def heavy_from_state(state: HeavyState, codebook: Tensor, far_cos: Tensor, far_s
     out = HeavyDecodeState(
         seen=t, window=W, update=U, budget=budget, batch=B, m=m, scale=scale, keys=keys, bias=bias, values=values,
         score=score, ring_k=ring_k, ring_z=ring_z, heavy_z=heavy_z, heavy_pos=heavy_pos,
-        counts=flat(state.counts).clone(), sums=flat(state.sums).clone(),  # updated in place: the caller's stays
-        key_sums=None if state.key_sums is None else flat(state.key_sums).clone(),
+        counts=flat(state.counts).clone(), key_means=key_means,  # updated in place: the caller's stays
         far_cos=far_cos.to(dt), far_sin=far_sin.to(dt), logits=torch.zeros(BG, heads // G, N, dtype=dt, device=dev),
     )  # fmt: skip
-    _code_columns(out, codebook.reshape(G, C, D))
+    count = out.counts.clamp(min=1.0)[..., None]
+    bias[:, 0, W + P:] = out.counts.log().clamp(min=MASKED)
+    values[:, W + P:] = flat(state.sums) / count
+    keys[:, W + P:] = flat(state.key_sums) / count if key_means else codebook.detach().to(dt).repeat(B, 1, 1)
     return out
 
 
@@ -173,15 +168,20 @@ def _cut(state: HeavyDecodeState) -> None:
     keep, rest = _keep_order(state.score[:, W:W + m], budget)  # (BG, budget), (BG, m - budget)
     rows = torch.arange(state.keys.shape[0], device=keep.device)[:, None]
     z = state.heavy_z[rows, rest]
-    state.counts.index_put_((rows.expand_as(z), z), torch.ones_like(z, dtype=state.counts.dtype), accumulate=True)
-    state.sums.index_put_((rows.expand_as(z), z), state.values[rows, W + rest], accumulate=True)
-    if state.key_sums is not None:
-        state.key_sums.index_put_((rows.expand_as(z), z), state.keys[rows, W + rest], accumulate=True)
+    C, P = state.counts.shape[1], state.slots
+    at = (rows.expand_as(z), z)
+    added = torch.zeros_like(state.counts).index_put_(at, torch.ones_like(z, dtype=state.counts.dtype), accumulate=True)
+    total = state.counts + added
+    for x in (state.values,) + ((state.keys,) if state.key_means else ()):  # a code's mean moves to its new keys
+        codes = x[:, W + P:]
+        moved = torch.zeros_like(codes).index_put_(at, x[rows, W + rest] - codes[rows, z], accumulate=True)
+        codes += moved / total.clamp(min=1.0)[..., None]
+    state.counts = total
+    state.bias[:, 0, W + P:] = total.log().clamp(min=MASKED)
     for x, off in ((state.keys, W), (state.values, W), (state.score, W), (state.heavy_z, 0), (state.heavy_pos, 0)):
         x[:, off:off + budget] = x[rows, off + keep]
     state.bias[:, 0, W + budget:W + state.slots] = MASKED
     state.m = budget
-    _code_columns(state)
 
 
 @torch.no_grad()

@@ -694,8 +694,9 @@ void vq_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int C, int m
  * the int64 codes and positions, rows of bg = b * G + g:
  *   q (BG, R, D), k (BG, D) pre-RoPE; v (BG, Dv); z (BG) the new key's code; cos, sin (D) position t;
  *   far_cos, far_sin (D) position F; keys (BG, N, D), bias (BG, N), values (BG, N, Dv), score (BG, W + P);
- *   ring_k (BG, W, D), ring_z (BG, W); heavy_z, heavy_pos (BG, P); counts (BG, C), sums (BG, C, Dv),
- *   key_sums (BG, C, D) with key means (else NULL); out (BG, R, Dv); work: vq_heavy_decode_work_floats.
+ *   ring_k (BG, W, D), ring_z (BG, W); heavy_z, heavy_pos (BG, P); counts (BG, C); out (BG, R, Dv);
+ *   work: vq_heavy_decode_work_floats. The code rows of values (and with key means of keys) hold means: a
+ *   key that joins its code moves them by (x - mean) / count.
  * Returns E's size after the step (the same in every group). */
 typedef struct {
     float score;
@@ -717,7 +718,7 @@ int vq_heavy_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int P, 
                     float scale, int key_means, const float *q, const float *k, const float *v, const int64_t *z,
                     const float *cos_t, const float *sin_t, const float *far_cos, const float *far_sin, float *keys,
                     float *bias, float *values, float *score, float *ring_k, int64_t *ring_z, int64_t *heavy_z,
-                    int64_t *heavy_pos, float *counts, float *sums, float *key_sums, float *out, float *work) {
+                    int64_t *heavy_pos, float *counts, float *out, float *work) {
     const int N = W + P + C, cut = t % U == 0 && m > budget, slot = (int)(t % W), leaving = (int)((t + 1) % W);
     const int live = cut ? budget : m; /* E's keys during the step */
     float *logits = work, *qn = work + (long)R * N, *qf = qn + (long)R * D;
@@ -725,8 +726,7 @@ int vq_heavy_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int P, 
     int *keep = (int *)(rank + P);
     for (int bg = 0; bg < BG; bg++) {
         float *K = keys + (long)bg * N * D, *V = values + (long)bg * N * Dv, *bs = bias + (long)bg * N;
-        float *sc = score + (long)bg * (W + P), *cnt = counts + (long)bg * C, *sm = sums + (long)bg * C * Dv;
-        float *ks = key_means ? key_sums + (long)bg * C * D : NULL;
+        float *sc = score + (long)bg * (W + P), *cnt = counts + (long)bg * C;
         int64_t *hz = heavy_z + (long)bg * P, *hp = heavy_pos + (long)bg * P;
         const float *Q = q + (long)bg * R * D;
         if (cut) { /* E keeps its `budget` keys of highest score, in order; the rest join their codes */
@@ -748,12 +748,12 @@ int vq_heavy_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int P, 
                 }
                 const long c = hz[i];
                 const float n = cnt[c] += 1.0f;
-                float *sum = sm + c * Dv, *mean = V + (W + P + c) * Dv;
-                for (int d = 0; d < Dv; d++) sum[d] += Vi[d], mean[d] = sum[d] / n;
+                float *mean = V + (W + P + c) * Dv;
+                for (int d = 0; d < Dv; d++) mean[d] += (Vi[d] - mean[d]) / n;
                 bs[W + P + c] = logf(n);
                 if (key_means) {
-                    float *ksum = ks + c * D, *ck = K + (W + P + c) * D;
-                    for (int d = 0; d < D; d++) ksum[d] += Ki[d], ck[d] = ksum[d] / n;
+                    float *ck = K + (W + P + c) * D;
+                    for (int d = 0; d < D; d++) ck[d] += (Ki[d] - ck[d]) / n;
                 }
             }
             for (int i = budget; i < m; i++) bs[W + i] = MASKED;

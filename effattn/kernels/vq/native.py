@@ -238,7 +238,7 @@ def decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos: Tens
 
 
 _HEAVY_DECODE_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int] * 10 + [ctypes.c_long, ctypes.c_float, ctypes.c_int]
-                          + [ctypes.c_void_p] * 21)
+                          + [ctypes.c_void_p] * 19)
 
 
 def heavy_decode_ready(state, q: Tensor) -> bool:
@@ -258,16 +258,15 @@ def heavy_decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos
         _lib.vq_heavy_decode.argtypes, _lib.vq_heavy_decode.restype = _HEAVY_DECODE_ARGTYPES, ctypes.c_int
         _lib.vq_heavy_decode_work_floats.restype = ctypes.c_long
     buffers = (state.keys, state.bias, state.values, state.score, state.ring_k, state.ring_z, state.heavy_z,
-               state.heavy_pos, state.counts, state.sums)  # fmt: skip
+               state.heavy_pos, state.counts)  # fmt: skip
     if state.work is None:
-        if not all(x.is_contiguous() for x in buffers) or not (state.key_sums is None or state.key_sums.is_contiguous()):
+        if not all(x.is_contiguous() for x in buffers):
             raise ValueError("the heavy decode state's buffers must be contiguous")
         state.work = torch.empty(_lib.vq_heavy_decode_work_floats(R, D, W, P, C), dtype=torch.float32)
     out = q.new_empty(B, 1, H, Dv)
     inputs = [x.contiguous() for x in (q, k, v, codes, cos, sin, state.far_cos, state.far_sin)]
     state.m = _lib.vq_heavy_decode(
         ctypes.cast(_blas.sgemm_, ctypes.c_void_p), BG, R, D, Dv, W, P, C, state.m, state.budget, state.update,
-        state.seen, state.scale, int(state.key_sums is not None), *(x.data_ptr() for x in inputs),
-        *(x.data_ptr() for x in buffers), None if state.key_sums is None else state.key_sums.data_ptr(),
-        out.data_ptr(), state.work.data_ptr())  # fmt: skip
+        state.seen, state.scale, int(state.key_means), *(x.data_ptr() for x in inputs),
+        *(x.data_ptr() for x in buffers), out.data_ptr(), state.work.data_ptr())  # fmt: skip
     return out
