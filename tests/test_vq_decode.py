@@ -82,3 +82,12 @@ def test_the_decode_state_is_refused_before_every_sink_left_the_window():
                                   return_state=True)  # fmt: skip
     assert can_decode(state, 1)  # position 5 reads 2 .. 5 exactly and both sinks in their own columns
     assert not can_decode(None, 1)
+
+
+def test_with_key_means_the_decode_layout_is_about_the_size_of_the_plain_state():
+    """Each code's statistics are held once (as the means in its column), so a generating model holds about
+    what `effattn eval` measures after prefill, at SmolLM2's shape (W 64, C 512); it held twice as much."""
+    inputs = make_inputs(1, 200, 9, 3, 64, 64, 512, 64, dtype=torch.float32)
+    _, state = vq_attention_chunk(**inputs, window=64, block_size=64, sinks=0, key_means=True, return_state=True)
+    decode = from_state(state, inputs["codebook"], inputs["far_cos"], inputs["far_sin"], 0.125, 9, torch.float32)
+    assert decode.nbytes() <= 1.25 * state.nbytes()

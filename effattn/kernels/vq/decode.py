@@ -15,8 +15,9 @@ ready, in the layout the step reads them:
 * ``values`` (BG, W + C + m, Dv): the window's values, each code's mean value, the sinks' values.
 
 A step writes the new key and value into the ring, runs ``softmax(q K^T + bias) V`` (three batched
-matrix products), and folds the key that leaves the window into its code: count, value sum (and key
-sum), and the code's column (bias, mean value, mean key). About twenty small operations per layer,
+matrix products), and folds the key that leaves the window into its code: its count, and the code's
+column (bias, mean value, mean key: moved by ``(x - mean) / count``, so no sums are kept beside the
+means and the layout is about the size of the plain state). About twenty small operations per layer,
 none of them proportional to the window, the codebook or the length beyond the two products.
 
 The maths is ``vq_attention_chunk``'s for one query: at a state that has seen t positions, the query
@@ -50,8 +51,10 @@ class VQDecodeState:
     """A :class:`VQState` held in the layout of a decode step (see the module docstring).
 
     Besides the step's operands it keeps what ``to_state`` needs to give the plain state back: the
-    window's pre-RoPE keys, codes and RoPE rows (rings like ``keys``), the per-code counts and sums (and
-    pre-RoPE key sums with ``key_means``, from which a code's key is turned and divided), and the sinks.
+    window's pre-RoPE keys, codes and RoPE rows (rings like ``keys``), the per-code counts, and the sinks.
+    A code's statistics are held once, as the means in its column: a key that joins the code moves its mean
+    value (and with ``key_means`` its turned, scaled mean key) by ``(x - mean) / count``, and ``to_state``
+    gives the sums back as ``mean * count`` (the key turned back).
     """
 
     seen: int
@@ -66,8 +69,7 @@ class VQDecodeState:
     ring_cos: Tensor  # (W, D)
     ring_sin: Tensor  # (W, D)
     counts: Tensor  # (BG, C)
-    sums: Tensor  # (BG, C, Dv)
-    key_sums: Tensor | None  # (BG, C, D) pre-RoPE, key means only
+    key_means: bool  # the code rows of ``keys`` are their keys' means (else the codewords), turned by -F
     sink_k: Tensor  # (B, G, m, D) pre-RoPE
     sink_v: Tensor  # (B, G, m, Dv)
     far_cos: Tensor  # (D,) the scaled rotation by -F
@@ -80,8 +82,8 @@ class VQDecodeState:
     native_sgemm: int | None = None  # and to the BLAS sgemm it calls
 
     def nbytes(self) -> int:
-        """Total size of the tensors held, in bytes (this layout keeps some things twice: more than the
-        plain state, and just as constant in the length)."""
+        """Total size of the tensors held, in bytes (constant in the length, like the plain state's; with
+        key means about the same, the window ring's rotated keys and RoPE rows being the difference)."""
         return sum(x.numel() * x.element_size() for x in vars(self).values() if isinstance(x, Tensor))
 
     def to_state(self) -> VQState:
@@ -95,6 +97,11 @@ class VQDecodeState:
             return x.reshape(B, G, *x.shape[1:])
 
         C = self.counts.shape[1]
+        count = self.counts[..., None]
+        key_sums = None
+        if self.key_means:  # the code keys turned back by +F and unscaled: far_cos, far_sin turn by -F, scaled
+            s2 = self.scale * self.scale
+            key_sums = apply_rope(self.keys[:, W:W + C], self.far_cos / s2, -self.far_sin / s2) * count
         return VQState(
             seen=t,
             window=W,
@@ -107,8 +114,8 @@ class VQDecodeState:
             sink_k=self.sink_k,
             sink_v=self.sink_v,
             counts=per_head(self.counts).clone(),
-            sums=per_head(self.sums).clone(),
-            key_sums=None if self.key_sums is None else per_head(self.key_sums).clone().view(B, G, C, -1),
+            sums=per_head(self.values[:, W:W + C] * count),
+            key_sums=per_head(key_sums) if self.key_means else None,
         )
 
 
@@ -145,11 +152,9 @@ def from_state(state: VQState, codebook: Tensor, far_cos: Tensor, far_sin: Tenso
                                     state.recent_sin.to(dt) * scale)  # fmt: skip
     values[:, slots] = flat(state.recent_v).to(dt)
 
-    counts, sums = flat(state.counts).to(dt).clone(), flat(state.sums).to(dt).clone()
-    key_sums = None
+    counts, sums = flat(state.counts).to(dt).clone(), flat(state.sums).to(dt)
     if state.key_sums is not None:
-        key_sums = flat(state.key_sums).to(dt).clone()
-        keys[:, W : W + C] = apply_rope(key_sums, fc, fs) / counts.clamp(min=1.0)[..., None]
+        keys[:, W : W + C] = apply_rope(flat(state.key_sums).to(dt), fc, fs) / counts.clamp(min=1.0)[..., None]
     else:
         keys[:, W : W + C] = apply_rope(codebook.detach().to(dt), fc, fs).repeat(B, 1, 1)
     bias[:, 0, W : W + C] = counts.log().clamp(min=MASKED)
@@ -158,7 +163,7 @@ def from_state(state: VQState, codebook: Tensor, far_cos: Tensor, far_sin: Tenso
     values[:, W + C :] = flat(state.sink_v).to(dt)
     return VQDecodeState(
         seen=t, window=W, sinks=state.sinks, batch=B, keys=keys, bias=bias, values=values, ring_k=ring_k,
-        ring_z=ring_z, ring_cos=ring_cos, ring_sin=ring_sin, counts=counts, sums=sums, key_sums=key_sums,
+        ring_z=ring_z, ring_cos=ring_cos, ring_sin=ring_sin, counts=counts, key_means=state.key_sums is not None,
         sink_k=state.sink_k, sink_v=state.sink_v, far_cos=fc, far_sin=fs, scale=scale,
         rows=torch.arange(BG, device=dev), logits=torch.zeros(BG, heads // G, W + C + m, dtype=dt, device=dev),
     )  # fmt: skip
@@ -201,12 +206,11 @@ def vq_decode_step(q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos: Tensor, 
     leaving = (t + 1) % W
     rows, z = state.rows, state.ring_z[:, leaving]
     state.counts[rows, z] += 1.0
-    state.sums[rows, z] += state.values[:, leaving]
     count = state.counts[rows, z]
     state.bias[rows, 0, W + z] = count.log()  # a code that gains a key is no longer empty
-    state.values[rows, W + z] = state.sums[rows, z] / count[:, None]
-    if state.key_sums is not None:
-        state.key_sums[rows, z] += state.ring_k[:, leaving].to(dt)
-        state.keys[rows, W + z] = apply_rope(state.key_sums[rows, z], state.far_cos, state.far_sin) / count[:, None]
+    state.values[rows, W + z] += (state.values[:, leaving] - state.values[rows, W + z]) / count[:, None]
+    if state.key_means:
+        turned = apply_rope(state.ring_k[:, leaving].to(dt), state.far_cos, state.far_sin)
+        state.keys[rows, W + z] += (turned - state.keys[rows, W + z]) / count[:, None]
     state.seen = t + 1
     return out.view(B, G * R, -1)[:, None].to(q.dtype), state

@@ -628,9 +628,9 @@ void vq_nearest(sgemm_fn sgemm, long n, int D, int C, const float *x, long ldx, 
  * code. Shapes, all float32 except the codes, rows of bg = b * G + g:
  *   q (BG, R, D) pre-RoPE; k (BG, D) pre-RoPE; v (BG, Dv); z (BG) codes; cos, sin (D) position t;
  *   keys (BG, N, D), bias (BG, N), values (BG, N, Dv) with N = W + C + m;
- *   ring_k (BG, W, D), ring_z (BG, W), ring_cos, ring_sin (W, D); counts (BG, C); sums (BG, C, Dv);
- *   key_sums (BG, C, D) pre-RoPE, with key means (else NULL); far_cos, far_sin (D) the scaled -F turn;
- *   out (BG, R, Dv); work: R * (N + D) floats.
+ *   ring_k (BG, W, D), ring_z (BG, W), ring_cos, ring_sin (W, D); counts (BG, C); far_cos, far_sin (D)
+ *   the scaled -F turn; out (BG, R, Dv); work: R * (N + D) floats. The code rows of values (and with key
+ *   means of keys, turned) hold means: a key that joins its code moves them by (x - mean) / count.
  * Per group: two sgemm for the logits (window, far columns), a softmax pass, one sgemm for the output. */
 static void rope_row(const float *x, const float *c, const float *s, float scale, int D, float *y) {
     int h = D / 2;
@@ -641,8 +641,8 @@ static void rope_row(const float *x, const float *c, const float *s, float scale
 void vq_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int C, int m, long t, float scale,
                int key_means, const float *q, const float *k, const float *v, const int64_t *z, const float *cos_t,
                const float *sin_t, float *keys, float *bias, float *values, float *ring_k, int64_t *ring_z,
-               float *ring_cos, float *ring_sin, float *counts, float *sums, float *key_sums,
-               const float *far_cos, const float *far_sin, float *out, float *work) {
+               float *ring_cos, float *ring_sin, float *counts, const float *far_cos, const float *far_sin,
+               float *out, float *work) {
     int N = W + C + m;
     int slot = (int)(t % W), leaving = (int)((t + 1) % W);
     float *logits = work, *qn = work + (long)R * N; /* (R, N) logits, (R, D) rotated queries */
@@ -669,20 +669,15 @@ void vq_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int C, int m
         gemm_ab(sgemm, R, Dv, N, logits, N, V, Dv, 0.0f, out + (long)bg * R * Dv, Dv);
         /* position t - W + 1 leaves the window: it joins its code */
         long c = ring_z[(long)bg * W + leaving];
-        float *cnt = counts + (long)bg * C + c, *sum = sums + ((long)bg * C + c) * Dv;
-        *cnt += 1.0f;
+        const float n = counts[(long)bg * C + c] += 1.0f;
         const float *vl = V + (long)leaving * Dv;
         float *mean = V + (long)(W + c) * Dv;
-        for (int d = 0; d < Dv; d++) {
-            sum[d] += vl[d];
-            mean[d] = sum[d] / *cnt;
-        }
-        bs[W + c] = logf(*cnt);
-        if (key_means) { /* the code's key: its pre-RoPE key sum turned by -F, scaled, over its count */
-            const float *kl = ring_k + ((long)bg * W + leaving) * D;
-            float *ks = key_sums + ((long)bg * C + c) * D, *ck = K + (long)(W + c) * D;
-            for (int d = 0; d < D; d++) ks[d] += kl[d];
-            rope_row(ks, far_cos, far_sin, 1.0f / *cnt, D, ck);
+        for (int d = 0; d < Dv; d++) mean[d] += (vl[d] - mean[d]) / n;
+        bs[W + c] = logf(n);
+        if (key_means) { /* the code's key: the mean of its keys turned by -F, scaled */
+            float *ck = K + (long)(W + c) * D;
+            rope_row(ring_k + ((long)bg * W + leaving) * D, far_cos, far_sin, 1.0f, D, qn); /* qn is free now */
+            for (int d = 0; d < D; d++) ck[d] += (qn[d] - ck[d]) / n;
         }
     }
 }

@@ -198,7 +198,7 @@ def nearest_codes(k: Tensor, codebook: Tensor, bias: Tensor) -> Tensor:
     return codes
 
 
-_DECODE_ARGTYPES = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_long, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 20
+_DECODE_ARGTYPES = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_long, ctypes.c_float, ctypes.c_int] + [ctypes.c_void_p] * 18
 
 
 def decode_ready(state, q: Tensor) -> bool:
@@ -217,22 +217,17 @@ def decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos: Tens
     if state.native_args is None:  # the state's own buffers: the same pointers every step
         if _lib.vq_decode.argtypes is None:
             _lib.vq_decode.argtypes, _lib.vq_decode.restype = _DECODE_ARGTYPES, None
-        key_means = state.key_sums is not None
         buffers = (state.keys, state.bias, state.values, state.ring_k, state.ring_z, state.ring_cos, state.ring_sin,
-                   state.counts, state.sums, state.far_cos, state.far_sin)  # fmt: skip
+                   state.counts, state.far_cos, state.far_sin)  # fmt: skip
         if not all(x.is_contiguous() for x in buffers):
             raise ValueError("the decode state's buffers must be contiguous")
         state.work = torch.empty(H // (BG // B) * (N + D), dtype=torch.float32)
         state.native_sgemm = ctypes.cast(_blas.sgemm_, ctypes.c_void_p).value
-        state.native_args = (
-            *(x.data_ptr() for x in buffers[:9]),
-            state.key_sums.data_ptr() if key_means else None,
-            *(x.data_ptr() for x in buffers[9:]),
-        )  # fmt: skip
+        state.native_args = tuple(x.data_ptr() for x in buffers)
     out = q.new_empty(B, 1, H, Dv)
     inputs = [x.contiguous() for x in (q, k, v, codes, cos, sin)]
     _lib.vq_decode(state.native_sgemm, BG, H // (BG // B), D, Dv, W, C, N - W - C, state.seen,
-                   state.scale, int(state.key_sums is not None), *(x.data_ptr() for x in inputs),
+                   state.scale, int(state.key_means), *(x.data_ptr() for x in inputs),
                    *state.native_args, out.data_ptr(), state.work.data_ptr())  # fmt: skip
     return out
 
