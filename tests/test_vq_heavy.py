@@ -177,3 +177,36 @@ def test_a_config_with_heavy_keys_and_sinks_is_refused_at_load(tiny, tmp_path, c
     (folder / "config.json").write_text(json.dumps(config | {"vq_sinks": 2}))
     with pytest.raises(ValueError, match="vq_heavy_keys and vq_sinks do not combine"):
         AutoModelForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("key_means", [False, True])
+@pytest.mark.parametrize("window,update,budget", [(7, 5, 9), (4, 8, 3), (16, 16, 1), (1, 4, 2)])
+def test_the_compiled_periods_are_the_pytorch_loop_whole_and_in_pieces(monkeypatch, key_means, window, update, budget):
+    """float32 inference runs vq_heavy_chunk's periods in C (native.c's vq_heavy_segment): the same outputs and
+    state as the PyTorch loop, whole and in pieces down to one token; autograd keeps the PyTorch loop."""
+    from effattn.kernels.vq import heavy
+
+    if not native.available():
+        pytest.skip(f"compiled loop unavailable: {native.why_unavailable()}")
+    calls, segment = [], native.heavy_segment
+    monkeypatch.setattr(native, "heavy_segment", lambda **kw: calls.append(1) or segment(**kw))
+    args = tuple(x.float() if x.is_floating_point() else x for x in inputs())
+    settings = dict(window=window, update=update, budget=budget, key_means=key_means)
+    pieces = [1, 3, 11, 1, 1, 20, 50] + [1] * 70
+    with monkeypatch.context() as patch:
+        patch.setattr(heavy, "_native", None)
+        ref, ref_state = vq_heavy_chunk(*args, **settings, return_state=True)
+        assert not calls
+    for out, state in (vq_heavy_chunk(*args, **settings, return_state=True), run_in_pieces(args, pieces, **settings)):
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+        for name in ("heavy_pos", "heavy_codes", "recent_codes"):
+            assert torch.equal(getattr(state, name), getattr(ref_state, name)), name
+        for name in ("heavy_k", "heavy_v", "heavy_score", "recent_k", "recent_rk", "recent_v", "recent_score", "counts",
+                     "sums") + (("key_sums",) if key_means else ()):  # fmt: skip
+            torch.testing.assert_close(getattr(state, name), getattr(ref_state, name), rtol=2e-5, atol=2e-5)
+        assert state.seen == 157
+    assert len(calls) == 1 + len(pieces)  # every call compiled (the pieces add up to the 157 tokens)
+    q = args[0].clone().requires_grad_()
+    calls.clear()
+    vq_heavy_chunk(q, *args[1:], **settings).sum().backward()
+    assert not calls and q.grad is not None

@@ -41,6 +41,13 @@ from torch import Tensor
 from effattn.kernels.rope import apply_rope
 from effattn.kernels.vq.naive import check_vq_inputs, compute_dtype
 
+try:  # the compiled prefill; absent where this file is bundled as a model's remote code
+    from effattn.kernels.vq import native as _native
+except ImportError:
+    _native = None
+
+_MASKED = -1e30  # native.c's finite stand-in for -inf (it is built with -ffast-math)
+
 
 def _prologue(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, update, budget, scale):
     """Check the inputs (as the plain kernels do, and the budget), then cast the float ones to the compute
@@ -233,6 +240,11 @@ def vq_heavy_chunk(
                          "pass the state returned for this sequence, batch and codebook.")
     else:
         state = HeavyState(**{f.name: getattr(state, f.name) for f in fields(state)})  # the caller's stays as it was
+    keep_graph = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if (not keep_graph and in_dtype == dt == torch.float32 and q.device.type == "cpu" and _native is not None
+            and _native.available()):  # the same periods, compiled (native.c)
+        out, state = _chunk_native(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, state, scale)
+        return (out, state) if return_state else out
     # batch and KV heads flattened (BG), a KV head's query heads and queries the rows of one product
     heads_first = lambda x: x.reshape(B, -1, G, R, D).permute(0, 2, 3, 1, 4).reshape(B * G, R * x.shape[1], D)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, G, T, *)
@@ -293,3 +305,49 @@ def vq_heavy_chunk(
         if isinstance(x, Tensor):
             setattr(state, f.name, x.detach())
     return out, state
+
+
+def _chunk_native(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, state: HeavyState, scale: float):
+    """``vq_heavy_chunk``'s periods in C (``native.c``'s ``vq_heavy_segment``), float32 inference: the state is
+    laid out in the buffers the C loop updates (the span of recent and new keys, E and the codes in one far
+    block whose code rows hold means, not sums), and read back after. Returns (out, state)."""
+    B, T, H, D = q.shape
+    G, C, Dv = k.shape[2], codebook.shape[1], v.shape[3]
+    W, U, budget = state.window, state.update, state.budget
+    BG, P, S = B * G, budget + U, W - 1 + U
+    n0, m0, key_means = state.recent_k.shape[2], state.heavy_k.shape[2], state.key_sums is not None
+    flat = lambda x: x.reshape(BG, *x.shape[2:])  # noqa: E731
+
+    def rows(n, x, dtype=torch.float32):  # (BG, n, *) zeros, x's rows first
+        buf = torch.zeros(BG, n, *x.shape[3:], dtype=dtype)
+        buf[:, : x.shape[2]] = flat(x)
+        return buf
+
+    span = (rows(S, state.recent_k), rows(S, state.recent_rk), rows(S, state.recent_v),
+            rows(S, state.recent_codes, torch.int64), rows(S, state.recent_score))  # fmt: skip
+    counts = flat(state.counts).clone()
+    count = counts.clamp(min=1.0)[..., None]
+    fk, fv = torch.zeros(BG, P + C, D), torch.zeros(BG, P + C, Dv)
+    fk[:, :m0], fv[:, :m0] = flat(state.heavy_k), flat(state.heavy_v)
+    fk[:, P:] = flat(state.key_sums) / count if key_means else codebook.detach().float().repeat(B, 1, 1)
+    fv[:, P:] = flat(state.sums) / count
+    fb = torch.zeros(BG, P + C)
+    fb[:, m0:P] = _MASKED
+    fb[:, P:] = counts.log().clamp(min=_MASKED)
+    heavy = (rows(P, state.heavy_codes, torch.int64), rows(P, state.heavy_pos, torch.int64), rows(P, state.heavy_score))
+    out = q.new_empty(B, T, H, Dv)
+    m = _native.heavy_segment(
+        q=q, k=k, v=v, z=codes.long(), cos=cos,
+        sin=sin, far_cos=far_cos, far_sin=far_sin, span=span, far=(fk, fv, fb), heavy=heavy, counts=counts, out=out,
+        t0=state.seen, m0=m0, n0=n0, window=W, update=U, budget=budget, scale=scale, key_means=key_means)  # fmt: skip
+    n = min(W - 1, n0 + T)
+    per_head = lambda x, n: x[:, :n].reshape(B, G, n, *x.shape[2:]).clone()  # noqa: E731
+    return out, HeavyState(
+        seen=state.seen + T, window=W, update=U, budget=budget,
+        recent_k=per_head(span[0], n), recent_rk=per_head(span[1], n), recent_v=per_head(span[2], n),
+        recent_codes=per_head(span[3], n), recent_score=per_head(span[4], n),
+        heavy_k=per_head(fk, m), heavy_v=per_head(fv, m), heavy_codes=per_head(heavy[0], m),
+        heavy_pos=per_head(heavy[1], m), heavy_score=per_head(heavy[2], m),
+        counts=counts.reshape(B, G, C), sums=(fv[:, P:] * counts[..., None]).reshape(B, G, C, Dv),
+        key_sums=(fk[:, P:] * counts[..., None]).reshape(B, G, C, D) if key_means else None,
+    )  # fmt: skip

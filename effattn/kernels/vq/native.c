@@ -705,6 +705,41 @@ static int by_score(const void *a, const void *b) {
     return x->index - y->index;
 }
 
+/* E's cut (heavy.py's _keep_order and _fold) on one group's rows: E keeps its `budget` keys of highest
+ * score (ties to the older), in order; the rest join their codes, whose means move by (x - mean) / count.
+ * E's rows are FK / FV [0, m) with metadata hz, hp, hs; the codes' rows FK / FV [P, P + C), their log
+ * counts fb[P + c] and counts cnt. rank, keep: scratch for m entries. */
+static void heavy_cut(int m, int budget, int P, int D, int Dv, int key_means, float *FK, float *FV, float *fb, int64_t *hz,
+                      int64_t *hp, float *hs, float *cnt, ranked_t *rank, int *keep) {
+    for (int i = 0; i < m; i++) rank[i] = (ranked_t){hs[i], i};
+    qsort(rank, m, sizeof *rank, by_score);
+    memset(keep, 0, sizeof(int) * m);
+    for (int i = 0; i < budget; i++) keep[rank[i].index] = 1;
+    int w = 0;
+    for (int i = 0; i < m; i++) {
+        float *Ki = FK + (long)i * D, *Vi = FV + (long)i * Dv;
+        if (keep[i]) {
+            if (w != i) {
+                memcpy(FK + (long)w * D, Ki, sizeof(float) * D);
+                memcpy(FV + (long)w * Dv, Vi, sizeof(float) * Dv);
+                hs[w] = hs[i], hz[w] = hz[i], hp[w] = hp[i];
+            }
+            w++;
+            continue;
+        }
+        const long c = hz[i];
+        const float n = cnt[c] += 1.0f;
+        float *mean = FV + (P + c) * Dv;
+        for (int d = 0; d < Dv; d++) mean[d] += (Vi[d] - mean[d]) / n;
+        fb[P + c] = logf(n);
+        if (key_means) {
+            float *ck = FK + (P + c) * D;
+            for (int d = 0; d < D; d++) ck[d] += (Ki[d] - ck[d]) / n;
+        }
+    }
+    for (int i = budget; i < m; i++) fb[i] = MASKED;
+}
+
 long vq_heavy_decode_work_floats(int R, int D, int W, int P, int C) {
     return (long)R * (W + P + C) + 2L * R * D + 3L * P;
 }
@@ -724,35 +759,9 @@ int vq_heavy_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int P, 
         float *sc = score + (long)bg * (W + P), *cnt = counts + (long)bg * C;
         int64_t *hz = heavy_z + (long)bg * P, *hp = heavy_pos + (long)bg * P;
         const float *Q = q + (long)bg * R * D;
-        if (cut) { /* E keeps its `budget` keys of highest score, in order; the rest join their codes */
-            for (int i = 0; i < m; i++) rank[i] = (ranked_t){sc[W + i], i};
-            qsort(rank, m, sizeof *rank, by_score);
-            memset(keep, 0, sizeof(int) * m);
-            for (int i = 0; i < budget; i++) keep[rank[i].index] = 1;
-            int w = 0;
-            for (int i = 0; i < m; i++) {
-                float *Ki = K + (long)(W + i) * D, *Vi = V + (long)(W + i) * Dv;
-                if (keep[i]) {
-                    if (w != i) {
-                        memcpy(K + (long)(W + w) * D, Ki, sizeof(float) * D);
-                        memcpy(V + (long)(W + w) * Dv, Vi, sizeof(float) * Dv);
-                        sc[W + w] = sc[W + i], hz[w] = hz[i], hp[w] = hp[i];
-                    }
-                    w++;
-                    continue;
-                }
-                const long c = hz[i];
-                const float n = cnt[c] += 1.0f;
-                float *mean = V + (W + P + c) * Dv;
-                for (int d = 0; d < Dv; d++) mean[d] += (Vi[d] - mean[d]) / n;
-                bs[W + P + c] = logf(n);
-                if (key_means) {
-                    float *ck = K + (W + P + c) * D;
-                    for (int d = 0; d < D; d++) ck[d] += (Ki[d] - ck[d]) / n;
-                }
-            }
-            for (int i = budget; i < m; i++) bs[W + i] = MASKED;
-        }
+        if (cut) /* E keeps its `budget` keys of highest score, in order; the rest join their codes */
+            heavy_cut(m, budget, P, D, Dv, key_means, K + (long)W * D, V + (long)W * Dv, bs + W, hz, hp, sc + W, cnt,
+                      rank, keep);
         /* the new key (rotated to t) and value take the ring row of position t - W */
         rope_row(k + (long)bg * D, cos_t, sin_t, 1.0f, D, K + (long)slot * D);
         memcpy(V + (long)slot * Dv, v + (long)bg * Dv, sizeof(float) * Dv);
@@ -782,4 +791,111 @@ int vq_heavy_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int P, 
         sc[j] = sc[leaving], hz[live] = ring_z[(long)bg * W + leaving], hp[live] = t - W + 1, bs[j] = 0.0f;
     }
     return live + 1;
+}
+
+/* Heavy-hitter prefill (heavy.py's vq_heavy_chunk for float32 inference, read it first): T positions
+ * t0 .. t0 + T - 1 of the groups bg in [bg_lo, bg_hi), one period of up to U queries at a time (up to the
+ * next cut), continuing the state held in these buffers, per group bg = b * G + g (S = W - 1 + U):
+ *   span: SK, SRK (BG, S, D) pre-RoPE and rotated keys, SV (BG, S, Dv), SZ (BG, S) codes, SS (BG, S) scores;
+ *     rows [0, n0) the recent keys (oldest first), n0 = min(t0, W - 1);
+ *   far block: FK (BG, P + C, D), FV (BG, P + C, Dv), FB (BG, P + C): rows [0, P) E (pre-RoPE keys, values,
+ *     bias 0 for live rows [0, m0), MASKED after), rows [P, P + C) the codes (their key: mean or codeword;
+ *     their mean value; bias log count, MASKED when empty); HZ, HP (BG, P) E's codes and positions, HS (BG, P)
+ *     E's scores; counts (BG, C).
+ *   q (B, T, H, D), k (B, T, G, D), v (B, T, G, Dv) pre-RoPE, z (B, T, G); cos, sin (T, D) at t0 ..;
+ *   far_cos, far_sin (D) the far position; out (B, T, H, Dv); work: vq_heavy_segment_work_floats.
+ * Per period and group: rows (r, i) = query i of query head r; the span's columns (near: rotated queries
+ * and keys; far: both at F; masked after the query), E's and the codes' (at F) in one softmax; the output;
+ * the scores; the keys leaving the window appended to E. Returns E's size after the call. */
+long vq_heavy_segment_work_floats(int R, int D, int Dv, int W, int U, int P, int C) {
+    const long rows = (long)R * U, S = W - 1 + U;
+    return rows * (2L * D + S + P + C + S + Dv) + 3L * P;
+}
+
+int vq_heavy_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, int W, int U, int P, int C, int budget,
+                     long t0, int m0, int n0, float scale, int key_means, int bg_lo, int bg_hi, const float *q,
+                     const float *k, const float *v, const int64_t *z, const float *cos, const float *sin,
+                     const float *far_cos, const float *far_sin, float *SK, float *SRK, float *SV, int64_t *SZ, float *SS,
+                     float *FK, float *FV, float *FB, int64_t *HZ, int64_t *HP, float *HS, float *counts, float *out,
+                     float *work) {
+    const int H = G * R, S = W - 1 + U, F = P + C;
+    float *qn = work, *qf = qn + (long)R * U * D, *L = qf + (long)R * U * D, *far = L + (long)R * U * (S + F);
+    float *o = far + (long)R * U * S;
+    ranked_t *rank = (ranked_t *)(o + (long)R * U * Dv);
+    int *keep = (int *)(rank + P);
+    int m_end = m0;
+    for (int bg = bg_lo; bg < bg_hi; bg++) {
+        const int b = bg / G, g = bg % G;
+        float *sk = SK + (long)bg * S * D, *srk = SRK + (long)bg * S * D, *sv = SV + (long)bg * S * Dv;
+        float *ss = SS + (long)bg * S, *fk = FK + (long)bg * F * D, *fv = FV + (long)bg * F * Dv;
+        float *fb = FB + (long)bg * F, *hs = HS + (long)bg * P, *cnt = counts + (long)bg * C;
+        int64_t *sz = SZ + (long)bg * S, *hz = HZ + (long)bg * P, *hp = HP + (long)bg * P;
+        int m = m0, n = n0;
+        for (int a = 0; a < T;) {
+            const long t = t0 + a;
+            if (t && t % U == 0 && m > budget) {
+                heavy_cut(m, budget, P, D, Dv, key_means, fk, fv, fb, hz, hp, hs, cnt, rank, keep);
+                m = budget;
+            }
+            const int Q = (int)((T - a) < U - t % U ? (T - a) : U - t % U), cols = n + Q, ld = cols + F;
+            for (int i = 0; i < Q; i++) { /* the period's keys join the span */
+                const long src = ((long)b * T + a + i) * G + g;
+                memcpy(sk + (long)(n + i) * D, k + src * D, sizeof(float) * D);
+                rope_row(k + src * D, cos + (long)(a + i) * D, sin + (long)(a + i) * D, 1.0f, D, srk + (long)(n + i) * D);
+                memcpy(sv + (long)(n + i) * Dv, v + src * Dv, sizeof(float) * Dv);
+                sz[n + i] = z[src];
+                ss[n + i] = 0.0f;
+            }
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < Q; i++) {
+                    const float *x = q + (((long)b * T + a + i) * H + g * R + r) * D;
+                    rope_row(x, cos + (long)(a + i) * D, sin + (long)(a + i) * D, scale, D, qn + ((long)r * Q + i) * D);
+                    rope_row(x, far_cos, far_sin, scale, D, qf + ((long)r * Q + i) * D);
+                }
+            const int rows = R * Q;
+            gemm_abt(sgemm, rows, cols, D, qn, D, srk, D, L, ld);
+            gemm_abt(sgemm, rows, cols, D, qf, D, sk, D, far, cols);
+            gemm_abt(sgemm, rows, F, D, qf, D, fk, D, L + cols, ld);
+            for (int row = 0; row < rows; row++) {
+                const int i = row % Q;
+                float *l = L + (long)row * ld, *lf = far + (long)row * cols, top = MASKED;
+                for (int j = 0; j < cols; j++) { /* span key j is at t - n + j; query i at t + i */
+                    const int delta = n + i - j;
+                    l[j] = delta < 0 ? MASKED : delta >= W ? lf[j] : l[j];
+                }
+                for (int j = 0; j < F; j++) l[cols + j] += fb[j];
+                for (int j = 0; j < ld; j++) top = l[j] > top ? l[j] : top;
+                const float inv = 1.0f / exp_sum(l, ld, top, 1);
+                for (int j = 0; j < ld; j++) l[j] *= inv;
+            }
+            gemm_ab(sgemm, rows, Dv, cols, L, ld, sv, Dv, 0.0f, o, Dv);
+            gemm_ab(sgemm, rows, Dv, F, L + cols, ld, fv, Dv, 1.0f, o, Dv);
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < Q; i++)
+                    memcpy(out + (((long)b * T + a + i) * H + g * R + r) * Dv, o + ((long)r * Q + i) * Dv,
+                           sizeof(float) * Dv);
+            for (int row = 0; row < rows; row++) { /* the attention each span and E key received */
+                const float *l = L + (long)row * ld;
+                for (int j = 0; j < cols; j++) ss[j] += l[j];
+                for (int e = 0; e < m; e++) hs[e] += l[cols + e];
+            }
+            /* the keys that leave the window for the next query join E; the last W - 1 stay in the span */
+            const int leave = cols - (W - 1) > 0 ? cols - (W - 1) : 0;
+            for (int e = 0; e < leave; e++) {
+                memcpy(fk + (long)(m + e) * D, sk + (long)e * D, sizeof(float) * D);
+                memcpy(fv + (long)(m + e) * Dv, sv + (long)e * Dv, sizeof(float) * Dv);
+                hz[m + e] = sz[e], hp[m + e] = t - n + e, hs[m + e] = ss[e], fb[m + e] = 0.0f;
+            }
+            m += leave;
+            n = cols - leave;
+            memmove(sk, sk + (long)leave * D, sizeof(float) * n * D);
+            memmove(srk, srk + (long)leave * D, sizeof(float) * n * D);
+            memmove(sv, sv + (long)leave * Dv, sizeof(float) * n * Dv);
+            memmove(sz, sz + leave, sizeof(int64_t) * n);
+            memmove(ss, ss + leave, sizeof(float) * n);
+            a += Q;
+        }
+        m_end = m;
+    }
+    return m_end;
 }

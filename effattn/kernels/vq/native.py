@@ -265,3 +265,44 @@ def heavy_decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos
         state.seen, state.scale, int(state.key_means), *(x.data_ptr() for x in inputs),
         *(x.data_ptr() for x in buffers), out.data_ptr(), state.work.data_ptr())  # fmt: skip
     return out
+
+
+_HEAVY_SEGMENT_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int] * 11 + [ctypes.c_long, ctypes.c_int, ctypes.c_int,
+                           ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 22)
+
+
+def heavy_segment(*, q: Tensor, k: Tensor, v: Tensor, z: Tensor, cos: Tensor, sin: Tensor, far_cos: Tensor,
+                  far_sin: Tensor, span: tuple, far: tuple, heavy: tuple, counts: Tensor, out: Tensor, t0: int, m0: int,
+                  n0: int, window: int, update: int, budget: int, scale: float, key_means: bool) -> int:  # fmt: skip
+    """Heavy-hitter prefill of q's T positions in C (``native.c``'s ``vq_heavy_segment``; heavy.py's
+    ``vq_heavy_chunk`` builds the buffers and reads the state back). ``span`` = (SK, SRK, SV, SZ, SS),
+    ``far`` = (FK, FV, FB), ``heavy`` = (HZ, HP, HS) and ``counts`` are updated in place, ``out`` (B, T, H, Dv)
+    receives the output; all contiguous, float32 (int64 codes and positions) on the CPU. The KV heads
+    are independent (a head's E depends on its own queries only), so workers take a share of them each;
+    the periods of one head cannot be split, as the plain loop's steps are. Returns E's size after."""
+    B, T, H, D = q.shape
+    G, Dv, C = k.shape[2], v.shape[-1], counts.shape[-1]
+    R, P, BG = H // G, budget + update, B * G
+    buffers = (*span, *far, *heavy, counts, out)
+    if not all(x.is_contiguous() for x in buffers):
+        raise ValueError("heavy_segment updates its buffers in place: they must be contiguous")
+    if _lib.vq_heavy_segment.argtypes is None:
+        _lib.vq_heavy_segment.argtypes, _lib.vq_heavy_segment.restype = _HEAVY_SEGMENT_ARGTYPES, ctypes.c_int
+        _lib.vq_heavy_segment_work_floats.restype = ctypes.c_long
+    inputs = [x.contiguous() for x in (q, k, v, z, cos, sin, far_cos, far_sin)]
+    # one worker per KV head up to twice the threads (3 heads on 2 cores: the system shares them out, where
+    # two workers would leave one core idle a third of the time); beyond that, one per thread
+    n = torch.get_num_threads()
+    threads = BG if BG <= 2 * n else n
+    bounds = [BG * i // threads for i in range(threads + 1)]
+    sizes = []
+
+    def call(i: int) -> None:
+        work = torch.empty(_lib.vq_heavy_segment_work_floats(R, D, Dv, window, update, P, C), dtype=torch.float32)
+        sizes.append(_lib.vq_heavy_segment(
+            ctypes.cast(_blas.sgemm_, ctypes.c_void_p), B, T, G, R, D, Dv, window, update, P, C, budget, t0, m0, n0,
+            scale, int(key_means), bounds[i], bounds[i + 1], *(x.data_ptr() for x in inputs),
+            *(x.data_ptr() for x in buffers), work.data_ptr()))  # fmt: skip
+
+    _run([partial(call, i) for i in range(threads)], threads)
+    return sizes[0]
