@@ -197,7 +197,7 @@ for _kind in (
               _vq(bf16=True)),
     BenchKind("vq_means_bf16", "vq_means with the code products in bfloat16", _vq(key_means=True, bf16=True)),
     BenchKind("vq_heavy", "vq_means with the --heavy-keys far keys per KV head that drew the most attention kept "
-                          "exact, cut every --block-size positions (vq_heavy_chunk, PyTorch)", _vq(key_means=True, heavy=True)),
+                          "exact, cut every --block-size positions (vq_heavy_chunk; compiled for float32 on the CPU)", _vq(key_means=True, heavy=True)),
     BenchKind("vq_naive", "vq through the quadratic reference vq_attention_naive", _vq(naive=True), NAIVE_MAX_LENGTH,
               score_copies=4),
     BenchKind("sparse", "--pattern (longformer, bigbird, strided) on FlexAttention block masks, compiled",

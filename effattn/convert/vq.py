@@ -135,13 +135,13 @@ def _kernel_line() -> str:
 
 
 def _heavy_kernel_line() -> str:
-    """Which heavy-hitter kernels run here: prefill is PyTorch; decode steps are C where it is built."""
+    """Which heavy-hitter kernels run here: compiled prefill periods and decode steps where native.c builds."""
     from ..kernels.vq import native
 
     why = native.why_unavailable()
-    step = f"PyTorch (the compiled one is unavailable: {why})" if why else "compiled (native.c)"
-    return (f"heavy-hitter kernel (kernels/vq/heavy.py, PyTorch) for prefill; decode step {step}, "
-            "kernels/vq/heavy_decode.py")
+    how = f"PyTorch (the compiled ones are unavailable: {why})" if why else "compiled (native.c)"
+    return (f"heavy-hitter kernel (kernels/vq/heavy.py) for prefill and decode step (kernels/vq/heavy_decode.py): "
+            f"{how}")
 
 
 def _vq_classes():

@@ -26,8 +26,9 @@ the first positions are heavy hitters wherever they draw attention.
 
 The readable reference is :func:`vq_heavy_naive` (every pair materialised, one period of U queries at a
 time); :func:`vq_heavy_chunk` computes the same with one column per code and a state that continues the
-sequence across calls, down to one token per call, and is what models run for prefill; their one-token
-steps take ``heavy_decode.py``'s fixed layout (in C where it is built), which computes the same.
+sequence across calls, down to one token per call, and is what models run for prefill (its periods in C,
+``native.c``'s ``vq_heavy_segment``, for float32 inference where it is built); their one-token steps take
+``heavy_decode.py``'s fixed layout (in C likewise), which computes the same.
 Gradients: the keys and values of coded pairs are detached (the codes hold detached statistics, like the
 chunk kernel's aggregated pairs); the choice of E is not differentiable; a state passed between calls is
 detached.
