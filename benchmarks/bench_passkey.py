@@ -25,9 +25,9 @@ VARIANTS = {  # name: effattn arguments making it from the built-in model (None:
     "original": None,
     "mqa": "convert llama --to mqa --no-eval",
     "rerope": "convert llama --to rerope --window 256 --no-eval",
-    "vq64": "vq-init llama --window 64 --no-eval",
-    "vq64-plain": "vq-init llama --window 64 --no-key-means --no-eval",
-    "vq64-exact18": "vq-init llama --window 64 --exact-heads 18 --no-eval",
+    "vq64": "vq-init llama --window 64 --heavy-keys 0 --no-eval",  # key means alone (plain VQ; heavy keys are the default)
+    "vq64-plain": "vq-init llama --window 64 --no-key-means --heavy-keys 0 --no-eval",
+    "vq64-exact18": "vq-init llama --window 64 --exact-heads 18 --heavy-keys 0 --no-eval",
     "vq64-heavy192": "vq-init llama --window 64 --heavy-keys 192 --no-eval",
     "linear2": "convert llama --to rope-scaling --rope-type linear --factor 2 --no-eval",
     "dynamic2": "convert llama --to rope-scaling --rope-type dynamic --factor 2 --no-eval",

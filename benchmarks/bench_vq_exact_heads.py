@@ -55,7 +55,7 @@ def main() -> None:
     seconds = None
     if not (folder / "effattn.json").exists():
         t0 = time.perf_counter()
-        convert("llama", folder, to="vq", options={"codebook_size": 512, "window": args.window, "exact_heads": max(ks)},
+        convert("llama", folder, to="vq", options={"codebook_size": 512, "window": args.window, "exact_heads": max(ks), "heavy_keys": 0},
                 measure=False, force=True)
         seconds = time.perf_counter() - t0
     record = json.loads((folder / "effattn.json").read_text())

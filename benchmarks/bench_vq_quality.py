@@ -112,7 +112,7 @@ def main() -> None:
             measure("ReRoPE only, far keys at 4W (the default)", window, seconds, folder)
             for name in args.variants.split(","):
                 t0 = time.perf_counter()
-                options = {"codebook_size": 512, "window": window} | CONVERSIONS[name]
+                options = {"codebook_size": 512, "window": window, "heavy_keys": 0} | CONVERSIONS[name]  # plain VQ
                 folder = convert("llama", Path(tmp) / f"{name}{window}", to="vq", options=options, measure=False,
                                  force=True).out
                 seconds = f"{time.perf_counter() - t0:.0f}"

@@ -120,8 +120,8 @@ def test_vq_init_keeps_smollm2_close_to_rerope_and_its_cache_small(tmp_path, smo
     rerope = convert("llama", tmp_path / "rerope", to="rerope", options={"window": 64}, measure=False).out
     classic = convert("llama", tmp_path / "classic", to="rerope", options={"window": 64, "far_position": 64},
                       measure=False).out  # fmt: skip
-    vq = convert("llama", tmp_path / "vq", to="vq", measure=False,
-                 options={"window": 64, "codebook_size": 256, "calib_tokens": 4096}).out
+    vq = convert("llama", tmp_path / "vq", to="vq", measure=False,  # plain VQ; heavy keys are set at load below
+                 options={"window": 64, "codebook_size": 256, "calib_tokens": 4096, "heavy_keys": 0}).out
     original, tok, _ = load_model("llama")
     blocks = token_blocks(tok, load_text("britannica"), 1024, 2048, spread=True)  # as `effattn eval` cuts it
     with torch.inference_mode():
@@ -131,6 +131,9 @@ def test_vq_init_keeps_smollm2_close_to_rerope_and_its_cache_small(tmp_path, smo
         assert vq_model.config.vq_key_means  # the default
         r_vq = corpus_scores(vq_model, blocks, original)
         vq_bytes, original_bytes = kv_cache_bytes(vq_model, blocks[:1]), kv_cache_bytes(original, blocks[:1])
+        vq_model.config.vq_heavy_keys = 192  # vq-init's default: 192 far keys per KV head kept exact
+        r_heavy = corpus_scores(vq_model, blocks, original)
+        vq_model.config.vq_heavy_keys = 0
         vq_model.config.vq_key_means = False  # fixed codewords, the same codebooks
         r_codewords = corpus_scores(vq_model, blocks, original)
     base = r_rerope["baseline_perplexity"]
@@ -145,6 +148,9 @@ def test_vq_init_keeps_smollm2_close_to_rerope_and_its_cache_small(tmp_path, smo
     assert r_vq["agreement"] > r_codewords["agreement"]
     # measured from the real caches after 1024 tokens: the VQ state is a fraction of the full cache
     assert vq_bytes < 0.5 * original_bytes
+    # heavy hitters (the default) keep more than the codes alone, and no more than ReRoPE (BENCHMARKS.md,
+    # "Transformer-VQ with heavy hitters")
+    assert ppl_rerope <= r_heavy["perplexity"] < ppl_vq and r_heavy["agreement"] > r_vq["agreement"]
 
 
 def test_smollm2_finds_the_pass_key_within_its_trained_context(smollm2_path):

@@ -34,7 +34,8 @@ def calib_file(tmp_path_factory):
 
 
 def vq_init(src: Path, out: Path, calib: Path, **options) -> Path:
-    opts = {"codebook_size": 16, "window": 16, "calib": str(calib), "calib_tokens": 1024, "calib_seq_len": 128} | options
+    opts = {"codebook_size": 16, "window": 16, "calib": str(calib), "calib_tokens": 1024, "calib_seq_len": 128,
+            "heavy_keys": 0} | options  # plain VQ unless a test asks for heavy hitters (vq-init's default)
     return convert(src, out, to="vq", options=opts, measure=False).out
 
 
@@ -382,7 +383,7 @@ def test_vq_dry_run_writes_nothing(tiny, tmp_path, calib_file, monkeypatch):
     from effattn.kernels.vq import native
 
     def kernel_line() -> str:
-        plan = convert(src, tmp_path / "vq", to="vq", options={"codebook_size": 16, "window": 16}, dry_run=True).plan
+        plan = convert(src, tmp_path / "vq", to="vq", options={"codebook_size": 16, "window": 16, "heavy_keys": 0}, dry_run=True).plan
         return dict(plan.summary)["VQ kernel"]
 
     seen = set()
@@ -409,7 +410,8 @@ def _tiny_heal_recipe(tmp_path: Path, src: Path, calib_file: Path) -> dict:
     (tmp_path / "held.txt").write_text(text[len(text) // 2:])
     return {
         "student": {"model": str(src), "convert": {"to": "vq", "codebook_size": 16, "window": 8, "calib": str(calib_file),
-                                                   "calib_tokens": 1024, "calib_seq_len": 128}},
+                                                   "calib_tokens": 1024, "calib_seq_len": 128,
+                                                   "heavy_keys": 0}},  # as heal-vq pins it
         "data": {"sources": [str(tmp_path / "train.txt")], "seq_len": 64},
         "train": {"max_steps": 10, "batch_size": 2, "params": "attention"},
         "optimizer": {"lr": 3e-3},

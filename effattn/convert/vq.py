@@ -57,6 +57,9 @@ METRICS = get_args(Metric)
 METRIC_WORDS = {"query": "k-means under the query metric (logit error)",
                 "attention": "attention-weighted k-means (keys weighted by their far attention, logit error)",
                 "key": "k-means under plain key distance"}
+# far keys per KV head kept exact by default (vq-init --heavy-keys): BENCHMARKS.md, "Transformer-VQ with heavy
+# hitters" (the number came from an oracle screen on the calibration side; no other default was tried)
+DEFAULT_HEAVY_KEYS = 192
 BIAS_QUERIES = 2048  # calibration queries (per KV head) that the per-code logit corrections average over
 # ema_counts start as the expected number of keys per code in a batch of this many tokens
 EMA_NOMINAL_TOKENS = 1024
@@ -84,9 +87,10 @@ class ReRoPEOptions(ConversionOptions):
 class VQOptions(ReRoPEOptions, RefineOptions):  # ReRoPE's options, VQ's own, then refinement's (rerope has none)
     codebook_size: int = Field(512, ge=1, description="codewords per layer and KV head")
     sinks: int = Field(0, ge=0, description="first positions of a sequence that are never quantized")
-    heavy_keys: int = Field(0, ge=0, description="B: per KV head, the B far keys that have drawn the most attention "
-                                                 "keep their own logit and value (H2O's heavy hitters; the cache "
-                                                 "holds up to B + block size of them); 0: every far key is coded")
+    heavy_keys: int | None = Field(None, ge=0, description="B: per KV head, the B far keys that have drawn the most "
+                                   "attention keep their own logit and value (H2O's heavy hitters; the cache holds up "
+                                   f"to B + block size of them); 0: every far key is coded (default {DEFAULT_HEAVY_KEYS}, "
+                                   "or 0 with --sinks)")
     calib: str = Field(DEFAULT_CALIB, description=CALIB_HELP)
     calib_tokens: int = Field(16384, ge=1, description="calibration tokens")
     calib_seq_len: int = Field(1024, ge=1, description="calibration sequence length (longer than the window)")
@@ -166,6 +170,8 @@ class _ReRoPEBase:
                                "than near ones", f"use --far-position {window} or more (default {FAR_MULTIPLE} x window)")
         sinks = getattr(opts, "sinks", 0)
         heavy = getattr(opts, "heavy_keys", 0)
+        if heavy is None:  # on by default (measured better on every held-out corpus), off with sinks
+            heavy = 0 if sinks or not self.quantize else DEFAULT_HEAVY_KEYS
         if heavy and sinks:
             raise EffattnError(f"--heavy-keys {heavy} and --sinks {sinks} both keep far keys exact",
                                "drop --sinks: heavy hitters keep the first positions exact when they draw attention")
