@@ -54,8 +54,6 @@ except ImportError:
     _native = None
 
 
-
-
 @dataclass
 class HeavyDecodeState:
     """A :class:`HeavyState` in the layout of a decode step (module docstring); constant in size."""
