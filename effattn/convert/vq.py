@@ -58,7 +58,8 @@ METRIC_WORDS = {"query": "k-means under the query metric (logit error)",
                 "attention": "attention-weighted k-means (keys weighted by their far attention, logit error)",
                 "key": "k-means under plain key distance"}
 # far keys per KV head kept exact by default (vq-init --heavy-keys): BENCHMARKS.md, "Transformer-VQ with heavy
-# hitters" (the number came from an oracle screen on the calibration side; no other default was tried)
+# hitters". 192 came from an oracle screen (64 and 192 tried on the python corpus); quality grows with the
+# budget and so does the cache: benchmarks/vq_heavy_budget.py weighs it on training-side text
 DEFAULT_HEAVY_KEYS = 192
 BIAS_QUERIES = 2048  # calibration queries (per KV head) that the per-code logit corrections average over
 # ema_counts start as the expected number of keys per code in a batch of this many tokens

@@ -40,14 +40,13 @@ import torch
 from torch import Tensor
 
 from effattn.kernels.rope import apply_rope
+from effattn.kernels.vq.decode import MASKED  # native.c's finite stand-in for -inf
 from effattn.kernels.vq.naive import check_vq_inputs, compute_dtype
 
 try:  # the compiled prefill; absent where this file is bundled as a model's remote code
     from effattn.kernels.vq import native as _native
 except ImportError:
     _native = None
-
-_MASKED = -1e30  # native.c's finite stand-in for -inf (it is built with -ffast-math)
 
 
 def _prologue(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, window, update, budget, scale):
@@ -333,14 +332,14 @@ def _chunk_native(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, state: H
     fk[:, P:] = flat(state.key_sums) / count if key_means else codebook.detach().float().repeat(B, 1, 1)
     fv[:, P:] = flat(state.sums) / count
     fb = torch.zeros(BG, P + C)
-    fb[:, m0:P] = _MASKED
-    fb[:, P:] = counts.log().clamp(min=_MASKED)
+    fb[:, m0:P] = MASKED
+    fb[:, P:] = counts.log().clamp(min=MASKED)
     heavy = (rows(P, state.heavy_codes, torch.int64), rows(P, state.heavy_pos, torch.int64), rows(P, state.heavy_score))
     out = q.new_empty(B, T, H, Dv)
     m = _native.heavy_segment(
-        q=q, k=k, v=v, z=codes.long(), cos=cos,
-        sin=sin, far_cos=far_cos, far_sin=far_sin, span=span, far=(fk, fv, fb), heavy=heavy, counts=counts, out=out,
-        t0=state.seen, m0=m0, n0=n0, window=W, update=U, budget=budget, scale=scale, key_means=key_means)  # fmt: skip
+        q=q, k=k, v=v, z=codes.long(), cos=cos, sin=sin, far_cos=far_cos, far_sin=far_sin, span=span, far=(fk, fv, fb),
+        heavy=heavy, counts=counts, out=out, t0=state.seen, m0=m0, n0=n0, window=W, update=U, budget=budget, scale=scale,
+        key_means=key_means)  # fmt: skip
     n = min(W - 1, n0 + T)
     per_head = lambda x, n: x[:, :n].reshape(B, G, n, *x.shape[2:]).clone()  # noqa: E731
     return out, HeavyState(
