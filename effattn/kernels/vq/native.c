@@ -123,6 +123,17 @@ static float exp_sum(float *x, int n, float mx, int masked) {
     return sum;
 }
 
+/* softmax of one row of n logits in place, with bias (n values, or NULL) added first; columns at MASKED
+ * (masked keys, empty codes, unused rows of E) get exactly 0 */
+static void softmax_row(float *row, int n, const float *bias) {
+    float top = MASKED;
+    if (bias)
+        for (int j = 0; j < n; j++) row[j] += bias[j];
+    for (int j = 0; j < n; j++) top = row[j] > top ? row[j] : top;
+    const float inv = 1.0f / exp_sum(row, n, top, 1);
+    for (int j = 0; j < n; j++) row[j] *= inv;
+}
+
 /* Row-major C (rows x cols) (+)= A (rows x k) @ B^T, B (cols x k), or @ B, B (k x cols): bfloat16 inputs. */
 static void gemm16_abt(gemm16_fn g, int rows, int cols, int k, const uint16_t *a, int lda, const uint16_t *b, int ldb,
                        float *c, int ldc) {
@@ -659,13 +670,7 @@ void vq_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int C, int m
         for (int r = 0; r < R; r++) rope_row(Q + (long)r * D, cos_t, sin_t, 1.0f, D, qn + (long)r * D);
         gemm_abt(sgemm, R, W, D, qn, D, K, D, logits, N);
         gemm_abt(sgemm, R, C + m, D, Q, D, K + (long)W * D, D, logits + W, N);
-        for (int r = 0; r < R; r++) { /* softmax, row by row: bias, max, exp and sum (empty codes: 0) */
-            float *row = logits + (long)r * N, top = MASKED;
-            for (int j = 0; j < N; j++) row[j] += bs[j];
-            for (int j = 0; j < N; j++) top = row[j] > top ? row[j] : top;
-            float inv = 1.0f / exp_sum(row, N, top, 1);
-            for (int j = 0; j < N; j++) row[j] *= inv;
-        }
+        for (int r = 0; r < R; r++) softmax_row(logits + (long)r * N, N, bs);
         gemm_ab(sgemm, R, Dv, N, logits, N, V, Dv, 0.0f, out + (long)bg * R * Dv, Dv);
         /* position t - W + 1 leaves the window: it joins its code */
         long c = ring_z[(long)bg * W + leaving];
@@ -682,17 +687,6 @@ void vq_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int C, int m
     }
 }
 
-/* One decode step of heavy-hitter VQ (heavy_decode.py's vq_heavy_decode_step, read it first). Per
- * key/value group bg the N = W + P + C columns are the window's ring (keys rotated to their positions,
- * read by the query rotated to t), the P rows of E (pre-RoPE keys, the first m live) and the C codes (the
- * code's key, pre-RoPE), both read by the query rotated to the far position. Shapes, float32 but for
- * the int64 codes and positions, rows of bg = b * G + g:
- *   q (BG, R, D), k (BG, D) pre-RoPE; v (BG, Dv); z (BG) the new key's code; cos, sin (D) position t;
- *   far_cos, far_sin (D) position F; keys (BG, N, D), bias (BG, N), values (BG, N, Dv), score (BG, W + P);
- *   ring_k (BG, W, D), ring_z (BG, W); heavy_z, heavy_pos (BG, P); counts (BG, C); out (BG, R, Dv);
- *   work: vq_heavy_decode_work_floats. The code rows of values (and with key means of keys) hold means: a
- *   key that joins its code moves them by (x - mean) / count.
- * Returns E's size after the step (the same in every group). */
 typedef struct {
     float score;
     int index;
@@ -740,6 +734,17 @@ static void heavy_cut(int m, int budget, int P, int D, int Dv, int key_means, fl
     for (int i = budget; i < m; i++) fb[i] = MASKED;
 }
 
+/* One decode step of heavy-hitter VQ (heavy_decode.py's vq_heavy_decode_step, read it first). Per
+ * key/value group bg the N = W + P + C columns are the window's ring (keys rotated to their positions,
+ * read by the query rotated to t), the P rows of E (pre-RoPE keys, the first m live) and the C codes (the
+ * code's key, pre-RoPE), both read by the query rotated to the far position. Shapes, float32 but for
+ * the int64 codes and positions, rows of bg = b * G + g:
+ *   q (BG, R, D), k (BG, D) pre-RoPE; v (BG, Dv); z (BG) the new key's code; cos, sin (D) position t;
+ *   far_cos, far_sin (D) position F; keys (BG, N, D), bias (BG, N), values (BG, N, Dv), score (BG, W + P);
+ *   ring_k (BG, W, D), ring_z (BG, W); heavy_z, heavy_pos (BG, P); counts (BG, C); out (BG, R, Dv);
+ *   work: vq_heavy_decode_work_floats. The code rows of values (and with key means of keys) hold means: a
+ *   key that joins its code moves them by (x - mean) / count.
+ * Returns E's size after the step (the same in every group). */
 long vq_heavy_decode_work_floats(int R, int D, int W, int P, int C) {
     return (long)R * (W + P + C) + 2L * R * D + 3L * P;
 }
@@ -774,13 +779,7 @@ int vq_heavy_decode(sgemm_fn sgemm, int BG, int R, int D, int Dv, int W, int P, 
         }
         gemm_abt(sgemm, R, W, D, qn, D, K, D, logits, N);
         gemm_abt(sgemm, R, P + C, D, qf, D, K + (long)W * D, D, logits + W, N);
-        for (int r = 0; r < R; r++) { /* softmax, row by row (masked rows and empty codes: 0) */
-            float *row = logits + (long)r * N, top = MASKED;
-            for (int j = 0; j < N; j++) row[j] += bs[j];
-            for (int j = 0; j < N; j++) top = row[j] > top ? row[j] : top;
-            const float inv = 1.0f / exp_sum(row, N, top, 1);
-            for (int j = 0; j < N; j++) row[j] *= inv;
-        }
+        for (int r = 0; r < R; r++) softmax_row(logits + (long)r * N, N, bs);
         gemm_ab(sgemm, R, Dv, N, logits, N, V, Dv, 0.0f, out + (long)bg * R * Dv, Dv);
         for (int r = 0; r < R; r++) /* the attention each window and E key received */
             for (int j = 0; j < W + live; j++) sc[j] += logits[(long)r * N + j];
@@ -858,15 +857,13 @@ int vq_heavy_segment(sgemm_fn sgemm, int B, int T, int G, int R, int D, int Dv, 
             gemm_abt(sgemm, rows, F, D, qf, D, fk, D, L + cols, ld);
             for (int row = 0; row < rows; row++) {
                 const int i = row % Q;
-                float *l = L + (long)row * ld, *lf = far + (long)row * cols, top = MASKED;
+                float *l = L + (long)row * ld, *lf = far + (long)row * cols;
                 for (int j = 0; j < cols; j++) { /* span key j is at t - n + j; query i at t + i */
                     const int delta = n + i - j;
                     l[j] = delta < 0 ? MASKED : delta >= W ? lf[j] : l[j];
                 }
                 for (int j = 0; j < F; j++) l[cols + j] += fb[j];
-                for (int j = 0; j < ld; j++) top = l[j] > top ? l[j] : top;
-                const float inv = 1.0f / exp_sum(l, ld, top, 1);
-                for (int j = 0; j < ld; j++) l[j] *= inv;
+                softmax_row(l, ld, NULL);
             }
             gemm_ab(sgemm, rows, Dv, cols, L, ld, sv, Dv, 0.0f, o, Dv);
             gemm_ab(sgemm, rows, Dv, F, L + cols, ld, fv, Dv, 1.0f, o, Dv);
