@@ -187,6 +187,25 @@ def _empty(B, G, C, D, Dv, dt, device, window, update, budget, key_means) -> Hea
                       z(B, G, C, Dv), z(B, G, C, D) if key_means else None)
 
 
+def code_rows(state: HeavyState, codebook: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The codes as rows of one softmax, per sequence and KV head (rows ``b * G + g``): their keys (BG, C, D)
+    (the mean of the keys a code holds with key means, else its codeword), their mean values (BG, C, Dv) and
+    their logit bias (BG, C): ``log(count)``, ``MASKED`` for an empty code. The compiled prefill's far block
+    and the decode layout hold the codes so (``code_sums`` is the way back)."""
+    B, G, C = state.counts.shape
+    counts = state.counts.reshape(B * G, C).to(dtype)
+    count = counts.clamp(min=1.0)[..., None]
+    flat = lambda x: x.reshape(B * G, C, -1).to(dtype)  # noqa: E731
+    keys = flat(state.key_sums) / count if state.key_sums is not None else codebook.detach().to(dtype).repeat(B, 1, 1)
+    return keys, flat(state.sums) / count, counts.log().clamp(min=MASKED)
+
+
+def code_sums(keys: Tensor, values: Tensor, counts: Tensor, key_means: bool, B: int) -> tuple[Tensor, Tensor | None]:
+    """The state's (sums, key_sums), (B, G, C, *), from the code rows ``code_rows`` gives and their counts."""
+    per_head = lambda x: (x * counts[..., None]).reshape(B, -1, *x.shape[1:])  # noqa: E731
+    return per_head(values), per_head(keys) if key_means else None
+
+
 def _fold(state: HeavyState, keep: Tensor, rest: Tensor) -> None:
     """Cut E to the indices ``keep``; the keys at ``rest`` go into their codes (detached). Out of place:
     a state handed back to a caller earlier is left as it was."""
@@ -326,14 +345,10 @@ def _chunk_native(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, state: H
     span = (rows(S, state.recent_k), rows(S, state.recent_rk), rows(S, state.recent_v),
             rows(S, state.recent_codes, torch.int64), rows(S, state.recent_score))  # fmt: skip
     counts = flat(state.counts).clone()
-    count = counts.clamp(min=1.0)[..., None]
-    fk, fv = torch.zeros(BG, P + C, D), torch.zeros(BG, P + C, Dv)
+    fk, fv, fb = torch.zeros(BG, P + C, D), torch.zeros(BG, P + C, Dv), torch.zeros(BG, P + C)
     fk[:, :m0], fv[:, :m0] = flat(state.heavy_k), flat(state.heavy_v)
-    fk[:, P:] = flat(state.key_sums) / count if key_means else codebook.detach().float().repeat(B, 1, 1)
-    fv[:, P:] = flat(state.sums) / count
-    fb = torch.zeros(BG, P + C)
+    fk[:, P:], fv[:, P:], fb[:, P:] = code_rows(state, codebook, torch.float32)
     fb[:, m0:P] = MASKED
-    fb[:, P:] = counts.log().clamp(min=MASKED)
     heavy = (rows(P, state.heavy_codes, torch.int64), rows(P, state.heavy_pos, torch.int64), rows(P, state.heavy_score))
     out = q.new_empty(B, T, H, Dv)
     m = _native.heavy_segment(
@@ -342,12 +357,12 @@ def _chunk_native(q, k, v, codebook, codes, cos, sin, far_cos, far_sin, state: H
         key_means=key_means)  # fmt: skip
     n = min(W - 1, n0 + T)
     per_head = lambda x, n: x[:, :n].reshape(B, G, n, *x.shape[2:]).clone()  # noqa: E731
+    sums, key_sums = code_sums(fk[:, P:], fv[:, P:], counts, key_means, B)
     return out, HeavyState(
         seen=state.seen + T, window=W, update=U, budget=budget,
         recent_k=per_head(span[0], n), recent_rk=per_head(span[1], n), recent_v=per_head(span[2], n),
         recent_codes=per_head(span[3], n), recent_score=per_head(span[4], n),
         heavy_k=per_head(fk, m), heavy_v=per_head(fv, m), heavy_codes=per_head(heavy[0], m),
         heavy_pos=per_head(heavy[1], m), heavy_score=per_head(heavy[2], m),
-        counts=counts.reshape(B, G, C), sums=(fv[:, P:] * counts[..., None]).reshape(B, G, C, Dv),
-        key_sums=(fk[:, P:] * counts[..., None]).reshape(B, G, C, D) if key_means else None,
+        counts=counts.reshape(B, G, C), sums=sums, key_sums=key_sums,
     )  # fmt: skip

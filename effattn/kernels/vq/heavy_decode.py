@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from effattn.kernels.rope import apply_rope
-from effattn.kernels.vq.heavy import HeavyState, _keep_order
+from effattn.kernels.vq.heavy import HeavyState, _keep_order, code_rows, code_sums
 from effattn.kernels.vq.decode import MASKED  # native.c's finite stand-in for -inf (it is built with -ffast-math)
 from effattn.kernels.vq.naive import compute_dtype
 
@@ -79,6 +79,7 @@ class HeavyDecodeState:
     far_sin: Tensor
     logits: Tensor  # (BG, R, N) the step's logits, reused
     work: Tensor | None = None  # the compiled step's scratch (native.py)
+    native_args: tuple | None = None  # the compiled step's pointers to the buffers above
 
     @property
     def slots(self) -> int:
@@ -105,8 +106,8 @@ class HeavyDecodeState:
             heavy_k=per_head(self.keys[:, heavy]), heavy_v=per_head(self.values[:, heavy]),
             heavy_codes=per_head(self.heavy_z[:, :m]), heavy_score=per_head(self.score[:, heavy]),
             heavy_pos=per_head(self.heavy_pos[:, :m]), counts=per_head(self.counts),
-            sums=per_head(self.values[:, W + P:] * self.counts[..., None]),
-            key_sums=per_head(self.keys[:, W + P:] * self.counts[..., None]) if self.key_means else None,
+            **dict(zip(("sums", "key_sums"), code_sums(self.keys[:, W + P:], self.values[:, W + P:], self.counts,
+                                                       self.key_means, B))),
         )  # fmt: skip
 
 
@@ -151,12 +152,10 @@ def heavy_from_state(state: HeavyState, codebook: Tensor, far_cos: Tensor, far_s
         seen=t, window=W, update=U, budget=budget, batch=B, m=m, scale=scale, keys=keys, bias=bias, values=values,
         score=score, ring_k=ring_k, ring_z=ring_z, heavy_z=heavy_z, heavy_pos=heavy_pos,
         counts=flat(state.counts).clone(), key_means=key_means,  # updated in place: the caller's stays
-        far_cos=far_cos.to(dt), far_sin=far_sin.to(dt), logits=torch.zeros(BG, heads // G, N, dtype=dt, device=dev),
+        far_cos=far_cos.to(dt).contiguous(), far_sin=far_sin.to(dt).contiguous(),
+        logits=torch.zeros(BG, heads // G, N, dtype=dt, device=dev),
     )  # fmt: skip
-    count = out.counts.clamp(min=1.0)[..., None]
-    bias[:, 0, W + P:] = out.counts.log().clamp(min=MASKED)
-    values[:, W + P:] = flat(state.sums) / count
-    keys[:, W + P:] = flat(state.key_sums) / count if key_means else codebook.detach().to(dt).repeat(B, 1, 1)
+    keys[:, W + P:], values[:, W + P:], bias[:, 0, W + P:] = code_rows(state, codebook, dt)
     return out
 
 
@@ -166,16 +165,15 @@ def _cut(state: HeavyDecodeState) -> None:
     keep, rest = _keep_order(state.score[:, W:W + m], budget)  # (BG, budget), (BG, m - budget)
     rows = torch.arange(state.keys.shape[0], device=keep.device)[:, None]
     z = state.heavy_z[rows, rest]
-    C, P = state.counts.shape[1], state.slots
-    at = (rows.expand_as(z), z)
-    added = torch.zeros_like(state.counts).index_put_(at, torch.ones_like(z, dtype=state.counts.dtype), accumulate=True)
-    total = state.counts + added
+    P, at = state.slots, (rows.expand_as(z), z)
+    # every buffer changes in place: the compiled step keeps pointers to them
+    state.counts.index_put_(at, torch.ones_like(z, dtype=state.counts.dtype), accumulate=True)
+    count = state.counts.clamp(min=1.0)[..., None]
     for x in (state.values,) + ((state.keys,) if state.key_means else ()):  # a code's mean moves to its new keys
         codes = x[:, W + P:]
         moved = torch.zeros_like(codes).index_put_(at, x[rows, W + rest] - codes[rows, z], accumulate=True)
-        codes += moved / total.clamp(min=1.0)[..., None]
-    state.counts = total
-    state.bias[:, 0, W + P:] = total.log().clamp(min=MASKED)
+        codes += moved / count
+    state.bias[:, 0, W + P:] = state.counts.log().clamp(min=MASKED)
     for x, off in ((state.keys, W), (state.values, W), (state.score, W), (state.heavy_z, 0), (state.heavy_pos, 0)):
         x[:, off:off + budget] = x[rows, off + keep]
     state.bias[:, 0, W + budget:W + state.slots] = MASKED

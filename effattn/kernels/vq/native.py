@@ -204,7 +204,7 @@ _DECODE_ARGTYPES = [ctypes.c_void_p] + [ctypes.c_int] * 7 + [ctypes.c_long, ctyp
 def decode_ready(state, q: Tensor) -> bool:
     """Whether ``decode_step`` can run the decode step of ``state`` (decode.py's VQDecodeState) for ``q``."""
     return (q.dtype == state.keys.dtype == state.ring_k.dtype == torch.float32 and q.device.type == "cpu"
-            and q.shape[-1] <= 512 and available())  # fmt: skip
+            and available())  # fmt: skip
 
 
 def decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -238,8 +238,7 @@ _HEAVY_DECODE_ARGTYPES = ([ctypes.c_void_p] + [ctypes.c_int] * 10 + [ctypes.c_lo
 
 def heavy_decode_ready(state, q: Tensor) -> bool:
     """Whether ``heavy_decode_step`` can run the step of ``state`` (heavy_decode.py's HeavyDecodeState) for ``q``."""
-    return (q.dtype == state.keys.dtype == torch.float32 and q.device.type == "cpu" and q.shape[-1] <= 512
-            and available())  # fmt: skip
+    return q.dtype == state.keys.dtype == torch.float32 and q.device.type == "cpu" and available()
 
 
 def heavy_decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -252,18 +251,19 @@ def heavy_decode_step(state, q: Tensor, k: Tensor, v: Tensor, codes: Tensor, cos
     if _lib.vq_heavy_decode.argtypes is None:
         _lib.vq_heavy_decode.argtypes, _lib.vq_heavy_decode.restype = _HEAVY_DECODE_ARGTYPES, ctypes.c_int
         _lib.vq_heavy_decode_work_floats.restype = ctypes.c_long
-    buffers = (state.keys, state.bias, state.values, state.score, state.ring_k, state.ring_z, state.heavy_z,
-               state.heavy_pos, state.counts)  # fmt: skip
-    if state.work is None:
+    if state.native_args is None:  # the state's own buffers (changed in place only): the same pointers every step
+        buffers = (state.far_cos, state.far_sin, state.keys, state.bias, state.values, state.score, state.ring_k,
+                   state.ring_z, state.heavy_z, state.heavy_pos, state.counts)  # fmt: skip
         if not all(x.is_contiguous() for x in buffers):
             raise ValueError("the heavy decode state's buffers must be contiguous")
         state.work = torch.empty(_lib.vq_heavy_decode_work_floats(R, D, W, P, C), dtype=torch.float32)
+        state.native_args = (ctypes.cast(_blas.sgemm_, ctypes.c_void_p), tuple(x.data_ptr() for x in buffers))
+    sgemm, pointers = state.native_args
     out = q.new_empty(B, 1, H, Dv)
-    inputs = [x.contiguous() for x in (q, k, v, codes, cos, sin, state.far_cos, state.far_sin)]
+    inputs = [x.contiguous() for x in (q, k, v, codes, cos, sin)]
     state.m = _lib.vq_heavy_decode(
-        ctypes.cast(_blas.sgemm_, ctypes.c_void_p), BG, R, D, Dv, W, P, C, state.m, state.budget, state.update,
-        state.seen, state.scale, int(state.key_means), *(x.data_ptr() for x in inputs),
-        *(x.data_ptr() for x in buffers), out.data_ptr(), state.work.data_ptr())  # fmt: skip
+        sgemm, BG, R, D, Dv, W, P, C, state.m, state.budget, state.update, state.seen, state.scale,
+        int(state.key_means), *(x.data_ptr() for x in inputs), *pointers, out.data_ptr(), state.work.data_ptr())  # fmt: skip
     return out
 
 
