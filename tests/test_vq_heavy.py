@@ -210,3 +210,19 @@ def test_the_compiled_periods_are_the_pytorch_loop_whole_and_in_pieces(monkeypat
     calls.clear()
     vq_heavy_chunk(q, *args[1:], **settings).sum().backward()
     assert not calls and q.grad is not None
+
+
+def test_vq_init_keeps_192_heavy_keys_by_default_and_none_with_sinks(tiny, tmp_path, calib_file):
+    """The default conversion keeps heavy hitters; `--sinks` (which they do not combine with) and `--heavy-keys 0`
+    turn them off, and ReRoPE alone has none."""
+    from effattn.convert import convert
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+
+    def heavy(to="vq", **options):
+        opts = {"window": 16} | ({"codebook_size": 16, "calib": str(calib_file)} if to == "vq" else {}) | options
+        return convert(src, tmp_path / "x", to=to, options=opts, dry_run=True).plan.settings.get("heavy_keys")
+
+    assert heavy() == 192
+    assert heavy(sinks=2) == 0 and heavy(heavy_keys=0) == 0 and heavy(heavy_keys=5) == 5
+    assert not heavy(to="rerope")
