@@ -18,6 +18,8 @@ For query t with window `W_t = {s : t - window < s <= t}`, far keys `F_t = {s : 
     out_t = (wf sum_{W_t} exp(scale q_t.k_s - m_t) v_s + lf sum_{F_t} (fq_t.fk_s) v_s)
             / (wf sum_{W_t} exp(scale q_t.k_s - m_t)     + lf sum_{F_t} (fq_t.fk_s) + eps)
 
+With `linear_sinks` = S > 0 the first S positions stay in every later query's softmax (attention sinks,
+kernels/linear/naive.py): `W_t` also holds them and `F_t` does not, and the cache keeps their keys and values.
 (`linear_window` = 0: pure causal linear attention; a window covering the sequence: the original
 softmax attention, wf cancelling up to eps). Only the ratio wf/lf matters (up to eps), so this affine
 form loses nothing against LoLCATs' `linear_factor = 1` option.
@@ -61,6 +63,7 @@ LINEAR_DEFAULTS = {
     "base_model_type": "llama",
     "linear_feature_map": {"name": "hedgehog", "projection_dim": 64},  # name + the map's keyword arguments
     "linear_window": 64,  # keys under exact softmax (the query's own included); 0: pure linear attention
+    "linear_sinks": 0,  # first positions kept under exact softmax for every later query (needs a window)
     "linear_chunk_size": 64,  # chunk of the prefill kernel (a speed setting only)
     "linear_eps": 1e-6,  # added to the shared normaliser
     "linear_kernel": "chunk",  # prefill/training kernel: "chunk" (linear time) or "naive" (the quadratic reference)
@@ -92,7 +95,8 @@ def _stored(state: HybridState) -> HybridState:
         return x.clone() if x.untyped_storage().nbytes() > 2 * x.nbytes + 4096 else x
 
     return HybridState(seen=state.seen, window=state.window, S=state.S.detach(), z=state.z.detach(),
-                       k=own(state.k), v=own(state.v), fk=own(state.fk))
+                       k=own(state.k), v=own(state.v), fk=own(state.fk), sinks=state.sinks, sink_k=own(state.sink_k),
+                       sink_v=own(state.sink_v))
 
 
 def repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
@@ -157,12 +161,12 @@ class LinearAttention(AdoptedAttention):
         fq, fk = self.feature_map_q(q), self.feature_map_k(k)  # [B, T, H, F] each
         wf, lf = self.mix()  # [H] each
         settings = dict(window=cfg.linear_window, window_factor=wf, linear_factor=lf, scale=self.scaling,
-                        eps=float(cfg.linear_eps))
+                        eps=float(cfg.linear_eps), sinks=int(cfg.linear_sinks))
         if state is not None and T == 1:  # one token after a cached prefix: the recurrent step
             out, state = hybrid_attention_step(q, k, v, fq, fk, state, **settings)
         elif cfg.linear_kernel == "naive" and state is None:  # the quadratic reference
             out = hybrid_attention_naive(q, k, v, fq, fk, **settings)
-            state = state_from_prefill(k, v, fk, settings["window"]) if cache is not None else None
+            state = state_from_prefill(k, v, fk, settings["window"], settings["sinks"]) if cache is not None else None
         elif cfg.linear_kernel == "naive":  # several tokens after a cached prefix: the step, token by token
             outs = []
             for t in range(T):

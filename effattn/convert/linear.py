@@ -66,6 +66,8 @@ LINFORMER = ("Linformer projects keys and values along the sequence axis (a fixe
 # kernel, feature maps, backward through the hybrid); an estimate for the plan's time only. At 1.0 the plan
 # says ~80 s for SmolLM2 with the defaults, where 85.8 s was measured (load ~2.2); 3.0 said ~360 s.
 LINEAR_FORWARD_EXTRA = 1.0
+# Attention sinks kept exact by default (StreamingLLM's name; BENCHMARKS "Linear attention" says why).
+SINKS = 0
 
 
 class LinearOptions(RefineOptions):
@@ -74,6 +76,9 @@ class LinearOptions(RefineOptions):
                                 "performer (FAVOR+ random features) or taylor (2nd-order Taylor of exp, as in Based)")
     window: int = Field(64, ge=0, description="keys under exact softmax (the query's own included); older keys go "
                                               "through the feature maps (0: pure linear attention)")
+    sinks: int = Field(SINKS, ge=0, description="first positions kept under exact softmax for every later query "
+                                               "(attention sinks: the feature maps cannot reproduce the weight heads "
+                                               "put on the first token); needs --window > 0")
     projection_dim: int | None = Field(None, ge=1, description="hedgehog: P, the per-half size of the learned map "
                                                                f"(F = 2P features; default {MAP_DEFAULTS['projection_dim']})")
     features: int | None = Field(None, ge=1, description="performer: number of random features F "
@@ -154,14 +159,21 @@ def cache_parts(shape: AttentionShape, feature_dim: int, window: int, dtype: tor
     return float(state), float(per_token if window else 0)
 
 
-def cache_line(before: float, state: float, window_bytes: float, window: int, trained: int) -> str:
-    fixed = state + window * window_bytes
+def sink_bytes(shape: AttentionShape, sinks: int, dtype: torch.dtype) -> float:
+    """Bytes of a whole model's sink store: per layer, query head and sink a key and a value."""
+    return float(sinks * shape.layers * shape.heads * 2 * shape.head_dim * dtype.itemsize)
+
+
+def cache_line(before: float, state: float, window_bytes: float, window: int, trained: int, sinks: int = 0,
+               sink_total: float = 0.0) -> str:
+    fixed = state + window * window_bytes + sink_total
     even = fixed / before
     at = fixed / trained
-    start = f"after {window} tokens" if window else "from the first token"
+    start = f"after {window + sinks} tokens" if window else "from the first token"
     return (f"original {before:,.0f} bytes/token (grows with length); linear: constant {start}, "
             f"{fixed:,.0f} bytes per sequence (state S, z {state:,.0f}"
-            + (f" + window {window} x {window_bytes:,.0f} bytes/token" if window else "") + ")"
+            + (f" + window {window} x {window_bytes:,.0f} bytes/token" if window else "")
+            + (f" + {sinks} sinks {sink_total:,.0f}" if sinks else "") + ")"
             + (f"; smaller than the original's beyond {even:,.0f} tokens" if even < trained else
                f"; larger than the original's up to {even:,.0f} tokens")
             + f"; {at:,.0f} bytes/token at {trained:,} tokens "
@@ -196,6 +208,9 @@ class LinearConversion:
                                "(Llama, Mistral, Qwen2/Qwen3 layouts)")
         shape = AttentionShape.of(config)
         trained = trained_length(config)
+        if opts.sinks and not opts.window:
+            raise EffattnError(f"--sinks {opts.sinks} needs a window: sinks join the window's softmax, and --window 0 "
+                               "has none", "give --window W (default 64), or --sinks 0")
         if opts.window >= trained:
             raise EffattnError(f"--window {opts.window:,} covers the whole trained context ({trained:,} tokens): "
                                "no key would reach the linear attention", f"use a window below {trained:,} (default 64)")
@@ -209,7 +224,7 @@ class LinearConversion:
                                                               "max_window_layers", "layer_types")}
         if base.get("model_type") == "mistral":
             base["sliding_window"] = None
-        new = linear_config_from(base, linear_feature_map=spec, linear_window=opts.window)
+        new = linear_config_from(base, linear_feature_map=spec, linear_window=opts.window, linear_sinks=opts.sinks)
         if target is not None:
             new["dtype"] = str(target).replace("torch.", "")
             new.pop("torch_dtype", None)
@@ -221,7 +236,8 @@ class LinearConversion:
         before = kv_bytes_per_token(config, dtype)
         fk_dtype = torch.promote_types(dtype, torch.float32) if spec["name"] == "performer" else dtype
         state_bytes, window_bytes = cache_parts(shape, fdim, opts.window, dtype, fk_dtype)
-        after = (state_bytes + min(opts.window, trained) * window_bytes) / trained
+        sink_total = sink_bytes(shape, opts.sinks, dtype)
+        after = (state_bytes + min(opts.window, trained) * window_bytes + sink_total) / trained
         trainable = sum(t.numel() for n, t in tensors.items() if n == "window_factors" or n.endswith("weight")
                         or n.endswith("bias"))
         map_words = {"hedgehog": f"hedgehog, P {spec.get('projection_dim')} (F {fdim}, learned)",
@@ -230,8 +246,9 @@ class LinearConversion:
         summary = [("model", f"{family.name} -> effattn_linear, {shape.layers} layers, {shape.heads} query / "
                              f"{shape.kv_heads} KV heads, q/k/v/o unchanged"),
                    ("attention", (f"softmax over the last {opts.window} keys + " if opts.window else "")
+                    + (f"the first {opts.sinks} (sinks) + " if opts.sinks else "")
                     + f"linear attention beyond, feature map {map_words}")]
-        settings: dict[str, Any] = {"feature_map": spec["name"], "window": opts.window}
+        settings: dict[str, Any] = {"feature_map": spec["name"], "window": opts.window, "sinks": opts.sinks}
         if "projection_dim" in spec:
             settings["projection_dim"] = spec["projection_dim"]
         if "num_features" in spec:
@@ -279,13 +296,14 @@ class LinearConversion:
                                    "drop them, or give --refine-steps N (default 40)")
             settings["refine_steps"] = 0
             summary.append(("attention transfer", "none (--refine-steps 0): the feature maps keep their initial values"))
-        summary.append(("KV cache", cache_line(before, state_bytes, window_bytes, opts.window, trained)))
+        summary.append(("KV cache", cache_line(before, state_bytes, window_bytes, opts.window, trained, opts.sinks,
+                                               sink_total)))
         summary.append(("decode step", _decode_line()))
         return Plan(conversion=self.name, config=new, specs=same_specs(ckpt, target, extra=extra), settings=settings,
                     summary=summary, kv_bytes_per_token=(before, after), est_seconds=est_seconds,
                     est_peak_bytes=est_peak,
                     # a query reads its window's keys and one F-dimensional state
-                    state=state | {"attention_span": lambda context: opts.window + fdim})
+                    state=state | {"attention_span": lambda context: opts.window + opts.sinks + fdim})
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
         from ..attention.linear import EffattnLinearConfig, LinearAttention, build_feature_map

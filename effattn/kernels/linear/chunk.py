@@ -20,6 +20,11 @@ queries starting at ``t0`` therefore reads the span of ``C + w - 1`` keys starti
 ``t0 - w + 1``; ``unfold`` gives every block its span (a strided view of the front-padded keys),
 and one masked softmax numerator per block follows.
 
+Sinks (``sinks = S``). The feature keys of positions below S are zeroed on entry, so no sink ever
+reaches S or z, and the sinks that have left a query's window join its softmax: a [T, S] product of
+the queries with the first S keys, masked where the sink is still in the window (there it already
+counts), under the same ``m_t`` as the window's logits.
+
 Long sequences go in segments of ``segment_size`` positions, each continuing the state the one
 before leaves (``recurrent.HybridState``: the window's keys, values and feature keys plus S, z), so
 the working memory is one segment's, flat in T; a call can also continue a given state (a chunked
@@ -53,9 +58,13 @@ def _rows(x: Tensor, *parts) -> Tensor:
 
 
 def _window_part(q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Tensor, w: int, scale: float, C: int,
-                 grad: bool) -> tuple[Tensor, Tensor]:
+                 grad: bool, sinks: tuple | None = None) -> tuple[Tensor, Tensor]:
     """Banded softmax numerator and denominator, ``sum_{W_t} exp(scale q_t.k_s - m_t) (v_s, 1)``, of the
     T queries after the n positions of ``k_prev`` / ``v_prev`` (the window kept from before).
+
+    ``sinks`` = (sink_k [BH, s, D], sink_v [BH, s, Dv], first, window): the keys and values of positions
+    0 .. s - 1, ``first`` the position of k_prev's first row; a sink joins the softmax of the queries whose
+    window it has left (position <= t - window), under the same m_t.
 
     Head-major: q, k: [BH, T, D], v: [BH, T, Dv], k_prev/v_prev: [BH, n, *]; 1 <= w <= n + T, C >= 1.
     The n + T positions are cut into blocks of C queries (the n leading ones are zeros, their rows
@@ -83,15 +92,31 @@ def _window_part(q: Tensor, k: Tensor, v: Tensor, k_prev: Tensor, v_prev: Tensor
     bias = torch.zeros(N, C, S, dtype=q.dtype, device=q.device).masked_fill_(~(band[None] & started[:, None]),
                                                                             float("-inf"))  # [N, C, S]
     logits = torch.matmul(q_blocks, k_span)  # [BH, N, C, S]
+    if sinks is not None:
+        sink_k, sink_v, first, window = sinks
+        t = first + torch.arange(N * C, device=q.device).view(N, C, 1)  # the rows' positions
+        left = torch.arange(sink_k.shape[1], device=q.device) <= t - window  # [N, C, s]: out of the window
+        sink_bias = torch.zeros(left.shape, dtype=q.dtype, device=q.device).masked_fill_(~left, float("-inf"))
+        sink_logits = torch.matmul(q_blocks, sink_k.transpose(1, 2)[:, None]) * scale + sink_bias  # [BH, N, C, s]
     if grad:
         logits = logits * scale + bias
-        a = torch.exp(logits - logits.amax(-1, keepdim=True))  # m_t over the window (column i + P is t itself)
+        m = logits.amax(-1, keepdim=True)  # m_t over the window (column i + P is t itself)
+        if sinks is not None:
+            m = torch.maximum(m, sink_logits.amax(-1, keepdim=True))  # and the sinks
+        a = torch.exp(logits - m)
     else:  # in place: no autograd to keep the intermediates for
         logits.mul_(scale).add_(bias)
-        a = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-    num = torch.matmul(a, v_span).view(BH, N * C, Dv)[:, n:L]  # [BH, T, Dv]
-    den = a.sum(-1).view(BH, N * C)[:, n:L]  # [BH, T]
-    return num, den
+        m = logits.amax(-1, keepdim=True)
+        if sinks is not None:
+            m = torch.maximum(m, sink_logits.amax(-1, keepdim=True))
+        a = logits.sub_(m).exp_()
+    num = torch.matmul(a, v_span)  # [BH, N, C, Dv]
+    den = a.sum(-1)  # [BH, N, C]
+    if sinks is not None:
+        a_sink = torch.exp(sink_logits - m)  # [BH, N, C, s]
+        num = num + torch.matmul(a_sink, sink_v[:, None])
+        den = den + a_sink.sum(-1)
+    return num.reshape(BH, N * C, Dv)[:, n:L], den.reshape(BH, N * C)[:, n:L]  # [BH, T, Dv], [BH, T]
 
 
 def _delayed(fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor, lag: int, end: int = 0) -> tuple[Tensor, Tensor]:
@@ -168,16 +193,35 @@ def _far_part_fla(kernel, fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_
     return out[..., :Dv], out[..., Dv], state[0, ..., :Dv], state[0, ..., Dv]
 
 
+def _sink_rows(k: Tensor, v: Tensor, state: tuple, sinks: int, window: int) -> tuple[Tensor, Tensor]:
+    """The keys and values of the sinks that have left the window by the last of the T positions after
+    ``state`` (head-major, as in `_segment`): positions 0 .. min(sinks, seen + T - window) - 1, from the
+    state's sink store, then its kept window and these positions (which follow on when the store is short).
+    Also the sink store of the state after them."""
+    seen, k_prev, v_prev, _, _, _, sink_k, sink_v = state
+    T, n, have = k.shape[1], k_prev.shape[1], sink_k.shape[1]
+    need = min(sinks, max(seen + T - window, 0))
+    if need <= have:
+        return sink_k, sink_v
+    more = need - have  # the store is short only while position `have` = seen - n is the kept window's first
+    return (_rows(k, sink_k, k_prev[:, :more], k[:, :max(more - n, 0)]),
+            _rows(v, sink_v, v_prev[:, :more], v[:, :max(more - n, 0)]))  # fmt: skip
+
+
 def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tuple, *, window: int, wf: Tensor,
-             lf: Tensor, scale: float, eps: float, C: int, grad: bool, fla=None) -> tuple[Tensor, tuple]:
-    """The T positions after ``state`` (head-major inputs in the compute dtype; state = (seen, k, v, fk, S, z),
-    head-major): (out [BH, T, Dv], the state after them). ``fla``: ``fla_kernel``'s answer for the device."""
-    seen, k_prev, v_prev, fk_prev, S, z = state
+             lf: Tensor, scale: float, eps: float, C: int, grad: bool, fla=None, sinks: int = 0) -> tuple[Tensor, tuple]:
+    """The T positions after ``state`` (head-major inputs in the compute dtype; state = (seen, k, v, fk, S, z,
+    sink_k, sink_v), head-major): (out [BH, T, Dv], the state after them). ``fla``: ``fla_kernel``'s answer for
+    the device. The feature keys of sink positions come zeroed (`hybrid_attention_chunk`)."""
+    seen, k_prev, v_prev, fk_prev, S, z, sink_k, sink_v = state
     T, n = q.shape[1], k_prev.shape[1]
     L = n + T
     num = den = 0.0
+    if sinks:
+        sink_k, sink_v = _sink_rows(k, v, state, sinks, window)
     if window > 0:
-        win_num, win_den = _window_part(q, k, v, k_prev, v_prev, min(window, L), scale, min(C, L), grad)
+        with_sinks = (sink_k, sink_v, seen - n, window) if sink_k.shape[1] else None
+        win_num, win_den = _window_part(q, k, v, k_prev, v_prev, min(window, L), scale, min(C, L), grad, with_sinks)
         num, den = wf[:, :, None] * win_num, wf * win_den
     if seen + T > window:  # some key leaves the window in this segment (or already has)
         if fla is not None:  # CUDA: flash-linear-attention's chunked kernel
@@ -188,7 +232,7 @@ def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tup
     keep = min(window, L)  # the window keeps the last `keep` positions: of this call's, and the kept ones before
     kept = tuple(new[:, T - keep:] if keep <= T else _rows(new, prev[:, n - (keep - T):], new)
                  for prev, new in ((k_prev, k), (v_prev, v), (fk_prev, fk)))
-    return num / (den + eps)[..., None], (seen + T, *kept, S, z)
+    return num / (den + eps)[..., None], (seen + T, *kept, S, z, sink_k, sink_v)
 
 
 # positions per segment: the working memory of a long sequence stays that of one segment
@@ -200,7 +244,8 @@ FAST_WINDOWS = range(16, 257)
 
 
 def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tuple, *, window: int,
-                  wf: Tensor, lf: Tensor, scale: float, eps: float, dt: torch.dtype) -> tuple[Tensor, tuple]:
+                  wf: Tensor, lf: Tensor, scale: float, eps: float, dt: torch.dtype,
+                  sinks: int = 0) -> tuple[Tensor, tuple]:
     """`_segment` without autograd, in blocks of C = window positions, with fewer passes over memory.
 
     Inputs batch-major [B, T, H, *] (any dtype); state head-major as in `_segment`. The rows are laid
@@ -214,11 +259,12 @@ def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state
     every older block through S, kept by a scan over the blocks: S ([F, Dv + 1] per head; the values
     carry a column of ones for the normaliser) instead of a state per block. The window's and the
     in-block terms run one head (all its blocks) at a time; the scan runs all heads at once.
+    Sinks that have left a query's window add columns to its softmax (one [C, s] product per block).
     """
     B, T, H, D = q.shape
     Dv, Fd, BH, C = v.shape[3], fq.shape[3], q.shape[0] * q.shape[2], window
     E = Dv + 1
-    seen, k_prev, v_prev, fk_prev, S, z = state
+    seen, k_prev, v_prev, fk_prev, S, z, sink_k, sink_v = state
     n = k_prev.shape[1]  # kept rows, <= C
     N = -(-T // C)
 
@@ -251,13 +297,27 @@ def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state
     i = torch.arange(C, device=q.device)[:, None]
     j = torch.arange(2 * C, device=q.device)[None, :]
     outside = (j <= i) | (j > i + C)  # [C, 2C]: not in query i's window
+    if sinks:
+        sink_k, sink_v = _sink_rows_batch_major(k, v, (seen, k_prev, v_prev, sink_k, sink_v), sinks, window, dt)
+    s_n = sink_k.shape[1]
+    if s_n:  # the sinks' keys and values (with the normaliser's column), and where each query reads them
+        sink_vb = torch.cat((sink_v.to(dt), sink_v.new_ones((BH, s_n, 1), dtype=dt)), dim=-1)  # [BH, s, E]
+        t = seen + torch.arange(N * C, device=q.device).view(N, C, 1)
+        sink_out = torch.arange(s_n, device=q.device) > t - window  # [N, C, s]: still in the window (or padding)
     res = q.new_empty((BH, N, C, E), dtype=dt)
     for h in range(BH):  # window and in-block far terms, one head (all its blocks) at a time
         logits = torch.matmul(qb[h], span(kb[h]).transpose(1, 2)).masked_fill_(outside, float("-inf"))  # [N, C, 2C]
         if n < C:  # the first block's rows before the sequence start
             logits[0, :, : C - n] = float("-inf")
-        a = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # m_t: the max over the window
-        out = torch.matmul(a, span(vb[h]), out=res[h]).mul_(wf[h])
+        m = logits.amax(-1, keepdim=True)  # m_t: the max over the window
+        if s_n:
+            sink_logits = torch.matmul(qb[h], sink_k[h].to(dt).T).masked_fill_(sink_out, float("-inf"))  # [N, C, s]
+            m = torch.maximum(m, sink_logits.amax(-1, keepdim=True))  # and the sinks
+        a = logits.sub_(m).exp_()
+        out = torch.matmul(a, span(vb[h]), out=res[h])
+        if s_n:
+            out.add_(torch.matmul(sink_logits.sub_(m).exp_(), sink_vb[h]))
+        out.mul_(wf[h])
         # far keys of the block before (j <= i): for block 0 the kept window, for block b the block b - 1
         out[0].addmm_(torch.mm(fqb[h, 0], fk_first[h].T).tril_().mul_(lf[h]), v_blocks[h, 0])
         if N > 1:
@@ -279,7 +339,25 @@ def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state
     fk_all = fk_rest.view(BH, -1, Fd)[:, :T]
     fk_kept = fk_all[:, T - keep :] if keep <= T else torch.cat((fk_first[:, C - (keep - T) :], fk_all), dim=1)
     kept = (kb[:, C + T - keep : C + T].clone(), vb[:, C + T - keep : C + T, :Dv].clone(), fk_kept.clone())
-    return out, (seen + T, *kept, S[..., :Dv].contiguous(), S[..., Dv].contiguous())
+    return out, (seen + T, *kept, S[..., :Dv].contiguous(), S[..., Dv].contiguous(), sink_k, sink_v)
+
+
+def _sink_rows_batch_major(k: Tensor, v: Tensor, state: tuple, sinks: int, window: int,
+                           dt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`_sink_rows` for `_fast_segment`, whose k, v come batch-major [B, T, H, *] (the state head-major)."""
+    seen, k_prev, v_prev, sink_k, sink_v = state
+    T, n, have = k.shape[1], k_prev.shape[1], sink_k.shape[1]
+    more = min(sinks, max(seen + T - window, 0)) - have
+    if more <= 0:
+        return sink_k, sink_v
+    BH = k_prev.shape[0]
+
+    def head_major(x: Tensor) -> Tensor:  # this call's first rows, [B, r, H, E] -> [BH, r, E]
+        return x.to(dt).transpose(1, 2).reshape(BH, x.shape[1], x.shape[3])
+
+    r = max(more - n, 0)
+    return (_rows(k_prev, sink_k, k_prev[:, :more], head_major(k[:, :r])),
+            _rows(v_prev, sink_v, v_prev[:, :more], head_major(v[:, :r])))  # fmt: skip
 
 
 def hybrid_attention_chunk(
@@ -298,6 +376,7 @@ def hybrid_attention_chunk(
     state: HybridState | None = None,
     segment_size: int = SEGMENT_SIZE,
     return_state: bool = False,
+    sinks: int = 0,
 ) -> Tensor | tuple[Tensor, HybridState]:
     """Chunked hybrid attention, linear in T; same arguments and result as :func:`hybrid_attention_naive`,
     optionally continuing a sequence.
@@ -320,12 +399,13 @@ def hybrid_attention_chunk(
         segment_size: >= 1, positions processed at once, each segment continuing the state of the one
             before: the working memory is a segment's, flat in T (a performance choice only).
         return_state: also return the state after the T positions.
+        sinks: >= 0, the first positions kept under exact softmax (``naive.py``; needs ``window > 0``).
 
     Returns:
         [B, T, H, Dv] in the dtype of ``q``, accumulated in float32 at least; with ``return_state`` the
         pair (out, state).
     """
-    check_hybrid_inputs(q, k, v, fq, fk, window, window_factor, linear_factor, scale, eps)
+    check_hybrid_inputs(q, k, v, fq, fk, window, window_factor, linear_factor, scale, eps, sinks)
     for name, value in (("chunk_size", chunk_size), ("segment_size", segment_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}; pass e.g. 64.")
@@ -333,8 +413,11 @@ def hybrid_attention_chunk(
     Dv, Fd = v.shape[3], fq.shape[3]
     in_dtype, dt = q.dtype, compute_dtype(q.dtype)
     if state is None:
-        state = init_state(B, H, D, Dv, Fd, window=window, dtype=in_dtype, device=q.device)
-    check_state(state, k, v, fk, window)
+        state = init_state(B, H, D, Dv, Fd, window=window, dtype=in_dtype, device=q.device, sinks=sinks)
+    check_state(state, k, v, fk, window, sinks)
+    if state.seen < sinks:  # sinks never reach the linear state: their feature keys count as zeros
+        r = min(sinks - state.seen, T)
+        fk = torch.cat((torch.zeros_like(fk[:, :r]), fk[:, r:]), dim=1)
     store = state.k.dtype  # the window cache keeps the dtype of the inputs that started the sequence
     grad = torch.is_grad_enabled() and any(
         isinstance(x, Tensor) and x.requires_grad for x in (q, k, v, fq, fk, window_factor, linear_factor,
@@ -346,7 +429,7 @@ def hybrid_attention_chunk(
     wf = head_weights(window_factor, H, dt, q.device).repeat(B)[:, None]  # [B * H, 1]
     lf = head_weights(linear_factor, H, dt, q.device).repeat(B)[:, None]  # [B * H, 1]
     hm = (state.seen, *map(heads_major, (state.k, state.v, state.fk)), state.S.to(dt).reshape(B * H, Fd, Dv),
-          state.z.to(dt).reshape(B * H, Fd))
+          state.z.to(dt).reshape(B * H, Fd), *map(heads_major, (state.sink_k, state.sink_v)))
     fla = fla_kernel(q.device)  # looked up once per call
     fast = (not grad and window in FAST_WINDOWS and os.environ.get("EFFATTN_LINEAR_FAST", "1") != "0"
             and fla is None)  # fmt: skip
@@ -357,19 +440,20 @@ def hybrid_attention_chunk(
         part = slice(a, a + segment_size)
         if fast:  # batch-major inputs: the fast path lays them out itself
             out, hm = _fast_segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk[:, part], hm, window=window,
-                                    wf=wf, lf=lf, scale=scale, eps=eps, dt=dt)
+                                    wf=wf, lf=lf, scale=scale, eps=eps, dt=dt, sinks=sinks)
         else:
             out, hm = _segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk[:, part], hm, window=window,
-                               wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad, fla=fla)
+                               wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad, fla=fla, sinks=sinks)
         outs.append(out)
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B * H, T, Dv]
     out = out.view(B, H, T, Dv).transpose(1, 2).to(in_dtype)  # [B, T, H, Dv]
     if not return_state:
         return out
-    seen, k_w, v_w, fk_w, S, z = hm
+    seen, k_w, v_w, fk_w, S, z, sink_k, sink_v = hm
 
     def batch_major(x: Tensor) -> Tensor:  # [B * H, n, E] -> [B, n, H, E]
         return x.view(B, H, x.shape[1], x.shape[2]).transpose(1, 2).to(store)
 
     return out, HybridState(seen=seen, window=window, S=S.view(B, H, Fd, Dv), z=z.view(B, H, Fd),
-                            k=batch_major(k_w), v=batch_major(v_w), fk=batch_major(fk_w))
+                            k=batch_major(k_w), v=batch_major(v_w), fk=batch_major(fk_w), sinks=sinks,
+                            sink_k=batch_major(sink_k), sink_v=batch_major(sink_v))

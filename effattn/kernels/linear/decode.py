@@ -9,7 +9,8 @@ in the layout of a decode step, updated in place:
 * ``ring_k``, ``ring_v``, ``ring_fk`` (B, H, W, *): the window's rotated keys, values and feature keys
   in a ring, position ``p`` in slot ``p % W``. When position ``t`` arrives, its slot holds position
   ``t - W``, exactly the key that leaves the window: it is folded into ``S``, ``z`` and overwritten;
-* ``S`` (B, H, F, Dv) and ``z`` (B, H, F): the linear state of every older key.
+* ``S`` (B, H, F, Dv) and ``z`` (B, H, F): the linear state of every older key;
+* ``sink_k``, ``sink_v`` (B, H, sinks, *): with sinks, slot p holds position p once it has left the window.
 
 The order of the window's keys does not matter to a softmax, so the ring computes
 ``hybrid_attention_step``'s output up to float rounding. The step itself is ``native.c``'s
@@ -44,11 +45,19 @@ class LinearDecodeState:
     S: Tensor  # (B, H, F, Dv)
     z: Tensor  # (B, H, F)
     work: Tensor  # the step's scratch
+    sinks: int = 0
+    sink_k: Tensor | None = None  # (B, H, sinks, D)
+    sink_v: Tensor | None = None  # (B, H, sinks, Dv)
+
+    def _sinks_out(self) -> int:
+        """Sinks that have left the window (held in sink slots 0 .. s - 1)."""
+        return min(self.sinks, max(self.seen - self.window, 0))
 
     def nbytes(self) -> int:
         """The state's bytes (the scratch excluded), as :meth:`HybridState.nbytes` counts them."""
-        n = min(self.seen, self.window)
-        return sum(x[:, :, :n].nbytes for x in (self.ring_k, self.ring_v, self.ring_fk)) + self.S.nbytes + self.z.nbytes
+        n, s = min(self.seen, self.window), self._sinks_out()
+        return (sum(x[:, :, :n].nbytes for x in (self.ring_k, self.ring_v, self.ring_fk)) + self.S.nbytes
+                + self.z.nbytes + sum(x[:, :, :s].nbytes for x in (self.sink_k, self.sink_v) if x is not None))
 
     def _slots(self) -> Tensor:
         """Ring slots of the window's positions seen - n .. seen - 1, oldest first."""
@@ -59,20 +68,29 @@ class LinearDecodeState:
         """The plain state (window oldest first, [B, n, H, *]); copies, shares nothing with the ring."""
         slots = self._slots()
         k, v, fk = (x[:, :, slots].transpose(1, 2).contiguous() for x in (self.ring_k, self.ring_v, self.ring_fk))
-        return HybridState(seen=self.seen, window=self.window, S=self.S.clone(), z=self.z.clone(), k=k, v=v, fk=fk)
+        s = self._sinks_out()
+        sink_k, sink_v = ((x[:, :, :s].transpose(1, 2).contiguous() for x in (self.sink_k, self.sink_v)) if self.sinks
+                          else (None, None))  # fmt: skip
+        return HybridState(seen=self.seen, window=self.window, S=self.S.clone(), z=self.z.clone(), k=k, v=v, fk=fk,
+                           sinks=self.sinks, sink_k=sink_k, sink_v=sink_v)
 
 
 def from_state(state: HybridState) -> LinearDecodeState:
     """``state`` in the ring layout (new buffers; ``state`` is left as it was)."""
     B, n, H, D = state.k.shape
-    W, Dv, F = state.window, state.v.shape[-1], state.fk.shape[-1]
+    W, Dv, F, NS = state.window, state.v.shape[-1], state.fk.shape[-1], state.sinks
     ring = [x.new_zeros(B, H, W, x.shape[-1]) for x in (state.k, state.v, state.fk)]
+    sinks = [x.new_zeros(B, H, NS, x.shape[-1]) for x in (state.k, state.v)]
     decode = LinearDecodeState(seen=state.seen, window=W, ring_k=ring[0], ring_v=ring[1], ring_fk=ring[2],
                                S=state.S.detach().clone().contiguous(), z=state.z.detach().clone().contiguous(),
-                               work=torch.empty(_native.work_floats(D, F, W) if _native else 0))  # fmt: skip
+                               work=torch.empty(_native.work_floats(D, F, W, NS) if _native else 0),
+                               sinks=NS, sink_k=sinks[0], sink_v=sinks[1])  # fmt: skip
     slots = decode._slots()
     for buffer, x in zip(ring, (state.k, state.v, state.fk)):
         buffer[:, :, slots] = x.detach().transpose(1, 2).to(buffer.dtype)
+    s = state.sink_k.shape[1]
+    for buffer, x in zip(sinks, (state.sink_k, state.sink_v)):
+        buffer[:, :, :s] = x.detach().transpose(1, 2).to(buffer.dtype)
     return decode
 
 

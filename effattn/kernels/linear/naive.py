@@ -8,6 +8,12 @@ For query position t (0-based) every key position s falls in one of three sets:
   feature-mapped (non-negative) queries and keys;
 * the future ``s > t``: masked.
 
+With ``sinks = S > 0`` (StreamingLLM's attention sinks, Xiao et al. 2023) the first S positions of the
+sequence never leave the softmax: ``W_t`` also holds every ``s < S`` (``s <= t``), and ``F_t`` loses
+them. Attention heads of pretrained LLMs put much of their weight on the first token, a spike the
+feature maps cannot reproduce among thousands of far keys; kept exact, it costs S keys and values per
+head in the cache. ``m_t`` is then the largest logit over the window and the sinks together.
+
 Both kinds share one normaliser, each weighted by a per-head factor:
 
     num_t = window_factor * sum_{s in W_t} exp(scale q_t.k_s - m_t) v_s + linear_factor * sum_{s in F_t} (fq_t.fk_s) v_s
@@ -51,7 +57,17 @@ def check_window(window) -> None:
         )
 
 
-def check_hybrid_inputs(q, k, v, fq, fk, window, window_factor, linear_factor, scale, eps) -> None:
+def check_sinks(sinks, window) -> None:
+    """Raise ``ValueError`` unless ``sinks`` is an integer >= 0, and 0 where ``window`` is 0."""
+    if not _is_int(sinks) or sinks < 0:
+        raise ValueError(f"sinks must be an integer >= 0, got {sinks!r}; pass the number of first positions "
+                         f"kept under exact softmax (0: none).")
+    if sinks and not window:
+        raise ValueError(f"sinks={sinks} needs a window > 0: sinks join the window's softmax; pass window >= 1 "
+                         f"or sinks=0.")
+
+
+def check_hybrid_inputs(q, k, v, fq, fk, window, window_factor, linear_factor, scale, eps, sinks=0) -> None:
     """Raise ``ValueError`` with a one-sentence explanation if the hybrid attention inputs are inconsistent."""
     for name, x in (("q", q), ("k", k), ("v", v), ("fq", fq), ("fk", fk)):
         if not isinstance(x, Tensor) or x.dim() != 4:
@@ -86,6 +102,7 @@ def check_hybrid_inputs(q, k, v, fq, fk, window, window_factor, linear_factor, s
     if T == 0:
         raise ValueError("The sequence is empty (T=0); pass at least one position.")
     check_window(window)
+    check_sinks(sinks, window)
     for name, factor in (("window_factor", window_factor), ("linear_factor", linear_factor)):
         if _is_real(factor):
             continue
@@ -120,6 +137,7 @@ def hybrid_attention_naive(
     linear_factor: Tensor | float,
     scale: float,
     eps: float = 1e-6,
+    sinks: int = 0,
 ) -> Tensor:
     """Quadratic reference for the hybrid attention (see the module docstring).
 
@@ -134,11 +152,13 @@ def hybrid_attention_naive(
         linear_factor: [H] (or a number) weight of the linear terms, per head.
         scale: softmax scale (e.g. ``D ** -0.5``).
         eps: added to the shared normaliser.
+        sinks: >= 0, the first positions kept under exact softmax for every later query (0: none; needs
+            ``window > 0``).
 
     Returns:
         [B, T, H, Dv] in the dtype of ``q``; accumulated in float32 at least.
     """
-    check_hybrid_inputs(q, k, v, fq, fk, window, window_factor, linear_factor, scale, eps)
+    check_hybrid_inputs(q, k, v, fq, fk, window, window_factor, linear_factor, scale, eps, sinks)
     B, T, H, D = q.shape
     in_dtype, dt = q.dtype, compute_dtype(q.dtype)
     q, k, v, fq, fk = (x.to(dt) for x in (q, k, v, fq, fk))
@@ -147,8 +167,8 @@ def hybrid_attention_naive(
 
     t = torch.arange(T, device=q.device)[:, None]  # query positions
     s = torch.arange(T, device=q.device)[None, :]  # key positions
-    in_window = (s <= t) & (s > t - window)  # [T, T], W_t
-    in_far = s <= t - window  # [T, T], F_t
+    in_window = (s <= t) & ((s > t - window) | (s < sinks))  # [T, T], W_t with the sinks
+    in_far = (s <= t - window) & (s >= sinks)  # [T, T], F_t
 
     v = v.transpose(1, 2)  # [B, H, T, Dv]
     # linear terms: a_ln[t, s] = fq_t . fk_s on the far keys
@@ -157,7 +177,7 @@ def hybrid_attention_naive(
     den = lf * a_ln.sum(-1, keepdim=True)  # [B, H, T, 1]
 
     if window > 0:
-        # softmax terms: exp(scale q_t . k_s - m_t) on the window keys; s = t is always there, so m_t is finite
+        # softmax terms: exp(scale q_t . k_s - m_t) on the window keys (and sinks); s = t is always there, so m_t is finite
         logits = torch.einsum("bthd,bshd->bhts", q, k) * scale  # [B, H, T, T]
         logits = logits.masked_fill(~in_window, float("-inf"))
         m = logits.amax(-1, keepdim=True)  # [B, H, T, 1], m_t (not detached)

@@ -12,8 +12,11 @@
  *      position seen - W, the key that leaves the window now: it is folded into S and z (S += fk v^T,
  *      z += fk) and the new key, value and feature key take its slot. W = 0: the new key is folded
  *      at once (nothing stays exact);
+ *      With NS sinks, a leaving key at a position below NS is not folded: it takes sink slot p (its key
+ *      and value), and the feature keys of those positions are stored as zeros;
  *   4. out = (wf sum_win exp(scale q.k - m) v + lf fq^T S) / (wf sum_win exp(scale q.k - m) + lf fq.z + eps),
- *      wf = sigmoid(window_factors[h]), lf = 1 - wf, m the window's largest logit.
+ *      wf = sigmoid(window_factors[h]), lf = 1 - wf, m the largest logit; "win" is the window and the
+ *      sinks that have left it.
  *
  * The fold and the product fq^T S are one pass over S. About 5 F Dv + 4 D P + 2 W D multiply-adds per
  * head, no allocation. Build: cc -O3 -march=native -ffast-math -fPIC -shared (see native.py).
@@ -56,24 +59,29 @@ static void hedgehog(const float *x, const float *w, const float *b, int D, int 
     }
 }
 
-/* Floats of scratch that linear_decode needs. */
-long linear_decode_work_floats(int D, int F, int W) { return 2L * D + 2L * F + W + F; }
+/* Floats of scratch that linear_decode needs (rows: W + NS, the most softmax terms a step has). */
+long linear_decode_work_floats(int D, int F, int rows) { return 2L * D + 2L * F + rows + F; }
 
 /* q (B, H, D), k and v (B, G, D / Dv): this position's query, key and value (pre-RoPE when rope = 1).
  * cos, sin (D): its RoPE row. wq, wk (H, D, P) and bq, bk (H, P) or NULL: the Hedgehog maps (F = 2P);
  * with wq = NULL, fq and fk (B, H, F) are the features. wfac (H): window_factors.
  * ring_k (B, H, W, D), ring_v (B, H, W, Dv), ring_fk (B, H, W, F), S (B, H, F, Dv), z (B, H, F): the
- * state after `seen` positions, updated in place. out (B, H, Dv). */
-void linear_decode(int B, int H, int G, int D, int Dv, int F, int W, long seen, float scale, float eps, int use_rope,
-                   const float *q, const float *k, const float *v, const float *cos, const float *sin,
+ * state after `seen` positions, updated in place. NS sinks (W > 0): sink_k (B, H, NS, D), sink_v (B, H, NS, Dv),
+ * slot p holding position p once it has left the window. out (B, H, Dv). */
+void linear_decode(int B, int H, int G, int D, int Dv, int F, int W, int NS, long seen, float scale, float eps,
+                   int use_rope, const float *q, const float *k, const float *v, const float *cos, const float *sin,
                    const float *wq, const float *bq, const float *wk, const float *bk, const float *fq_in,
                    const float *fk_in, const float *wfac, float *ring_k, float *ring_v, float *ring_fk, float *S,
-                   float *z, float *out, float *work) {
+                   float *z, float *sink_k, float *sink_v, float *out, float *work) {
     const int R = H / G, P = F / 2;
     const long slot = W > 0 ? seen % W : 0;
     const int n = W > 0 ? (seen + 1 < W ? (int)(seen + 1) : W) : 0; /* slots in the window after this step */
-    const int fold = W == 0 || seen >= W;                             /* a key enters the far part now */
-    float *qr = work, *kr = qr + D, *fq = kr + D, *fk = fq + F, *logits = fk + F, *proj = logits + W;
+    const long leaving = seen - W;                                    /* the position that leaves the window */
+    const int to_sink = W > 0 && leaving >= 0 && leaving < NS;        /* it is a sink: kept, not folded */
+    const int fold = (W == 0 || seen >= W) && !to_sink;               /* a key enters the far part now */
+    const long past = seen + 1 - W;                                   /* sinks out of the window after this step */
+    const int ns = W > 0 && past > 0 ? (past < NS ? (int)past : NS) : 0;
+    float *qr = work, *kr = qr + D, *fq = kr + D, *fk = fq + F, *logits = fk + F, *proj = logits + W + NS;
     for (int b = 0; b < B; b++) {
         for (int h = 0; h < H; h++) {
             const int g = h / R;
@@ -95,6 +103,12 @@ void linear_decode(int B, int H, int G, int D, int Dv, int F, int W, long seen, 
             }
             float *rk = ring_k + bh * W * D, *rv = ring_v + bh * W * Dv, *rf = ring_fk + bh * W * F;
             float *Sh = S + bh * F * Dv, *zh = z + bh * F, *o = out + bh * Dv;
+            float *sk = sink_k + bh * NS * D, *sv = sink_v + bh * NS * Dv;
+            if (to_sink) {
+                memcpy(sk + leaving * D, rk + slot * D, sizeof(float) * D);
+                memcpy(sv + leaving * Dv, rv + slot * Dv, sizeof(float) * Dv);
+            }
+            if (seen < NS) memset(fk, 0, sizeof(float) * F); /* a sink never joins S */
             /* the key that enters the far part: the slot's old key (W > 0) or this one (W = 0) */
             const float *f_old = W > 0 ? rf + slot * F : fk, *v_old = W > 0 ? rv + slot * Dv : vx;
             const float wf = 1.0f / (1.0f + expf(-wfac[h])), lf = 1.0f - wf;
@@ -119,18 +133,18 @@ void linear_decode(int B, int H, int G, int D, int Dv, int F, int W, long seen, 
                 memcpy(rv + slot * Dv, vx, sizeof(float) * Dv);
                 memcpy(rf + slot * F, fk, sizeof(float) * F);
                 float m = -1e30f; /* finite: built with -ffast-math */
-                for (int j = 0; j < n; j++) {
-                    const float *kj = rk + (long)j * D;
+                for (int j = 0; j < n + ns; j++) { /* the ring's n rows, then the sinks' ns */
+                    const float *kj = j < n ? rk + (long)j * D : sk + (long)(j - n) * D;
                     float s = 0.0f;
                     for (int i = 0; i < D; i++) s += qr[i] * kj[i];
                     logits[j] = s * scale;
                     m = logits[j] > m ? logits[j] : m;
                 }
                 float sum = 0.0f;
-                for (int j = 0; j < n; j++) {
+                for (int j = 0; j < n + ns; j++) {
                     const float a = expf(logits[j] - m);
                     sum += a;
-                    const float aw = a * wf, *vj = rv + (long)j * Dv;
+                    const float aw = a * wf, *vj = j < n ? rv + (long)j * Dv : sv + (long)(j - n) * Dv;
                     for (int e = 0; e < Dv; e++) o[e] += aw * vj[e];
                 }
                 den += wf * sum;

@@ -23,7 +23,7 @@ SOURCE = Path(__file__).with_name("native.c")
 _lib = None  # the loaded library, False once it failed
 _why_not = ""
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-_ARGTYPES = [_I] * 7 + [_L, _F, _F, _I] + [_P] * 19
+_ARGTYPES = [_I] * 8 + [_L, _F, _F, _I] + [_P] * 21
 
 
 def why_unavailable() -> str:
@@ -49,9 +49,9 @@ def available() -> bool:
     return bool(_lib) and os.environ.get("EFFATTN_NATIVE", "1") != "0"
 
 
-def work_floats(D: int, F: int, W: int) -> int:
+def work_floats(D: int, F: int, W: int, sinks: int = 0) -> int:
     """Floats of scratch a step needs."""
-    return _lib.linear_decode_work_floats(D, F, W) if available() else 0
+    return _lib.linear_decode_work_floats(D, F, W + sinks) if available() else 0
 
 
 def _ptr(x: Tensor | None) -> int | None:
@@ -70,15 +70,15 @@ def decode_step(state, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
     """
     B, _, H, D = q.shape
     G, Dv = k.shape[2], v.shape[3]
-    F, W = state.S.shape[2], state.window
+    F, W, NS = state.S.shape[2], state.window, state.sinks
     q, k, v, cos, sin, window_factors = (x.contiguous() for x in (q, k, v, cos, sin, window_factors))
     wq, bq, wk, bk = (None if x is None else x.detach().contiguous() for x in (hedgehog or (None,) * 4))
     fq, fk = (None if x is None else x.contiguous() for x in (fq, fk))
     if hedgehog is None and (fq is None or fk is None):
         raise ValueError("decode_step needs the Hedgehog weights or both feature tensors fq and fk")
     out = q.new_empty(B, 1, H, Dv)
-    _lib.linear_decode(B, H, G, D, Dv, F, W, state.seen, scale, eps, int(rope), *map(_ptr, (
+    _lib.linear_decode(B, H, G, D, Dv, F, W, NS, state.seen, scale, eps, int(rope), *map(_ptr, (
         q, k, v, cos, sin, wq, bq, wk, bk, fq, fk, window_factors.detach(), state.ring_k, state.ring_v,
-        state.ring_fk, state.S, state.z, out, state.work)))  # fmt: skip
+        state.ring_fk, state.S, state.z, state.sink_k, state.sink_v, out, state.work)))  # fmt: skip
     state.seen += 1
     return out
