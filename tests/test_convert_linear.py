@@ -88,8 +88,10 @@ def test_the_output_loads_with_remote_code_and_decodes_as_the_full_forward(tiny,
     from .remote import remote_logits
 
     src = tiny("qwen3", heads=6, kv_heads=2, head_dim=8)
-    out = convert(src, tmp_path / "lin", to="linear", options=FAST | {"projection_dim": 8}, measure=False).out
+    out = convert(src, tmp_path / "lin", to="linear", options=FAST | {"projection_dim": 8, "sinks": 2}, measure=False).out
     model = load(out)
+    assert model.config.linear_sinks == 2  # the sinks travel in the config, to the bundled code too
+    assert json.loads((out / "effattn.json").read_text())["conversion"]["sinks"] == 2
     full = logits(model)
     torch.testing.assert_close(remote_logits(out, IDS, "EffattnLinearForCausalLM", tmp_path), full, rtol=0, atol=0)
     # cached: a prefill past the window, then one token at a time through the constant-size cache
@@ -100,6 +102,7 @@ def test_the_output_loads_with_remote_code_and_decodes_as_the_full_forward(tiny,
             cache, start = step.cache, start + n
             got.append(step.logits)
     assert isinstance(cache, LinearCache)
+    assert all(state.sink_k.shape[1] == 2 for state in cache.states.values())
     torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-9, atol=1e-9)
     generated = model.generate(IDS[:1, :8], max_new_tokens=16, min_new_tokens=16, do_sample=False)
     predicted = logits(model, generated)[0, 7:-1]
@@ -115,6 +118,8 @@ def test_the_output_loads_with_remote_code_and_decodes_as_the_full_forward(tiny,
     (["--feature-map", "elu", "--projection-dim", "8"], ["--projection-dim applies to --feature-map hedgehog, not elu"]),
     (["--window", "-1"], ["--window must be an integer >= 0, got -1"]),
     (["--window", "4096"], ["covers the whole trained context"]),
+    (["--sinks", "2", "--window", "0"], ["--sinks 2 needs a window", "--window W"]),
+    (["--sinks", "-1"], ["--sinks must be an integer >= 0, got -1"]),
     (["--refine-steps", "0", "--calib-tokens", "1024"], ["--calib-tokens set attention transfer", "--refine-steps 0"]),
     (["--calib-seq-len", "64", "--window", "64"], ["must be longer than the window"]),
     (["--codebook-size", "8"], ["--codebook-size does not apply to linear"]),
@@ -139,13 +144,23 @@ def test_dry_run_states_the_constant_cache_and_writes_nothing(tiny, tmp_path, ca
     assert code == 0, err
     plan = json.loads(stdout)
     assert plan["output"] is None and not out.exists()
-    assert {"feature_map": "performer", "features": 16, "window": 64, "refine_steps": 40}.items() <= plan["settings"].items()
+    assert {"feature_map": "performer", "features": 16, "window": 64, "sinks": 0,
+            "refine_steps": 40}.items() <= plan["settings"].items()
     line = plan["summary"]["KV cache"]
     assert "constant after 64 tokens" in line and "state S, z" in line
     # 2 layers x 6 query heads: S [16, 8] and z [16] in float32; the window: k, v (float32) and fk (float32)
     assert f"state S, z {2 * 6 * (16 * 8 + 16) * 4:,}" in line and f"64 x {2 * 6 * (8 + 8 + 16) * 4:,} bytes/token" in line
     before, after = plan["kv_bytes_per_token"]
     assert before == 2 * 2 * 3 * 8 * 4 and after == pytest.approx((2 * 6 * 144 * 4 + 64 * 2 * 6 * 32 * 4) / 4096)
+    # sinks: the first 4 positions' keys and values (float32) join the constant cache
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "performer", "--features",
+                                "16", "--sinks", "4", "--dry-run", "--json", "-o", out, "--no-eval")
+    assert code == 0, err
+    plan = json.loads(stdout)
+    sinks = 4 * 2 * 6 * (8 + 8) * 4
+    assert plan["settings"]["sinks"] == 4 and f"+ 4 sinks {sinks:,}" in plan["summary"]["KV cache"]
+    assert "constant after 68 tokens" in plan["summary"]["KV cache"] and "the first 4 (sinks)" in plan["summary"]["attention"]
+    assert plan["kv_bytes_per_token"][1] == pytest.approx(after + sinks / 4096)
     # which decode step generation will take here: the compiled one (CI builds it), or why not
     assert plan["summary"]["decode step"] == "compiled, one call per layer and token (kernels/linear/native.c)"
     monkeypatch.setenv("EFFATTN_NATIVE", "0")

@@ -42,23 +42,24 @@ def reference_inputs(q, k, v, cos, sin, fmq, fmk):
     return q, k, v, fmq(q), fmk(k)
 
 
-@pytest.mark.parametrize("window", [0, 1, 5, 16])
+@pytest.mark.parametrize("window, sinks", [(0, 0), (1, 0), (5, 0), (16, 0), (1, 2), (5, 4), (16, 1)])
 @pytest.mark.parametrize("name", ["hedgehog", "elu"])
-def test_the_compiled_step_equals_the_readable_step(name, window):
-    """Prefill shorter and longer than the window, then 2 * window + 3 steps: outputs and the state
-    (given back in the plain layout) agree with hybrid_attention_step's at every step."""
+def test_the_compiled_step_equals_the_readable_step(name, window, sinks):
+    """Prefill shorter and longer than the window, then 2 * window + sinks + 3 steps: outputs and the state
+    (given back in the plain layout) agree with hybrid_attention_step's at every step; with sinks, the
+    sinks leave the window during the steps (prefill 3 < window + sinks)."""
     fmq, fmk = maps(name, seed=window)
     g = torch.Generator().manual_seed(7)
-    steps, prefill = 2 * window + 3, 3
+    steps, prefill = 2 * window + sinks + 3, 3
     T = prefill + steps
     q, k, v = (torch.randn(B, T, n, D, generator=g) for n in (H, G, G))
     wfac = torch.randn(H, generator=g)
     wf = torch.sigmoid(wfac)
     cos, sin = rope_tables(T, D)
-    settings = dict(window=window, window_factor=wf, linear_factor=1 - wf, scale=D**-0.5, eps=1e-6)
+    settings = dict(window=window, window_factor=wf, linear_factor=1 - wf, scale=D**-0.5, eps=1e-6, sinks=sinks)
     with torch.no_grad():
         rq, rk, rv, rfq, rfk = reference_inputs(q, k, v, cos[:, None], sin[:, None], fmq, fmk)
-        ref = state_from_prefill(rk[:, :prefill], rv[:, :prefill], rfk[:, :prefill], window)
+        ref = state_from_prefill(rk[:, :prefill], rv[:, :prefill], rfk[:, :prefill], window, sinks)
         fast = from_state(ref)
         assert isinstance(fast, LinearDecodeState) and fast.nbytes() == ref.nbytes()
         for t in range(prefill, T):
@@ -76,19 +77,21 @@ def test_the_compiled_step_equals_the_readable_step(name, window):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {t}: {m}")
             assert fast.seen == ref.seen == t + 1 and fast.nbytes() == ref.nbytes()
         back = fast.to_state()
-        for field in ("k", "v", "fk", "S", "z"):
+        assert back.sink_k.shape[1] == min(sinks, T - window) if window else back.sink_k.shape[1] == 0
+        for field in ("k", "v", "fk", "S", "z", "sink_k", "sink_v"):
             torch.testing.assert_close(getattr(back, field), getattr(ref, field), rtol=1e-5, atol=1e-5)
 
 
 def test_the_ring_layout_round_trips_exactly():
     g = torch.Generator().manual_seed(0)
-    for seen, window in [(3, 8), (8, 8), (13, 8), (5, 0)]:
+    for seen, window, sinks in [(3, 8, 0), (8, 8, 0), (13, 8, 0), (5, 0, 0), (10, 8, 4), (13, 8, 4), (20, 8, 4)]:
         n = min(seen, window)
         k, v, fk = (torch.randn(B, seen, H, d, generator=g) for d in (D, D, 10))
-        state = state_from_prefill(k, v, fk, window)
+        state = state_from_prefill(k, v, fk, window, sinks)
         back = from_state(state).to_state()
         assert back.seen == seen and back.k.shape == (B, n, H, D)
-        for field in ("k", "v", "fk", "S", "z"):
+        assert back.sink_k.shape == (B, min(sinks, seen - n), H, D)
+        for field in ("k", "v", "fk", "S", "z", "sink_k", "sink_v"):
             assert torch.equal(getattr(back, field), getattr(state, field)), (seen, window, field)
 
 
@@ -124,12 +127,13 @@ def pieces_logits(model, pieces):
     return torch.cat(out, 1), cache
 
 
-@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("window, sinks", [(0, 0), (8, 0), (8, 3)])
 @pytest.mark.parametrize("fmap", list(MAPS))
-def test_the_model_decodes_through_the_compiled_step(tiny, tmp_path, monkeypatch, fmap, window):
+def test_the_model_decodes_through_the_compiled_step(tiny, tmp_path, monkeypatch, fmap, window, sinks):
     """Token by token, prefill + decode, and a chunk after decoded tokens (the ring given back to the
     chunked kernel): the full forward's logits, and the PyTorch step's (EFFATTN_NATIVE=0)."""
-    model = load32(tiny, tmp_path, "lin", linear_window=window, linear_feature_map=MAPS[fmap], linear_chunk_size=16)
+    model = load32(tiny, tmp_path, "lin", linear_window=window, linear_sinks=sinks, linear_feature_map=MAPS[fmap],
+                  linear_chunk_size=16)
     with torch.no_grad():
         full = model(input_ids=IDS).logits
     cases = {"token by token": [1] * 40, "prefill + decode": [13] + [1] * 27,

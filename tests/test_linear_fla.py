@@ -57,11 +57,11 @@ chunk.fla_kernel = lambda device: kernel
 g = torch.Generator().manual_seed(0)
 B, T, H, D, Dv, F = 2, 23, 3, 8, 5, 6
 rows = []
-for window in (0, 1, 7, 30):
+for window, sinks in ((0, 0), (1, 0), (7, 0), (30, 0), (7, 3)):
     leaves = [torch.randn(B, T, H, d, generator=g, requires_grad=True) for d in (D, D, Dv)]
     leaves += [torch.rand(B, T, H, F, generator=g, requires_grad=True) for _ in range(2)]
     kw = dict(window=window, window_factor=torch.rand(H, generator=g) + 0.5,
-              linear_factor=torch.rand(H, generator=g) + 0.5, scale=D ** -0.5)
+              linear_factor=torch.rand(H, generator=g) + 0.5, scale=D ** -0.5, sinks=sinks)
     ref = hybrid_attention_naive(*leaves, **kw)
     n = len(calls)
     out = hybrid_attention_chunk(*leaves, **kw, chunk_size=5)
@@ -74,7 +74,7 @@ for window in (0, 1, 7, 30):
     with torch.no_grad():
         first, state = hybrid_attention_chunk(*(x[:, :9] for x in leaves), **kw, return_state=True)
         rest = hybrid_attention_chunk(*(x[:, 9:] for x in leaves), **kw, state=state)
-    rows.append(dict(window=window, used=used, out=(out - ref).abs().max().item(), grad=grad_err,
+    rows.append(dict(window=window, sinks=sinks, used=used, out=(out - ref).abs().max().item(), grad=grad_err,
                      pieces=(torch.cat((first, rest), 1) - ref).abs().max().item()))
 print(json.dumps(rows))
 """
@@ -93,15 +93,15 @@ def test_the_far_part_through_fla_equals_the_reference_in_the_interpreter():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: fla's chunked kernel itself")
-@pytest.mark.parametrize("window", [0, 64])
-def test_the_chunked_fla_kernel_on_cuda_equals_the_reference(window, monkeypatch):
+@pytest.mark.parametrize("window, sinks", [(0, 0), (64, 0), (64, 4)])
+def test_the_chunked_fla_kernel_on_cuda_equals_the_reference(window, sinks, monkeypatch):
     monkeypatch.syspath_prepend(str(FLA_SITE))
     assert chunk.fla_kernel(torch.device("cuda")) is not None
     g = torch.Generator(device="cuda").manual_seed(0)
     B, T, H, D, F = 2, 300, 4, 64, 128
     leaves = [torch.randn(B, T, H, D, generator=g, device="cuda", requires_grad=True) for _ in range(3)]
     leaves += [torch.rand(B, T, H, F, generator=g, device="cuda", requires_grad=True) / F for _ in range(2)]
-    kw = dict(window=window, window_factor=0.3, linear_factor=0.7, scale=D**-0.5)
+    kw = dict(window=window, window_factor=0.3, linear_factor=0.7, scale=D**-0.5, sinks=sinks)
     ref = hybrid_attention_naive(*leaves, **kw)
     out = hybrid_attention_chunk(*leaves, **kw)
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)

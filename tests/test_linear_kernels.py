@@ -442,3 +442,136 @@ def test_hedgehog_keeps_its_signed_weights_only_while_the_parameters_are_unchang
         torch.testing.assert_close(made_here(x), reference(made_here))
         made_here.weight.mul_(2.0)  # in place in inference mode: no version counter, nothing kept
         torch.testing.assert_close(made_here(x), reference(made_here))
+
+
+# Attention sinks (`sinks`): the first positions stay under exact softmax for every later query.
+
+SINK_CASES = [(1, 1), (7, 1), (7, 4), (7, 40), (16, 3), (100, 2)]  # (window, sinks): sinks past T, a window past T
+
+
+def test_sinks_are_a_softmax_over_the_window_and_the_first_positions():
+    """Independent reference: with the linear factor 0, the output is softmax attention with the mask
+    "in the window, or one of the first `sinks` positions" (scaled_dot_product_attention)."""
+    B, T, H, D, window, sinks = 2, 40, 3, 8, 6, 3
+    inputs = make_inputs(B, T, H, D, 5, 7, seed=11)
+    t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    mask = (s <= t) & ((s > t - window) | (s < sinks))
+    q, k, v = (inputs[n].transpose(1, 2) for n in ("q", "k", "v"))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    for kernel in (hybrid_attention_naive, hybrid_attention_chunk):
+        out = kernel(**inputs, window=window, sinks=sinks, window_factor=0.7, linear_factor=0.0, scale=D**-0.5, eps=0.0)
+        assert_close(kernel.__name__, ref, out, 1e-13)
+    # and the linear part no longer sees the sinks: with the window factor 0, outputs past the sinks' reach
+    # are linear attention over positions sinks .. t - window
+    out = hybrid_attention_naive(**inputs, window=window, sinks=sinks, window_factor=0.0, linear_factor=1.0,
+                                 scale=D**-0.5, eps=0.0)  # fmt: skip
+    fq, fk, v = inputs["fq"], inputs["fk"], inputs["v"]
+    for t in (sinks + window, T - 1):
+        w = torch.einsum("bhf,bshf->bsh", fq[:, t], fk[:, sinks : t - window + 1])
+        want = torch.einsum("bsh,bshe->bhe", w, v[:, sinks : t - window + 1]) / w.sum(1)[..., None]
+        assert_close(f"linear part at {t}", want, out[:, t], 1e-13)
+
+
+@pytest.mark.parametrize("window, sinks", SINK_CASES)
+def test_chunk_and_steps_with_sinks_match_naive_outputs_and_gradients(window, sinks):
+    B, T, H, D = 2, 30, 3, 6
+    inputs = {**make_inputs(B, T, H, D, 5, 7, seed=12), **factors(H)}
+    grad_out = torch.randn(B, T, H, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    kwargs = dict(window=window, scale=D**-0.5, sinks=sinks)
+    ref, ref_grads = run_with_grads(hybrid_attention_naive, inputs, grad_out, **kwargs)
+    plain = hybrid_attention_naive(**inputs, window=window, scale=D**-0.5)
+    assert (ref - plain).abs().max() > 1e-3 or window >= T  # the sinks change the outputs
+    out, grads = run_with_grads(hybrid_attention_chunk, inputs, grad_out, **kwargs, chunk_size=4)
+
+    def steps(window_factor, linear_factor, **x):
+        return run_steps(x, None, 0, window=window, sinks=sinks, window_factor=window_factor,
+                         linear_factor=linear_factor, scale=D**-0.5)[0]
+
+    stepped, step_grads = run_with_grads(steps, inputs, grad_out)
+    no_far = window >= T or sinks >= T - window  # every key in the softmax: the window factor cancels, O(eps)
+    lone = {"window_factor"} if no_far else set()
+    for name, o, g in (("chunk", out, grads), ("steps", stepped, step_grads)):
+        assert_close(name, ref, o, 1e-12)
+        for leaf in LEAVES:
+            if leaf in lone:
+                torch.testing.assert_close(g[leaf], ref_grads[leaf], rtol=0, atol=1e-13)
+            else:
+                assert_close(f"{name}: grad of {leaf}", ref_grads[leaf], g[leaf], 1e-11)
+
+
+@pytest.mark.parametrize("window, sinks", SINK_CASES)
+def test_states_with_sinks_continue_in_pieces_and_from_a_prefill(window, sinks):
+    """Calls continuing a state (general and no-grad fast path, several segments), steps after a
+    prefill's state: the one-call outputs, and states equal to state_from_prefill's (the sink store
+    holds exactly the sinks that left the window; their feature keys never reach S)."""
+    B, T, H, D = 2, 45, 3, 6
+    inputs = {**make_inputs(B, T, H, D, 5, 7, seed=13), **factors(H)}
+    kwargs = dict(window=window, scale=D**-0.5, sinks=sinks, window_factor=inputs["window_factor"],
+                  linear_factor=inputs["linear_factor"])
+    x = {n: inputs[n] for n in ("q", "k", "v", "fq", "fk")}
+    ref = hybrid_attention_naive(**x, **kwargs)
+    prefilled = state_from_prefill(x["k"], x["v"], x["fk"], window, sinks)
+    assert prefilled.sink_k.shape[1] == min(sinks, max(T - window, 0))
+
+    def pieces(cuts, **extra):
+        outs, state, start = [], None, 0
+        for end in cuts:
+            out, state = hybrid_attention_chunk(**{n: t[:, start:end] for n, t in x.items()}, **kwargs, state=state,
+                                                return_state=True, **extra)
+            outs.append(out)
+            start = end
+        return torch.cat(outs, dim=1), state
+
+    runs = {"general": pieces((1, 3, 20, T), chunk_size=4, segment_size=6)}
+    with torch.no_grad():
+        runs["fast"] = pieces((2, 19, 33, T), segment_size=16)
+    for name, (out, state) in runs.items():
+        assert_close(name, ref, out, 1e-12)
+        for field in ("S", "z", "k", "v", "fk", "sink_k", "sink_v"):
+            torch.testing.assert_close(getattr(state, field).detach(), getattr(prefilled, field), rtol=1e-12,
+                                       atol=1e-12, msg=lambda m: f"{name} {field}: {m}")
+    for prefill in sorted({1, min(sinks, T - 1), min(window + sinks + 1, T - 1)}):
+        head = state_from_prefill(x["k"][:, :prefill], x["v"][:, :prefill], x["fk"][:, :prefill], window, sinks)
+        out, state = run_steps(x, head, prefill, **kwargs)
+        assert_close(f"steps after a prefill of {prefill}", ref[:, prefill:], out, 1e-12)
+        for field in ("S", "z", "fk", "sink_k", "sink_v"):
+            torch.testing.assert_close(getattr(state[-1], field), getattr(prefilled, field), rtol=1e-12, atol=1e-12)
+
+
+def test_the_fast_path_runs_with_sinks(monkeypatch):
+    import effattn.kernels.linear.chunk as chunk
+
+    calls, fast = [], chunk._fast_segment
+    monkeypatch.setattr(chunk, "_fast_segment", lambda *a, **k: calls.append(k["sinks"]) or fast(*a, **k))
+    inputs = {**make_inputs(1, 50, 2, 4, 3, 5, seed=14), **factors(2)}
+    with torch.no_grad():
+        out = hybrid_attention_chunk(**inputs, window=16, sinks=2, scale=0.5)
+    assert calls == [2]
+    assert_close("fast path", hybrid_attention_naive(**inputs, window=16, sinks=2, scale=0.5), out, 1e-12)
+
+
+def test_sink_state_size_stops_growing_after_window_plus_sinks():
+    B, H, D, Dv, Fd, window, sinks = 1, 2, 4, 3, 5, 6, 3
+    inputs = make_inputs(B, 30, H, D, Dv, Fd)
+    state, sizes = None, []
+    for t in range(30):
+        _, state = hybrid_attention_step(**{n: x[:, t : t + 1] for n, x in inputs.items()}, state=state,
+                                         window=window, sinks=sinks, window_factor=1.0, linear_factor=1.0, scale=0.5)
+        sizes.append(state.nbytes())
+    full = window + sinks
+    assert sizes[full - 2] < sizes[full - 1] == sizes[-1]
+    assert sizes[-1] - init_state(B, H, D, Dv, Fd, window=window, sinks=sinks, dtype=torch.float64).nbytes() == (
+        8 * B * H * (window * (D + Dv + Fd) + sinks * (D + Dv)))
+
+
+def test_invalid_sinks_raise_explanations():
+    inputs = make_inputs(1, 5, 2, 4, 3, 5)
+    settings = dict(window_factor=1.0, linear_factor=1.0, scale=0.5)
+    for kernel in (hybrid_attention_naive, hybrid_attention_chunk):
+        with pytest.raises(ValueError, match="sinks=2 needs a window > 0"):
+            kernel(**inputs, window=0, sinks=2, **settings)
+        with pytest.raises(ValueError, match="sinks must be an integer >= 0"):
+            kernel(**inputs, window=3, sinks=-1, **settings)
+    _, state = hybrid_attention_chunk(**inputs, window=3, sinks=1, return_state=True, **settings)
+    with pytest.raises(ValueError, match="built with sinks=1 but this call uses sinks=2"):
+        hybrid_attention_chunk(**inputs, window=3, sinks=2, state=state, **settings)

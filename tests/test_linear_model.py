@@ -109,10 +109,11 @@ def decode_in_pieces(model, ids, pieces):
     return torch.cat(out, 1), cache
 
 
-@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("window, sinks", [(0, 0), (8, 0), (8, 3)])
 @pytest.mark.parametrize("fmap", list(MAPS))
-def test_cached_decoding_and_generate_match_the_full_forward(tiny, tmp_path, fmap, window):
-    model = make(tiny, tmp_path, "lin", linear_window=window, linear_feature_map=MAPS[fmap], linear_chunk_size=16)
+def test_cached_decoding_and_generate_match_the_full_forward(tiny, tmp_path, fmap, window, sinks):
+    model = make(tiny, tmp_path, "lin", linear_window=window, linear_sinks=sinks, linear_feature_map=MAPS[fmap],
+                  linear_chunk_size=16)
     perturb(model)
     full = logits(model)
     T = IDS.shape[1]
@@ -132,9 +133,10 @@ def test_cached_decoding_and_generate_match_the_full_forward(tiny, tmp_path, fma
     assert torch.equal(predicted.argmax(-1), generated[0, 8:])
 
 
-def test_the_cache_stops_growing_after_the_window(tiny, tmp_path):
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_the_cache_stops_growing_after_the_window(tiny, tmp_path, sinks):
     window = 8
-    model = make(tiny, tmp_path, "lin", linear_window=window, linear_feature_map=MAPS["hedgehog"])
+    model = make(tiny, tmp_path, "lin", linear_window=window, linear_sinks=sinks, linear_feature_map=MAPS["hedgehog"])
     ids = torch.randint(0, 256, (1, 4 * window), generator=torch.Generator().manual_seed(2))
     sizes = {}
     with torch.no_grad():
@@ -142,10 +144,12 @@ def test_the_cache_stops_growing_after_the_window(tiny, tmp_path):
         for t in range(ids.shape[1]):
             cache = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).cache
             sizes[t + 1] = cache.nbytes()
-    assert sizes[window // 2] < sizes[window] == sizes[2 * window] == sizes[4 * window]
-    # per layer, float64: S [H, F, Dv] and z [H, F], and the window's keys, values and feature keys of H heads
+    full = window + sinks
+    assert sizes[window // 2] < sizes[full - 1] < sizes[full] == sizes[2 * window] == sizes[4 * window]
+    # per layer, float64: S [H, F, Dv] and z [H, F], the window's keys, values and feature keys of H heads,
+    # and the sinks' keys and values
     H, D, Fd = 6, 8, 24
-    assert sizes[4 * window] == 2 * 8 * (H * Fd * D + H * Fd + window * H * (D + D + Fd))
+    assert sizes[4 * window] == 2 * 8 * (H * Fd * D + H * Fd + window * H * (D + D + Fd) + sinks * H * (D + D))
     # a prefill leaves the same state as the steps
     for n in (2 * window, 4 * window):
         with torch.no_grad():
