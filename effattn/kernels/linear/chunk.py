@@ -415,9 +415,6 @@ def hybrid_attention_chunk(
     if state is None:
         state = init_state(B, H, D, Dv, Fd, window=window, dtype=in_dtype, device=q.device, sinks=sinks)
     check_state(state, k, v, fk, window, sinks)
-    if state.seen < sinks:  # sinks never reach the linear state: their feature keys count as zeros
-        r = min(sinks - state.seen, T)
-        fk = torch.cat((torch.zeros_like(fk[:, :r]), fk[:, r:]), dim=1)
     store = state.k.dtype  # the window cache keeps the dtype of the inputs that started the sequence
     grad = torch.is_grad_enabled() and any(
         isinstance(x, Tensor) and x.requires_grad for x in (q, k, v, fq, fk, window_factor, linear_factor,
@@ -438,11 +435,15 @@ def hybrid_attention_chunk(
     outs = []
     for a in range(0, T, segment_size):
         part = slice(a, a + segment_size)
+        fk_part = fk[:, part]
+        if hm[0] < sinks:  # sinks never reach the linear state: their feature keys count as zeros
+            r = min(sinks - hm[0], fk_part.shape[1])
+            fk_part = torch.cat((torch.zeros_like(fk_part[:, :r]), fk_part[:, r:]), dim=1)
         if fast:  # batch-major inputs: the fast path lays them out itself
-            out, hm = _fast_segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk[:, part], hm, window=window,
+            out, hm = _fast_segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk_part, hm, window=window,
                                     wf=wf, lf=lf, scale=scale, eps=eps, dt=dt, sinks=sinks)
         else:
-            out, hm = _segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk[:, part], hm, window=window,
+            out, hm = _segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk_part, hm, window=window,
                                wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad, fla=fla, sinks=sinks)
         outs.append(out)
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B * H, T, Dv]
