@@ -144,23 +144,25 @@ def test_dry_run_states_the_constant_cache_and_writes_nothing(tiny, tmp_path, ca
     assert code == 0, err
     plan = json.loads(stdout)
     assert plan["output"] is None and not out.exists()
-    assert {"feature_map": "performer", "features": 16, "window": 64, "sinks": 0,
+    assert {"feature_map": "performer", "features": 16, "window": 64, "sinks": 4,
             "refine_steps": 40}.items() <= plan["settings"].items()
     line = plan["summary"]["KV cache"]
-    assert "constant after 64 tokens" in line and "state S, z" in line
-    # 2 layers x 6 query heads: S [16, 8] and z [16] in float32; the window: k, v (float32) and fk (float32)
+    # 2 layers x 6 query heads: S [16, 8] and z [16] in float32; the window: k, v (float32) and fk (float32);
+    # by default 4 sinks: their keys and values
+    sinks = 4 * 2 * 6 * (8 + 8) * 4
+    assert "constant after 68 tokens" in line and "the first 4 (sinks)" in plan["summary"]["attention"]
     assert f"state S, z {2 * 6 * (16 * 8 + 16) * 4:,}" in line and f"64 x {2 * 6 * (8 + 8 + 16) * 4:,} bytes/token" in line
+    assert f"+ 4 sinks {sinks:,}" in line
     before, after = plan["kv_bytes_per_token"]
-    assert before == 2 * 2 * 3 * 8 * 4 and after == pytest.approx((2 * 6 * 144 * 4 + 64 * 2 * 6 * 32 * 4) / 4096)
-    # sinks: the first 4 positions' keys and values (float32) join the constant cache
+    assert before == 2 * 2 * 3 * 8 * 4 and after == pytest.approx((2 * 6 * 144 * 4 + 64 * 2 * 6 * 32 * 4 + sinks) / 4096)
+    # --sinks 0: the window and the state alone
     code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "performer", "--features",
-                                "16", "--sinks", "4", "--dry-run", "--json", "-o", out, "--no-eval")
+                                "16", "--sinks", "0", "--dry-run", "--json", "-o", out, "--no-eval")
     assert code == 0, err
     plan = json.loads(stdout)
-    sinks = 4 * 2 * 6 * (8 + 8) * 4
-    assert plan["settings"]["sinks"] == 4 and f"+ 4 sinks {sinks:,}" in plan["summary"]["KV cache"]
-    assert "constant after 68 tokens" in plan["summary"]["KV cache"] and "the first 4 (sinks)" in plan["summary"]["attention"]
-    assert plan["kv_bytes_per_token"][1] == pytest.approx(after + sinks / 4096)
+    assert plan["settings"]["sinks"] == 0 and "sinks" not in plan["summary"]["KV cache"] + plan["summary"]["attention"]
+    assert "constant after 64 tokens" in plan["summary"]["KV cache"]
+    assert plan["kv_bytes_per_token"][1] == pytest.approx(after - sinks / 4096)
     # which decode step generation will take here: the compiled one (CI builds it), or why not
     assert plan["summary"]["decode step"] == "compiled, one call per layer and token (kernels/linear/native.c)"
     monkeypatch.setenv("EFFATTN_NATIVE", "0")
@@ -175,6 +177,7 @@ def test_dry_run_states_the_constant_cache_and_writes_nothing(tiny, tmp_path, ca
     assert code == 0, err
     plan = json.loads(stdout)
     assert plan["summary"]["attention transfer"].startswith("none") and plan["settings"]["refine_steps"] == 0
+    assert plan["settings"]["sinks"] == 0  # the default sinks need a window: none without one
     assert "constant from the first token" in plan["summary"]["KV cache"] and "window" not in plan["summary"]["KV cache"]
     code, stdout, _ = run_cli(capsys, "convert", "--to", "linear", "--help")
     assert code in (0, None) and "--feature-map" in stdout and "hedgehog" in stdout
