@@ -24,7 +24,7 @@ and the recorded losses). The sequence length is the lever measured (BENCHMARKS.
 attention"): fitted on 512-token sequences (20 steps) the maps gave 3.01x / 3.22x the original's
 perplexity at 2,048 tokens, on 2,048-token sequences (40 steps) 1.90x / 2.05x (both without sinks): the
 far part must learn the weight of thousands of keys, not hundreds. With the sinks the default conversion
-took 8.2 min on 2 cores (load 2.1, tests alongside for part of it; the plan said 10 min).
+took 330 s on 2 idle cores (321 s without them; the plan said 603 s).
 
 Attention sinks (`--sinks`, default 4 with a window): the first positions of a sequence stay under exact
 softmax for every later query (StreamingLLM, Xiao et al. 2023). The heads of a pretrained LLM put much of

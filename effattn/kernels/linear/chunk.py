@@ -20,7 +20,7 @@ queries starting at ``t0`` therefore reads the span of ``C + w - 1`` keys starti
 ``t0 - w + 1``; ``unfold`` gives every block its span (a strided view of the front-padded keys),
 and one masked softmax numerator per block follows.
 
-Sinks (``sinks = S``). The feature keys of positions below S are zeroed on entry, so no sink ever
+Sinks (``sinks = S``). The feature keys of positions below S are zeroed (in the segment holding them), so no sink ever
 reaches S or z, and the sinks that have left a query's window join its softmax: a [T, S] product of
 the queries with the first S keys, masked where the sink is still in the window (there it already
 counts), under the same ``m_t`` as the window's logits.
