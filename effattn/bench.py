@@ -26,7 +26,8 @@ all taking pre-RoPE q/k and the RoPE tables as inputs, so that every kind pays i
 * ``swa``: the same kernel on a sliding window of ``--window`` keys (and ``--sinks`` first positions);
 * ``linear``: RoPE, the KV heads repeated to the query heads, the ``--feature-map`` (hedgehog, P 64, by
   default; two maps, as the model has) on queries and keys, then LoLCATs' hybrid of softmax over the
-  last ``--window`` keys and linear attention beyond through ``hybrid_attention_chunk``; all of it 4,096
+  last ``--window`` keys (and the ``--sinks`` first positions; 0 by default here, 4 in ``convert --to
+  linear``) and linear attention beyond through ``hybrid_attention_chunk``; all of it 4,096
   positions at a time, each segment continuing the state of the one before (as a chunked prefill), so
   the working memory is flat in length; ``linear_naive``: the quadratic reference, whole.
 Each point of a pattern reports its density: the fraction of causal (query, key) pairs it reads.
@@ -164,7 +165,8 @@ def _linear(naive: bool = False):
                           for _ in range(2))
         mix = torch.full((H,), 0.5, device=x["device"], dtype=torch.float32)  # wf = lf (the value does not matter)
 
-        settings = dict(window=spec["window"], window_factor=mix, linear_factor=mix, scale=D**-0.5)
+        settings = dict(window=spec["window"], window_factor=mix, linear_factor=mix, scale=D**-0.5,
+                        sinks=spec.get("sinks", 0))
 
         def inputs(part: slice):  # RoPE, the KV heads repeated (as the model), the feature maps
             q_rot = apply_rope(q[:, part], cos[part, None], sin[part, None])  # [1, n, H, D]
@@ -206,7 +208,7 @@ for _kind in (
               _pattern("sparse", naive=True)),
     BenchKind("swa", "a sliding window of --window keys (+ --sinks) on FlexAttention block masks, compiled",
               _pattern("swa")),
-    BenchKind("linear", "LoLCATs hybrid: softmax over the last --window keys + linear attention beyond (--feature-map, "
+    BenchKind("linear", "LoLCATs hybrid: softmax over the last --window keys (+ --sinks) + linear attention beyond (--feature-map, "
                         "hedgehog by default), chunked kernel (hybrid_attention_chunk), KV heads repeated", _linear()),
     BenchKind("linear_naive", "linear through the quadratic reference hybrid_attention_naive", _linear(naive=True),
               NAIVE_MAX_LENGTH, score_copies=4),

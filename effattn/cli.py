@@ -398,7 +398,8 @@ def bench(
     window: int = typer.Option(256, "--window", help="VQ, swa, linear: exact keys per query"),
     codebook_size: int = typer.Option(512, "--codebook-size", help="VQ: codewords per key/value head"),
     block_size: int = typer.Option(64, "--block-size", help="VQ: block length of the stop-gradient rule"),
-    sinks: int = typer.Option(0, "--sinks", help="VQ: first positions never quantized; swa: sink tokens"),
+    sinks: int = typer.Option(0, "--sinks", help="VQ: first positions never quantized; swa: sink tokens; "
+                                                     "linear: first positions under exact softmax"),
     heavy_keys: int = typer.Option(192, "--heavy-keys", help="vq_heavy: exact far keys per KV head"),
     pattern: str = typer.Option("strided", "--pattern", help="sparse kinds: longformer, bigbird or strided (their "
                                                              "`convert --to sparse` defaults)"),

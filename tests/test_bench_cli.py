@@ -124,5 +124,9 @@ def test_the_linear_kind_runs_in_segments_and_equals_the_reference():
     spec = dict(heads=2, kv_heads=1, head_dim=8, window=16, dtype="float32", seed=0, feature_map="hedgehog")
     with torch.inference_mode():
         chunked, naive = (_layer(kind, spec, 4096 + 37, "cpu")() for kind in ("linear", "linear_naive"))
-    assert chunked.shape == naive.shape == (1, 4133, 2, 8)
-    torch.testing.assert_close(chunked, naive, rtol=1e-4, atol=1e-5)
+        assert chunked.shape == naive.shape == (1, 4133, 2, 8)
+        torch.testing.assert_close(chunked, naive, rtol=1e-4, atol=1e-5)
+        spec["sinks"] = 4  # --sinks: the first positions under exact softmax, in both kinds
+        with_sinks, naive_sinks = (_layer(kind, spec, 4096 + 37, "cpu")() for kind in ("linear", "linear_naive"))
+    torch.testing.assert_close(with_sinks, naive_sinks, rtol=1e-4, atol=1e-5)
+    assert (with_sinks - chunked).abs().max() > 1e-3
