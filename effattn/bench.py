@@ -413,7 +413,7 @@ def describe(report: dict) -> str:
         + (f"; vq_heavy: {s.get('heavy_keys')} exact far keys per KV head"
            if any(r["kind"] == "vq_heavy" for r in report["results"]) else "")
         + (f"; sparse: {s.get('pattern')}" if any(r["kind"] in ("sparse", "sparse_naive") for r in report["results"]) else "")
-        + (f"; linear: {s.get('feature_map')} map, window {s['window']}"
+        + (f"; linear: {s.get('feature_map')} map, window {s['window']}, sinks {s['sinks']}"
            if any(r["kind"].startswith("linear") for r in report["results"]) else "")
         + f". Median wall and process CPU time "
         f"of {s['repeats']} run(s); peak memory is the peak RSS growth during one forward pass over the inputs "
