@@ -542,7 +542,8 @@ def test_the_fast_path_runs_with_sinks(monkeypatch):
     import effattn.kernels.linear.chunk as chunk
 
     calls, fast = [], chunk._fast_segment
-    monkeypatch.setattr(chunk, "_fast_segment", lambda *a, **k: calls.append(k["sinks"]) or fast(*a, **k))
+    # the state it gets holds the sinks its queries read (positions 0 and 1: both leave the window in the call)
+    monkeypatch.setattr(chunk, "_fast_segment", lambda *a, **k: calls.append(a[5][6].shape[1]) or fast(*a, **k))
     inputs = {**make_inputs(1, 50, 2, 4, 3, 5, seed=14), **factors(2)}
     with torch.no_grad():
         out = hybrid_attention_chunk(**inputs, window=16, sinks=2, scale=0.5)

@@ -193,32 +193,32 @@ def _far_part_fla(kernel, fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_
     return out[..., :Dv], out[..., Dv], state[0, ..., :Dv], state[0, ..., Dv]
 
 
-def _sink_rows(k: Tensor, v: Tensor, state: tuple, sinks: int, window: int) -> tuple[Tensor, Tensor]:
-    """The keys and values of the sinks that have left the window by the last of the T positions after
-    ``state`` (head-major, as in `_segment`): positions 0 .. min(sinks, seen + T - window) - 1, from the
-    state's sink store, then its kept window and these positions (which follow on when the store is short).
-    Also the sink store of the state after them."""
-    seen, k_prev, v_prev, _, _, _, sink_k, sink_v = state
-    T, n, have = k.shape[1], k_prev.shape[1], sink_k.shape[1]
-    need = min(sinks, max(seen + T - window, 0))
-    if need <= have:
-        return sink_k, sink_v
-    more = need - have  # the store is short only while position `have` = seen - n is the kept window's first
-    return (_rows(k, sink_k, k_prev[:, :more], k[:, :max(more - n, 0)]),
-            _rows(v, sink_v, v_prev[:, :more], v[:, :max(more - n, 0)]))  # fmt: skip
+def _with_sinks(state: tuple, k: Tensor, v: Tensor, T: int, sinks: int, window: int) -> tuple:
+    """``state`` (head-major, as `_segment` takes it) with its sink store extended to every sink that leaves
+    the window by the last of the next T positions, whose first keys and values are ``k``, ``v`` (head-major,
+    [BH, r, *], r >= min(sinks, T)): positions 0 .. min(sinks, seen + T - window) - 1. They come from the store, then the kept window,
+    then these positions (they follow on: the store is short only while its next position is the kept
+    window's first). A segment's queries read the extended store (each only the sinks out of its window), and
+    it is the store of the state after them."""
+    seen, k_prev, v_prev, fk_prev, S, z, sink_k, sink_v = state
+    n, have = k_prev.shape[1], sink_k.shape[1]
+    more = min(sinks, max(seen + T - window, 0)) - have
+    if more <= 0:
+        return state
+    r = max(more - n, 0)
+    return (seen, k_prev, v_prev, fk_prev, S, z, _rows(k, sink_k, k_prev[:, :more], k[:, :r]),
+            _rows(v, sink_v, v_prev[:, :more], v[:, :r]))
 
 
 def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tuple, *, window: int, wf: Tensor,
-             lf: Tensor, scale: float, eps: float, C: int, grad: bool, fla=None, sinks: int = 0) -> tuple[Tensor, tuple]:
+             lf: Tensor, scale: float, eps: float, C: int, grad: bool, fla=None) -> tuple[Tensor, tuple]:
     """The T positions after ``state`` (head-major inputs in the compute dtype; state = (seen, k, v, fk, S, z,
     sink_k, sink_v), head-major): (out [BH, T, Dv], the state after them). ``fla``: ``fla_kernel``'s answer for
-    the device. The feature keys of sink positions come zeroed (`hybrid_attention_chunk`)."""
+    the device. The feature keys of sink positions come zeroed and the sink store extended (`_with_sinks`)."""
     seen, k_prev, v_prev, fk_prev, S, z, sink_k, sink_v = state
     T, n = q.shape[1], k_prev.shape[1]
     L = n + T
     num = den = 0.0
-    if sinks:
-        sink_k, sink_v = _sink_rows(k, v, state, sinks, window)
     if window > 0:
         with_sinks = (sink_k, sink_v, seen - n, window) if sink_k.shape[1] else None
         win_num, win_den = _window_part(q, k, v, k_prev, v_prev, min(window, L), scale, min(C, L), grad, with_sinks)
@@ -244,8 +244,7 @@ FAST_WINDOWS = range(16, 257)
 
 
 def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tuple, *, window: int,
-                  wf: Tensor, lf: Tensor, scale: float, eps: float, dt: torch.dtype,
-                  sinks: int = 0) -> tuple[Tensor, tuple]:
+                  wf: Tensor, lf: Tensor, scale: float, eps: float, dt: torch.dtype) -> tuple[Tensor, tuple]:
     """`_segment` without autograd, in blocks of C = window positions, with fewer passes over memory.
 
     Inputs batch-major [B, T, H, *] (any dtype); state head-major as in `_segment`. The rows are laid
@@ -297,8 +296,6 @@ def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state
     i = torch.arange(C, device=q.device)[:, None]
     j = torch.arange(2 * C, device=q.device)[None, :]
     outside = (j <= i) | (j > i + C)  # [C, 2C]: not in query i's window
-    if sinks:
-        sink_k, sink_v = _sink_rows_batch_major(k, v, (seen, k_prev, v_prev, sink_k, sink_v), sinks, window, dt)
     s_n = sink_k.shape[1]
     if s_n:  # the sinks' keys and values (with the normaliser's column), and where each query reads them
         sink_vb = torch.cat((sink_v.to(dt), sink_v.new_ones((BH, s_n, 1), dtype=dt)), dim=-1)  # [BH, s, E]
@@ -340,24 +337,6 @@ def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state
     fk_kept = fk_all[:, T - keep :] if keep <= T else torch.cat((fk_first[:, C - (keep - T) :], fk_all), dim=1)
     kept = (kb[:, C + T - keep : C + T].clone(), vb[:, C + T - keep : C + T, :Dv].clone(), fk_kept.clone())
     return out, (seen + T, *kept, S[..., :Dv].contiguous(), S[..., Dv].contiguous(), sink_k, sink_v)
-
-
-def _sink_rows_batch_major(k: Tensor, v: Tensor, state: tuple, sinks: int, window: int,
-                           dt: torch.dtype) -> tuple[Tensor, Tensor]:
-    """`_sink_rows` for `_fast_segment`, whose k, v come batch-major [B, T, H, *] (the state head-major)."""
-    seen, k_prev, v_prev, sink_k, sink_v = state
-    T, n, have = k.shape[1], k_prev.shape[1], sink_k.shape[1]
-    more = min(sinks, max(seen + T - window, 0)) - have
-    if more <= 0:
-        return sink_k, sink_v
-    BH = k_prev.shape[0]
-
-    def head_major(x: Tensor) -> Tensor:  # this call's first rows, [B, r, H, E] -> [BH, r, E]
-        return x.to(dt).transpose(1, 2).reshape(BH, x.shape[1], x.shape[3])
-
-    r = max(more - n, 0)
-    return (_rows(k_prev, sink_k, k_prev[:, :more], head_major(k[:, :r])),
-            _rows(v_prev, sink_v, v_prev[:, :more], head_major(v[:, :r])))  # fmt: skip
 
 
 def hybrid_attention_chunk(
@@ -439,12 +418,16 @@ def hybrid_attention_chunk(
         if hm[0] < sinks:  # sinks never reach the linear state: their feature keys count as zeros
             r = min(sinks - hm[0], fk_part.shape[1])
             fk_part = torch.cat((torch.zeros_like(fk_part[:, :r]), fk_part[:, r:]), dim=1)
+        if sinks:  # the fast path's inputs are batch-major: the sinks' first rows go head-major
+            first = slice(a, min(a + segment_size, a + sinks, T))
+            lay = heads_major if fast else (lambda x: x)
+            hm = _with_sinks(hm, lay(k[:, first]), lay(v[:, first]), fk_part.shape[1], sinks, window)
         if fast:  # batch-major inputs: the fast path lays them out itself
             out, hm = _fast_segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk_part, hm, window=window,
-                                    wf=wf, lf=lf, scale=scale, eps=eps, dt=dt, sinks=sinks)
+                                    wf=wf, lf=lf, scale=scale, eps=eps, dt=dt)
         else:
             out, hm = _segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk_part, hm, window=window,
-                               wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad, fla=fla, sinks=sinks)
+                               wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad, fla=fla)
         outs.append(out)
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B * H, T, Dv]
     out = out.view(B, H, T, Dv).transpose(1, 2).to(in_dtype)  # [B, T, H, Dv]
