@@ -166,7 +166,7 @@ def _linear(naive: bool = False):
         mix = torch.full((H,), 0.5, device=x["device"], dtype=torch.float32)  # wf = lf (the value does not matter)
 
         settings = dict(window=spec["window"], window_factor=mix, linear_factor=mix, scale=D**-0.5,
-                        sinks=spec.get("sinks", 0))
+                        sinks=spec["sinks"])
 
         def inputs(part: slice):  # RoPE, the KV heads repeated (as the model), the feature maps
             q_rot = apply_rope(q[:, part], cos[part, None], sin[part, None])  # [1, n, H, D]

@@ -121,7 +121,7 @@ def test_the_linear_kind_runs_in_segments_and_equals_the_reference():
 
     from effattn.bench import _layer
 
-    spec = dict(heads=2, kv_heads=1, head_dim=8, window=16, dtype="float32", seed=0, feature_map="hedgehog")
+    spec = dict(heads=2, kv_heads=1, head_dim=8, window=16, sinks=0, dtype="float32", seed=0, feature_map="hedgehog")
     with torch.inference_mode():
         chunked, naive = (_layer(kind, spec, 4096 + 37, "cpu")() for kind in ("linear", "linear_naive"))
         assert chunked.shape == naive.shape == (1, 4133, 2, 8)
