@@ -5,7 +5,8 @@ softmax lower the attention-transfer error on calibration text the steps never s
 
 SmolLM2's layer L gets a LinearAttention (hedgehog maps, window 64, `linear_sinks` S, the quadratic reference
 kernel); its maps and mix train for STEPS Adam steps at lr 1e-2 (the conversion's default transfer) on 4
-sequences of 2,048 tokens of `calib` against the original layer's attention output, batches of 2. Printed:
+sequences of 2,048 tokens of `calib` against the original layer's attention output, batches of 2, through
+`convert.refine.refine_layer` (the conversion's own steps). Printed:
 the relative squared error on 2 further `calib` sequences before the steps and after, and on the 4 trained
 ones after. A screen for the conversion's `--sinks` default, on calibration text only (no evaluation corpus).
 """
@@ -21,7 +22,7 @@ import torch
 
 from effattn.attention.linear import EffattnLinearConfig, LinearAttention, linear_config_from
 from effattn.convert.calibrate import CalibSettings, calibration_tokens
-from effattn.convert.refine import attention_out
+from effattn.convert.refine import RefineSettings, attention_out, refine_layer
 from effattn.io.load import load_model
 
 
@@ -29,7 +30,7 @@ def main() -> None:
     torch.manual_seed(0)
     layers = [int(x) for x in sys.argv[1].split(",")]
     sink_counts = [int(x) for x in sys.argv[2].split(",")]
-    steps = int(os.environ.get("STEPS", 40))
+    settings = RefineSettings(steps=int(os.environ.get("STEPS", 40)), lr=1e-2, target="attention", batch_size=2)
     model, _, ref = load_model("llama")
     cfg = model.config.to_dict()
     ids = calibration_tokens(ref.path, CalibSettings(tokens=6 * 2048, seq_len=2048))
@@ -41,37 +42,25 @@ def main() -> None:
         x = hs[L].detach()
         xtr, xte = x[:4], x[4:]
         with torch.no_grad():
-            ytr = torch.cat([attention_out(layer, xtr[i:i + 2], cos, sin) for i in (0, 2)])
-            yte = torch.cat([attention_out(layer, xte[i:i + 1], cos, sin) for i in (0, 1)])
-        energy = ytr.pow(2).sum() / ytr[..., 0].numel()
+            yte = torch.cat([attention_out(layer, xte[i:i + 1], cos, sin) for i in range(len(xte))])
         for sinks in sink_counts:
             lcfg = EffattnLinearConfig(**linear_config_from(cfg, linear_window=64, linear_sinks=sinks,
                                                             linear_kernel="naive"))
             mod = copy.deepcopy(layer)
             mod.self_attn = LinearAttention(mod.self_attn, lcfg, L).float()
-            mod.requires_grad_(False)
-            params = [p for n, p in mod.self_attn.named_parameters()
-                      if n == "window_factors" or n.startswith("feature_map_")]
-            for p in params:
-                p.requires_grad_(True)
 
-            def err(xs, ys) -> float:
+            def held_out() -> float:
                 with torch.no_grad():
-                    out = torch.cat([attention_out(mod, xs[i:i + 1], cos, sin) for i in range(len(xs))])
-                    return ((out - ys).pow(2).sum() / ys.pow(2).sum()).item()
+                    out = torch.cat([attention_out(mod, xte[i:i + 1], cos, sin) for i in range(len(xte))])
+                    return ((out - yte).pow(2).sum() / yte.pow(2).sum()).item()
 
-            before = err(xte, yte)
-            opt = torch.optim.Adam(params, lr=1e-2)
-            gen = torch.Generator().manual_seed(0)
+            before = held_out()
+            trainable = [n for n, _ in mod.self_attn.named_parameters()
+                         if n == "window_factors" or n.startswith("feature_map_")]
             t0 = time.time()
-            for _ in range(steps):
-                pick = torch.randint(4, (2,), generator=gen)
-                loss = (attention_out(mod, xtr[pick], cos, sin) - ytr[pick]).pow(2).sum(-1).mean() / energy
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            print(f"layer {L} sinks {sinks}: test before {before:.4f} | after: train {err(xtr, ytr):.4f} "
-                  f"test {err(xte, yte):.4f} | {time.time() - t0:.0f} s", flush=True)
+            fit = refine_layer(mod, layer, xtr, cos, sin, settings, trainable=trainable)  # the conversion's own steps
+            print(f"layer {L} sinks {sinks}: test before {before:.4f} | after: train {fit['after']:.4f} "
+                  f"test {held_out():.4f} | {time.time() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
