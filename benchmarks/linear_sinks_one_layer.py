@@ -2,6 +2,7 @@
 softmax lower the attention-transfer error on calibration text the steps never saw?
 
     python benchmarks/linear_sinks_one_layer.py LAYERS SINKS        # e.g. 5,15,25 0,1,4; STEPS=40 by default
+    python benchmarks/linear_sinks_one_layer.py 5,15 4,4/128         # a variant S/P: S sinks, hedgehog P (default 64)
 
 SmolLM2's layer L gets a LinearAttention (hedgehog maps, window 64, `linear_sinks` S, the quadratic reference
 kernel); its maps and mix train for STEPS Adam steps at lr 1e-2 (the conversion's default transfer) on 4
@@ -29,7 +30,7 @@ from effattn.io.load import load_model
 def main() -> None:
     torch.manual_seed(0)
     layers = [int(x) for x in sys.argv[1].split(",")]
-    sink_counts = [int(x) for x in sys.argv[2].split(",")]
+    variants = [tuple(int(y) for y in x.split("/")) + (64,) for x in sys.argv[2].split(",")]  # (sinks, P, ...)
     settings = RefineSettings(steps=int(os.environ.get("STEPS", 40)), lr=1e-2, target="attention", batch_size=2)
     model, _, ref = load_model("llama")
     cfg = model.config.to_dict()
@@ -43,9 +44,10 @@ def main() -> None:
         xtr, xte = x[:4], x[4:]
         with torch.no_grad():
             yte = torch.cat([attention_out(layer, xte[i:i + 1], cos, sin) for i in range(len(xte))])
-        for sinks in sink_counts:
+        for sinks, pdim, *_ in variants:
+            fmap = {"name": "hedgehog", "projection_dim": pdim}
             lcfg = EffattnLinearConfig(**linear_config_from(cfg, linear_window=64, linear_sinks=sinks,
-                                                            linear_kernel="naive"))
+                                                            linear_feature_map=fmap, linear_kernel="naive"))
             mod = copy.deepcopy(layer)
             mod.self_attn = LinearAttention(mod.self_attn, lcfg, L).float()
 
@@ -59,7 +61,7 @@ def main() -> None:
                          if n == "window_factors" or n.startswith("feature_map_")]
             t0 = time.time()
             fit = refine_layer(mod, layer, xtr, cos, sin, settings, trainable=trainable)  # the conversion's own steps
-            print(f"layer {L} sinks {sinks}: test before {before:.4f} | after: train {fit['after']:.4f} "
+            print(f"layer {L} sinks {sinks} P {pdim}: test before {before:.4f} | after: train {fit['after']:.4f} "
                   f"test {held_out():.4f} | {time.time() - t0:.0f} s", flush=True)
 
 

@@ -194,6 +194,45 @@ def test_the_cache_line_says_more_where_the_linear_cache_is_larger():
     assert "smaller than the original's beyond 579 tokens" in small and small.endswith("(14.1x less)")
 
 
+def test_the_plans_time_counts_the_hybrids_own_work():
+    """The transfer's time estimate prices the hybrid attention (maps, window + sinks, the far part in F),
+    not a softmax pass: a hand count on SmolLM2's sizes, no far part where the window covers the block, and
+    the shared refine cost model unchanged for the conversions that pass no `converted`."""
+    from effattn.convert.linear import linear_attention_flops
+    from effattn.convert.refine import RefineSettings, refine_flops
+    from effattn.resources import Dims
+
+    d = Dims(hidden=576, heads=9, kv_heads=3, head_dim=64, layers=30, intermediate=1536, vocab=49152)
+    proj = 2 * 2048 * 576 * (18 + 6) * 64
+    per = 2 * (2 * 64 * 128) + 4 * 64 * 68 + (4 * 128 * 64 + 2 * 64 * (128 + 64))
+    assert linear_attention_flops(d, 2048, 2048, 64, 4, 128, 2 * 64 * 128) == proj + 2048 * 9 * per
+    short = linear_attention_flops(d, 2048, 64, 64, 0, 128, 2 * 64 * 128)  # blocks no longer than the window
+    assert short == proj + 2048 * 9 * (2 * 2 * 64 * 128 + 4 * 64 * 64)
+    wider = linear_attention_flops(d, 2048, 2048, 64, 4, 256, 2 * 64 * 256)
+    assert wider > linear_attention_flops(d, 2048, 2048, 64, 4, 128, 2 * 64 * 128)
+
+    rs = RefineSettings(steps=40, lr=1e-2, target="attention", batch_size=2)
+    attention = d.attention_flops
+    assert refine_flops(d, rs, 8192, 2048) == 3 * attention(8192, 2048) + 40 * 3 * attention(4096, 2048)
+    half = refine_flops(d, rs, 8192, 2048, converted=lambda n, t: attention(n, t) / 2)
+    assert half == attention(8192, 2048) + attention(8192, 2048) + 40 * 3 * attention(4096, 2048) / 2
+
+
+def test_the_plans_time_grows_with_the_features_and_the_steps(tiny, tmp_path, capsys):
+    src = tiny("llama", layers=2)
+
+    def seconds(*args: str) -> float:
+        code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", *args, "--dry-run", "--json", "-o",
+                                    tmp_path / "x", "--no-eval")
+        assert code == 0, err
+        return json.loads(stdout)["est_seconds"]
+
+    base = seconds()
+    assert seconds("--projection-dim", "128") > base
+    assert seconds("--refine-steps", "80") > base
+    assert seconds("--refine-steps", "0") < base
+
+
 def test_refinement_on_auto_is_the_cpus_here_and_a_gpu_is_named_in_the_plan(tiny, tmp_path, capsys, monkeypatch):
     """refine_device auto (the default) is the CPU on a machine without a GPU: the same tensors as
     `--refine-device cpu`. Where torch sees a GPU, auto moves the steps there and the plan says so (the

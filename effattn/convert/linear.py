@@ -69,15 +69,32 @@ MAP_DEFAULTS = {"projection_dim": 64, "features": 128}
 LINFORMER = ("Linformer projects keys and values along the sequence axis (a fixed [k, max_length] matrix), so each "
              "position's output depends on later tokens, which breaks causal decoding; effattn refuses it for causal "
              "LMs. Use --feature-map hedgehog (or elu, performer, taylor)")
-# A linear-attention step on CPU costs about this many softmax-attention passes of the same length (chunked
-# kernel, feature maps, backward through the hybrid); an estimate for the plan's time only. At 1.0 the plan
-# says ~80 s for SmolLM2 with the defaults, where 85.8 s was measured (load ~2.2); 3.0 said ~360 s.
-LINEAR_FORWARD_EXTRA = 1.0
+# The plan's time for attention transfer: `linear_attention_flops` (below) times this, for the CPU's kernels of
+# the hybrid (many small products: the chunks, the maps, the state's scan) against the matmul rate
+# `compute_seconds` assumes. Fitted on SmolLM2, 2 idle cores, hedgehog P 64 (F 128), window 64: the default
+# conversion (4 sinks, 40 steps on 8,192 tokens in blocks of 2,048) took 330 s and wants 0.80; without sinks 321 s
+# (0.78); 120 steps on 24,576 tokens 1,002 s (0.81). The model is linear in F and the kernels are not: P 128
+# (F 256) took 673 s where this says ~410 s (it would want 1.36). The earlier model (a softmax pass per step,
+# whatever F) said 603 s for all of these.
+LINEAR_FORWARD_EXTRA = 0.8
 # Attention sinks kept exact by default (StreamingLLM's name and count). Measured on SmolLM2 (BENCHMARKS, "Linear
 # attention"): with the default transfer, 4 sinks took the mean per-layer error on the calibration text from 0.155
 # to 0.072; in a one-layer screen on calibration text (layer 5, 40 steps) 1 sink and 4 gave the same held-out error
 # (0.198, 0.200 against 0.323 without).
 SINKS = 4
+
+
+def linear_attention_flops(dims: Dims, tokens: int, seq_len: int, window: int, sinks: int, features: int,
+                           map_flops: int, chunk: int = 64) -> float:
+    """One hybrid attention block's forward over `tokens` in blocks of `seq_len` (the cost model of the plan's
+    time): the projections; per query head and token the two feature maps (`map_flops` each), the window's
+    and the sinks' scores and weighted sum, and beyond the window the state's read and update (F x head_dim
+    each) and the chunked kernel's products inside a chunk (chunk x (F + head_dim))."""
+    proj = 2 * tokens * dims.hidden * (2 * dims.heads + 2 * dims.kv_heads) * dims.head_dim
+    D, F = dims.head_dim, features
+    exact = 4 * D * min(window + sinks, seq_len)
+    far = 4 * F * D + 2 * chunk * (F + D) if seq_len > window else 0
+    return proj + tokens * dims.heads * (2 * map_flops + exact + far)
 
 
 class LinearOptions(RefineOptions):
@@ -289,8 +306,13 @@ class LinearConversion:
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
                          **refine.record()}
             dims, N, T = Dims.of(config), calib.tokens, calib.seq_len
-            per_layer = (dims.layer_flops(N, T) + LINEAR_FORWARD_EXTRA * refine_flops(dims, refine, N, T)
-                         + LINEAR_FORWARD_EXTRA * dims.attention_flops(N, T))
+            map_flops = (2 * shape.head_dim * fdim if spec["name"] in ("hedgehog", "performer") else fdim)
+
+            def converted(n: int, t: int) -> float:
+                return LINEAR_FORWARD_EXTRA * linear_attention_flops(dims, n, t, opts.window, sinks, fdim, map_flops)
+
+            # the layer's inputs, then the steps (the original attention's targets, the hybrid's passes)
+            per_layer = dims.layer_flops(N, T) + refine_flops(dims, refine, N, T, converted=converted)
             est_seconds += compute_seconds(shape.layers * per_layer)
             est_peak = calibrated_bytes(ckpt, family, calib, refine)
             summary.append(("attention transfer", f"{refine.steps_words} on "

@@ -128,14 +128,23 @@ def refine_default(name: str, value: Any) -> Any:
 EXACT = 1e-9
 
 
-def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int) -> float:
+def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int, converted=None) -> float:
     """Floating-point work the CPU does refining one layer (`dims`: resources.Dims) on `tokens`
-    calibration tokens: none when the steps run on a GPU (`steps_words` says they are not estimated)."""
+    calibration tokens: none when the steps run on a GPU (`steps_words` says they are not estimated).
+    `converted(tokens, seq_len)`: one forward of the converted attention block, for a conversion whose
+    attention costs other than the original's (`dims.attention_flops`, the default)."""
     if not settings.steps or settings.device != "cpu":
         return 0.0
-    fit = dims.layer_flops if settings.target == "stream" else dims.attention_flops
-    once = fit(tokens, seq_len) * (3 if settings.target == "stream" else 2)  # targets (+ x0 onward), error before, after
-    return once + fit(tokens, seq_len) + settings.steps * 3 * fit(settings.batch_size * seq_len, seq_len)  # fwd + bwd
+    stream = settings.target == "stream"
+    mlp = dims.layer_flops(1, seq_len) - dims.attention_flops(1, seq_len)  # per token; only the stream target runs it
+
+    def student(n: int) -> float:
+        return (converted or dims.attention_flops)(n, seq_len) + (n * mlp if stream else 0.0)
+
+    original = (dims.layer_flops if stream else dims.attention_flops)(tokens, seq_len)
+    targets = original * (2 if stream else 1)  # the targets (the stream target: and x0 onward)
+    # the error before and after, then the steps: forward + backward
+    return targets + 2 * student(tokens) + settings.steps * 3 * student(settings.batch_size * seq_len)
 
 
 def attention_out(layer: torch.nn.Module, x: torch.Tensor, cos, sin, **kwargs) -> torch.Tensor:
