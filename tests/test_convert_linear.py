@@ -265,3 +265,52 @@ def test_attention_transfer_on_cuda_fits_as_well_as_on_the_cpu(tiny, tmp_path):
     for before, after in zip(losses["cuda"]["before"], losses["cuda"]["after"]):
         assert after < before
     assert losses["cuda"]["after"] == pytest.approx(losses["cpu"]["after"], rel=0.05)
+
+
+def test_a_map_without_parameters_starts_from_the_mix_that_fits_best(tiny, tmp_path):
+    """elu's phi(q).phi(k) is not on the window's scale: the transfer first sets the mix to the logit of
+    INIT_WINDOW_FACTOR and MIX_GRID with the smallest error on a calibration sequence (the lowest of them
+    all, checked here one by one), then trains it."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from effattn.attention.linear import EffattnLinearConfig, LinearAttention, linear_config_from
+    from effattn.convert.linear import MIX_GRID, initial_mix
+    from effattn.convert.refine import attention_out
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    cfg = EffattnLinearConfig(**linear_config_from(base.config.to_dict(), linear_window=4, linear_sinks=1,
+                                                   linear_feature_map={"name": "elu"}))
+    x = torch.randn(1, 24, base.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    cos, sin = base.model.rotary_emb(x, torch.arange(24)[None])
+    original = base.model.layers[0]
+    layer = copy.deepcopy(original)
+    layer.self_attn = LinearAttention(layer.self_attn, cfg, 0)
+    with torch.no_grad():
+        target = attention_out(original, x, cos, sin)
+        errors = {}
+        for logit in (INIT_WINDOW_FACTOR, *MIX_GRID):
+            layer.self_attn.window_factors.fill_(logit)
+            errors[logit] = ((attention_out(layer, x, cos, sin) - target).pow(2).sum() / target.pow(2).sum()).item()
+    logit, err = initial_mix(layer, original, x, cos, sin)
+    assert err == pytest.approx(min(errors.values()), rel=1e-6) and errors[logit] == pytest.approx(err, rel=1e-6)
+    assert torch.equal(layer.self_attn.window_factors, torch.full((6,), logit))
+    assert len(set(round(e, 6) for e in errors.values())) > 1  # the grid's points differ: a real choice
+
+
+def test_the_conversion_of_a_map_without_parameters_reports_its_initial_mix(tiny, tmp_path, capsys):
+    from effattn.convert.linear import MIX_GRID
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "elu", "--window", "8",
+                                "--refine-steps", "2", "--calib-tokens", "256", "--calib-seq-len", "32",
+                                "-o", tmp_path / "elu", "--no-eval")
+    assert code in (0, None), err
+    mixes = json.loads((tmp_path / "elu" / "effattn.json").read_text())["conversion_run"]["initial_mix"]["layers"]
+    assert [m["layer"] for m in mixes] == [0, 1] and all(m["logit"] in (INIT_WINDOW_FACTOR, *MIX_GRID) for m in mixes)
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--refine-steps", "2", "--calib-tokens", "256",
+                                "--calib-seq-len", "32", "--projection-dim", "8", "--window", "8", "-o", tmp_path / "hh", "--no-eval")
+    assert code in (0, None), err  # hedgehog's maps train with the mix from LoLCATs' start: no grid
+    assert "initial_mix" not in json.loads((tmp_path / "hh" / "effattn.json").read_text())["conversion_run"]

@@ -16,7 +16,9 @@ so that the hybrid attention's output matches the original softmax attention's o
 (refine.py, target `attention`); each layer is fitted on the activations the already-converted layers
 below produce. The per-layer relative errors before (maps at their initial values) and after are
 recorded in effattn.json (`conversion_run.refine`). Maps without parameters (elu, taylor, performer)
-still train the mix. `--refine-steps 0` skips calibration: the maps keep their initial values.
+still train the mix, from the start `initial_mix` picks per layer on one calibration sequence (their
+phi(q).phi(k) is not on the window's scale; `conversion_run.initial_mix`). `--refine-steps 0` skips
+calibration: the maps and the mix keep their initial values.
 
 Defaults (SmolLM2-135M, 30 layers, on 2 CPU cores): Adam at lr 1e-2 as LoLCATs' attention transfer,
 40 steps per layer of 2 x 2,048 calibration tokens drawn from 8,192 tokens of `calib` (also the targets
@@ -60,7 +62,7 @@ from ..resources import Dims, compute_seconds
 from .base import Plan, kv_bytes_per_token, out_dtype, read_time, same_specs
 from .calibrate import CALIB_HELP, CalibSettings
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
-from .refine import LearningRate, RefineOptions, Steps, Target, refine_flops
+from .refine import LearningRate, RefineOptions, Steps, Target, attention_out, refine_flops
 
 FeatureMapName = Literal["hedgehog", "elu", "performer", "taylor"]
 # the options each feature map reads (refused with the others)
@@ -82,6 +84,35 @@ LINEAR_FORWARD_EXTRA = 0.8
 # to 0.072; in a one-layer screen on calibration text (layer 5, 40 steps) 1 sink and 4 gave the same held-out error
 # (0.198, 0.200 against 0.323 without).
 SINKS = 4
+
+
+# Logits of the window/linear mix `initial_mix` tries, besides the initial one, for maps without parameters.
+# elu + 1 and Performer's features give phi(q).phi(k) of another scale than the window's exp(q.k - max) <= 1
+# (elu's is about head_dim), so LoLCATs' 1:10 start lets the linear part drown the window, and 40 Adam steps at
+# lr 1e-2 move a logit by 0.4 at most: on SmolLM2, elu at window 64 left the mean per-layer error at 0.892
+# (0.892 before the steps), the mix going from 0.091 to 0.13. Hedgehog's features are two distributions, of
+# the window's scale, and its maps train with the mix: it starts at 1:10 as LoLCATs does.
+MIX_GRID = tuple(float(x) for x in range(-8, 13, 2))
+
+
+@torch.no_grad()
+def initial_mix(module: torch.nn.Module, original: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[float, float]:
+    """Set every head's mix logit (`window_factors`) of `module` (a decoder layer with a LinearAttention) to
+    the one of `INIT_WINDOW_FACTOR` and `MIX_GRID` whose attention output on x [N, T, D] is closest to
+    `original`'s (relative squared error, as refinement measures it); returns (logit, error)."""
+    from ..attention.linear import INIT_WINDOW_FACTOR
+
+    target = attention_out(original, x, cos, sin)
+    factors = module.self_attn.window_factors
+    best: tuple[float, float] | None = None
+    for logit in (INIT_WINDOW_FACTOR, *MIX_GRID):
+        factors.fill_(logit)
+        err = ((attention_out(module, x, cos, sin) - target).pow(2).sum() / target.pow(2).sum()).item()
+        if best is None or err < best[1]:
+            best = (logit, err)
+    factors.fill_(best[0])
+    return best
 
 
 def linear_attention_flops(dims: Dims, tokens: int, seq_len: int, window: int, sinks: int, features: int,
@@ -346,6 +377,7 @@ class LinearConversion:
         shape = st["shape"]
         cfg = EffattnLinearConfig(**plan.config)
         calib = st.get("calib")
+        mixes: list[dict[str, float]] = []  # per layer, where `initial_mix` chose the mix's start
 
         def linearize(layer: LayerInput) -> LayerOutput:
             base = f"{layer.prefix}self_attn."
@@ -357,10 +389,18 @@ class LinearConversion:
             module.self_attn = attn
             own = {n: t for n, t in attn.state_dict().items() if n == "window_factors" or n.startswith("feature_map_")}
             trainable = [n for n, _ in attn.named_parameters() if n == "window_factors" or n.startswith("feature_map_")]
+            note = f"{len(trainable)} trained tensors"
+            if cfg.linear_window and trainable == ["window_factors"]:  # a map without parameters: the mix's scale
+                logit, err = initial_mix(module.float(), layer.original, layer.x[:1], layer.cos, layer.sin)
+                own["window_factors"] = attn.window_factors.detach().clone()
+                mixes.append({"layer": layer.index, "logit": logit, "error": round(err, 6)})
+                note += f", mix from logit {logit:g} (error {err:.3f})"
             return LayerOutput(dict(layer.tensors) | {base + n: t.detach().clone() for n, t in own.items()},
-                               module=module.requires_grad_(False).eval(), trainable=trainable,
-                               note=f"{len(trainable)} trained tensors")
+                               module=module.requires_grad_(False).eval(), trainable=trainable, note=note)
 
         plan.measured |= run_layers(ckpt, family, writer, linearize, layers=shape.layers, target=st["target"],
                                     calib=calib, refine=st.get("refine"), progress=progress,
                                     description="attention transfer" if calib else "writing layers")
+        if mixes:
+            plan.measured["initial_mix"] = {"what": "the mix's logit (window_factors, every head) the steps started "
+                                                    "from, and its error on one calibration sequence", "layers": mixes}
