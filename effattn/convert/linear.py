@@ -14,8 +14,8 @@ The conversion *is* LoLCATs' stage 1, attention transfer (Zhang et al. 2024, Sec
 text, one decoder layer at a time (layers.py), only the maps' and the mix's parameters train (Adam)
 so that the hybrid attention's output matches the original softmax attention's on the same inputs
 (refine.py, target `attention`); each layer is fitted on the activations the already-converted layers
-below produce. The per-layer relative errors before (maps at their initial values) and after are
-recorded in effattn.json (`conversion_run.refine`). Maps without parameters (elu, taylor, performer)
+below produce. The per-layer relative errors before (maps at their initial values; the mix too, but where
+`initial_mix` chose it) and after are recorded in effattn.json (`conversion_run.refine`). Maps without parameters (elu, taylor, performer)
 still train the mix, from the start `initial_mix` picks per layer on one calibration sequence (their
 phi(q).phi(k) is not on the window's scale; `conversion_run.initial_mix`). `--refine-steps 0` skips
 calibration: the maps and the mix keep their initial values.
@@ -347,6 +347,8 @@ class LinearConversion:
 
             # the layer's inputs, then the steps (the original attention's targets, the hybrid's passes)
             per_layer = dims.layer_flops(N, T) + refine_flops(dims, refine, N, T, converted=converted)
+            if opts.window and not learned:  # initial_mix: the original and every grid point on one sequence
+                per_layer += dims.attention_flops(T, T) + (1 + len(MIX_GRID)) * converted(T, T)
             est_seconds += compute_seconds(shape.layers * per_layer)
             est_peak = calibrated_bytes(ckpt, family, calib, refine)
             summary.append(("attention transfer", f"{refine.steps_words} on "
