@@ -94,7 +94,8 @@ SINKS = 4
 # the window's scale, and its maps train with the mix: it starts at 1:10 as LoLCATs does (on SmolLM2 this grid
 # for hedgehog too chose logits 2-8, and after the same steps the mean per-layer error was 0.173 against 0.072).
 # Up to 12 the grid's top was elu's choice in 29 of 30 layers, with the far keys' weight still felt (elu at
-# 1.95x / 1.82x / 2.23x perplexity, a window of 64 + 4 sinks alone 1.41x / 1.48x / 1.68x): it reaches 20.
+# 1.95x / 1.82x / 2.23x perplexity, a window of 64 + 4 sinks alone 1.41x / 1.48x / 1.68x): it reaches 20, and
+# elu then chose 10-16 (14 in 22 layers) and gave 1.50x / 1.54x / 1.74x (BENCHMARKS, "Every map and window").
 MIX_GRID = tuple(float(x) for x in range(-8, 21, 2))
 
 
