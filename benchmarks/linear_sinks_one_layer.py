@@ -23,7 +23,7 @@ import torch
 
 from effattn.attention.linear import EffattnLinearConfig, LinearAttention, linear_config_from
 from effattn.convert.calibrate import CalibSettings, calibration_tokens
-from effattn.convert.refine import RefineSettings, attention_out, refine_layer
+from effattn.convert.refine import RefineSettings, attention_out, refine_layer, relative_error
 from effattn.io.load import load_model
 
 
@@ -53,8 +53,8 @@ def main() -> None:
 
             def held_out() -> float:
                 with torch.no_grad():
-                    out = torch.cat([attention_out(mod, xte[i:i + 1], cos, sin) for i in range(len(xte))])
-                    return ((out - yte).pow(2).sum() / yte.pow(2).sum()).item()
+                    return relative_error(torch.cat([attention_out(mod, xte[i:i + 1], cos, sin)
+                                                     for i in range(len(xte))]), yte)
 
             before = held_out()
             trainable = [n for n, _ in mod.self_attn.named_parameters()

@@ -62,7 +62,7 @@ from ..resources import Dims, compute_seconds
 from .base import Plan, kv_bytes_per_token, out_dtype, read_time, same_specs
 from .calibrate import CALIB_HELP, CalibSettings
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
-from .refine import LearningRate, RefineOptions, Steps, Target, attention_out, refine_flops
+from .refine import LearningRate, RefineOptions, Steps, Target, attention_out, refine_flops, relative_error
 
 FeatureMapName = Literal["hedgehog", "elu", "performer", "taylor"]
 # the options each feature map reads (refused with the others)
@@ -76,7 +76,7 @@ LINFORMER = ("Linformer projects keys and values along the sequence axis (a fixe
 # `compute_seconds` assumes. Fitted on SmolLM2, 2 idle cores, hedgehog P 64 (F 128), window 64: the default
 # conversion (4 sinks, 40 steps on 8,192 tokens in blocks of 2,048) took 330 s and wants 0.80; without sinks 321 s
 # (0.78); 120 steps on 24,576 tokens 1,002 s (0.81). The model is linear in F and the kernels are not: P 128
-# (F 256) took 673 s where this says ~410 s (it would want 1.36). The earlier model (a softmax pass per step,
+# (F 256) took 673 s where this says 410 s (dry run) (it would want 1.36). The earlier model (a softmax pass per step,
 # whatever F) said 603 s for all of these.
 LINEAR_FORWARD_EXTRA = 0.8
 # Attention sinks kept exact by default (StreamingLLM's name and count). Measured on SmolLM2 (BENCHMARKS, "Linear
@@ -112,7 +112,7 @@ def initial_mix(module: torch.nn.Module, original: torch.nn.Module, x: torch.Ten
     best: tuple[float, float] | None = None
     for logit in (INIT_WINDOW_FACTOR, *MIX_GRID):
         factors.fill_(logit)
-        err = ((attention_out(module, x, cos, sin) - target).pow(2).sum() / target.pow(2).sum()).item()
+        err = relative_error(attention_out(module, x, cos, sin), target)
         if best is None or err < best[1]:
             best = (logit, err)
     factors.fill_(best[0])
@@ -397,8 +397,8 @@ class LinearConversion:
             trainable = [n for n, _ in attn.named_parameters() if n == "window_factors" or n.startswith("feature_map_")]
             note = f"{len(trainable)} trained tensors"
             if cfg.linear_window and trainable == ["window_factors"]:  # a map without parameters: the mix's scale
+                # sets window_factors in place: `own` (the state dict's views) and what is written see it
                 logit, err = initial_mix(module.float(), layer.original, layer.x[:1], layer.cos, layer.sin)
-                own["window_factors"] = attn.window_factors.detach().clone()
                 mixes.append({"layer": layer.index, "logit": logit, "error": round(err, 6)})
                 note += f", mix from logit {logit:g} (error {err:.3f})"
             return LayerOutput(dict(layer.tensors) | {base + n: t.detach().clone() for n, t in own.items()},

@@ -147,6 +147,12 @@ def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int, conv
     return targets + 2 * student(tokens) + settings.steps * 3 * student(settings.batch_size * seq_len)
 
 
+def relative_error(out: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """||out - targets||^2 / scale, by default / ||targets||^2: the error refinement reports."""
+    scale = targets.pow(2).sum() if scale is None else scale
+    return ((out - targets).pow(2).sum() / scale.clamp_min(1e-30)).item()
+
+
 def attention_out(layer: torch.nn.Module, x: torch.Tensor, cos, sin, **kwargs) -> torch.Tensor:
     """A transformers decoder layer's attention output (before the residual) on layer inputs x [B, T, D];
     kwargs go to the attention's forward."""
@@ -201,8 +207,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
 
     def error() -> float:
         with torch.no_grad():
-            out = _map(lambda xb: predict(converted, xb, ccos, csin, **kwargs), x, batch)
-            return ((out - targets).pow(2).sum() / scale.clamp_min(1e-30)).item()
+            return relative_error(_map(lambda xb: predict(converted, xb, ccos, csin, **kwargs), x, batch), targets, scale)
 
     before = error()
     if before <= EXACT:
