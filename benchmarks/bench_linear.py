@@ -3,6 +3,7 @@ feature map, window and stage, and decode speed at long context.
 
     python benchmarks/bench_linear.py quality --variants hedgehog-w64,hedgehog-w0 --stages zero,transfer
     python benchmarks/bench_linear.py quality --models "healed=/tmp/heal-linear"   # already made models
+    python benchmarks/bench_linear.py quality --models "x=/tmp/lin-x18" --exact-heads 0,3,9,18
     python benchmarks/bench_linear.py decode --contexts 16384 --tokens 16
 
 quality: each variant MAP-wW (feature map MAP, window W) is converted once per stage into
@@ -12,7 +13,9 @@ given after a colon: `hedgehog-w64:--refine-steps 40 --calib-seq-len 2048`). Eve
 in this process on the VQ table's corpora and blocks (shakespeare, britannica; `--tokens` per corpus,
 evenly spread, in blocks of `--context` = 2048): perplexity and top-1 agreement with the original,
 whose predictions are computed once. Rows go to benchmarks/results/linear.json with the commit, the
-conversion time (effattn.json's measured seconds) and the load average.
+conversion time (effattn.json's measured seconds) and the load average. `--exact-heads K1,K2,...` scores
+each given model (converted with `--exact-heads`, whose record ranks every KV head) once per K, with the
+top K of its ranking exact: one conversion serves every K, as its maps do not depend on K.
 
 decode: as `bench_mla.py decode` (the same script: the context prefilled once in 4,096-token chunks
 through the cache, then `--tokens` greedy steps, the median step after the first), for the original
@@ -94,6 +97,15 @@ def scores(model, blocks, base_top=None) -> dict:
     return out
 
 
+def top_heads(folder: Path, k: int) -> list[list[int]]:
+    """The K (layer, KV head) pairs of largest error in a conversion's ranking (effattn.json's head_errors)."""
+    errors = json.loads((Path(folder) / "effattn.json").read_text())["conversion"].get("head_errors")
+    if errors is None:
+        raise SystemExit(f"{folder}: no head_errors in effattn.json; convert with --exact-heads to rank the heads")
+    top = sorted(errors, key=errors.get, reverse=True)[:k]
+    return sorted([int(x) for x in name.split(".")] for name in top)
+
+
 def quality(args) -> None:
     import torch
 
@@ -111,14 +123,20 @@ def quality(args) -> None:
             for v in filter(None, args.variants.split(",")) for stage in args.stages.split(",")]
     todo += [(name, Path(path), None, path, "given") for name, _, path in
              (item.partition("=") for item in filter(None, args.models.split(",")))]
-    for label, path, seconds, spec, stage in todo:
+    if args.exact_heads:
+        todo = [(f"{label} exact {k}", path, seconds, spec, stage, k) for label, path, seconds, spec, stage in todo
+                for k in map(int, args.exact_heads.split(","))]
+    for label, path, seconds, spec, stage, *exact in todo:
         load = os.getloadavg()[0]
         model, _, _ = load_model(str(path), tokenizer=False)
+        if exact:
+            model.config.linear_exact_heads = top_heads(path, exact[0])
         t0 = time.perf_counter()
         with torch.inference_mode():
             result = {c: {k: v for k, v in scores(model, blocks[c], top[c]).items() if k != "top"} for c in corpora}
         row = {"label": label, "spec": spec, "stage": stage, "path": str(path), "convert_s": seconds,
                "tokens": args.tokens, "context": args.context, "original": base, "scores": result,
+               **({"exact_heads": model.config.linear_exact_heads} if exact else {}),
                "eval_s": round(time.perf_counter() - t0, 1), "load_before": load, "load_after": os.getloadavg()[0],
                "machine": machine(), "commit": commit()}
         record(row)
@@ -142,6 +160,8 @@ def main() -> None:
     parser.add_argument("--variants", default="hedgehog-w64", help="MAP-wW[:convert options], comma-separated")
     parser.add_argument("--stages", default="zero,transfer")
     parser.add_argument("--models", default="", help="NAME=PATH of already made models, comma-separated")
+    parser.add_argument("--exact-heads", default="", help="quality: K1,K2,...: score each model once per K with the "
+                        "top K heads of its conversion's ranking exact")
     parser.add_argument("--corpora", default="shakespeare,britannica")
     parser.add_argument("--tokens", type=int, default=None, help="quality: tokens per corpus (8192); decode: steps (16)")
     parser.add_argument("--context", type=int, default=2048)

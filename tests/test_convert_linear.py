@@ -314,3 +314,99 @@ def test_the_conversion_of_a_map_without_parameters_reports_its_initial_mix(tiny
                                 "--calib-seq-len", "32", "--projection-dim", "8", "--window", "8", "-o", tmp_path / "hh", "--no-eval")
     assert code in (0, None), err  # hedgehog's maps train with the mix from LoLCATs' start: no grid
     assert "initial_mix" not in json.loads((tmp_path / "hh" / "effattn.json").read_text())["conversion_run"]
+
+
+def _attention_inputs(model, ids=IDS) -> list[torch.Tensor]:
+    """What each layer's o_proj receives (the attention output per query head, [B, T, H * D])."""
+    taken: list[torch.Tensor] = []
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda _, args: taken.append(args[0]))
+             for layer in model.model.layers]
+    logits(model, ids)
+    for hook in hooks:
+        hook.remove()
+    return taken
+
+
+@pytest.mark.parametrize("fmap,extra", [("hedgehog", {"projection_dim": 8}), ("elu", {})])
+def test_exact_heads_keep_the_original_attention_and_decode_as_the_full_forward(tiny, tmp_path, fmap, extra):
+    """`--exact-heads K`: the K KV heads the transfer left furthest from the original (their recorded errors)
+    get the original attention back, the others keep the hybrid; generation through the split cache (the
+    exact heads' keys growing, the rest constant) equals the full forward, in float64 and through the
+    compiled float32 step; training reaches only the hybrid heads' maps."""
+    from .remote import remote_logits
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    out = convert(src, tmp_path / "lin", to="linear", measure=False,
+                  options=FAST | extra | {"feature_map": fmap, "sinks": 2, "exact_heads": 2}).out
+    pairs = json.loads((out / "config.json").read_text())["linear_exact_heads"]
+    record = json.loads((out / "effattn.json").read_text())
+    errors = record["conversion"]["head_errors"]
+    assert record["conversion"]["exact_heads"] == 2 and len(errors) == 2 * 3 and len(set(errors.values())) == 6
+    top = sorted(errors, key=errors.get, reverse=True)[:2]
+    assert pairs == sorted([int(x) for x in name.split(".")] for name in top)
+    assert record["conversion"]["exact_heads_chosen"] == pairs
+    model = load(out)
+    assert model.config.linear_exact_heads == pairs
+    # per head: layer 0's exact heads give the original's output, its other heads the all-hybrid model's
+    split = _attention_inputs(model)[0].view(*IDS.shape, 6, 8)
+    model.config.linear_exact_heads = []
+    hybrid = _attention_inputs(model)[0].view(*IDS.shape, 6, 8)
+    model.config.linear_exact_heads = [[layer, g] for layer in range(2) for g in range(3)]
+    exact = _attention_inputs(model)[0].view(*IDS.shape, 6, 8)
+    torch.testing.assert_close(logits(model), logits_of(src, IDS, torch.float64), rtol=1e-9, atol=1e-9)  # all exact
+    model.config.linear_exact_heads = pairs
+    layer0 = {g for layer, g in pairs if layer == 0}
+    for g in range(3):
+        rows = slice(2 * g, 2 * g + 2)
+        torch.testing.assert_close(split[:, :, rows], (exact if g in layer0 else hybrid)[:, :, rows], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(hybrid, exact)
+    full = logits(model)
+    torch.testing.assert_close(remote_logits(out, IDS, "EffattnLinearForCausalLM", tmp_path), full, rtol=0, atol=0)
+    # cached: a prefill past the window, two tokens, then one token at a time; the cache grows by the exact
+    # heads' keys and values only (2 KV heads x (k, v) x 8 dims x 8 bytes per token and sequence)
+    for dtype, tol in ((torch.float64, 1e-9), (torch.float32, 2e-4)):
+        model = model.to(dtype)
+        full = logits(model)
+        pieces, cache, start, got, sizes = [13, 2] + [1] * (IDS.shape[1] - 15), None, 0, [], []
+        with torch.no_grad():
+            for n in pieces:
+                step = model(input_ids=IDS[:, start:start + n], cache=cache, use_cache=True)
+                cache, start = step.cache, start + n
+                got.append(step.logits)
+                sizes.append((start, cache.nbytes()))
+        torch.testing.assert_close(torch.cat(got, 1), full, rtol=tol, atol=tol)
+        (t0, b0), (t1, b1) = sizes[-6], sizes[-1]
+        assert b1 - b0 == (t1 - t0) * IDS.shape[0] * 2 * 2 * 8 * dtype.itemsize
+    # training: the hybrid heads' maps and mix get gradients, the exact heads' do not
+    model = model.double().train()
+    model(input_ids=IDS, labels=IDS, use_cache=False).loss.backward()
+    attn = model.model.layers[0].self_attn
+    for g in range(3):
+        grad = attn.window_factors.grad[2 * g:2 * g + 2]
+        assert (grad.abs().sum() == 0) == (g in layer0), (g, grad)
+    if fmap == "hedgehog":
+        grad = attn.feature_map_q.weight.grad.abs().sum((1, 2))
+        assert all((grad[2 * g:2 * g + 2].sum() == 0) == (g in layer0) for g in range(3)), grad
+
+
+def test_exact_heads_in_the_plan_and_its_refusals(tiny, tmp_path, capsys):
+    src = tiny("llama", layers=2)  # 2 layers x 3 KV heads, head_dim 8, float32
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--exact-heads", "2", "--dry-run", "--json",
+                                "-o", out, "--no-eval")
+    assert code == 0, err
+    plan = json.loads(stdout)
+    assert plan["settings"]["exact_heads"] == 2 and "keep their original attention" in plan["summary"]["exact heads"]
+    line = plan["summary"]["KV cache"]
+    exact = 2 * 2 * 8 * 4  # per token: 2 KV heads' keys and values in float32
+    assert f"+ {exact:,} bytes/token for the 2 exact heads' keys and values" in line and "the hybrid heads' part constant after 68 tokens" in line
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--dry-run", "--json", "-o", out, "--no-eval")
+    plain = json.loads(stdout)["kv_bytes_per_token"][1]
+    # the exact heads' share of the constant part (2 of 6 KV heads) goes, their growing cache comes
+    assert plan["kv_bytes_per_token"][1] == pytest.approx(plain * 4 / 6 + exact)
+    for args, needles in ((["--exact-heads", "7"], ["--exact-heads 7 is more than the model's 6 KV heads"]),
+                          (["--exact-heads", "1", "--refine-steps", "0"], ["--refine-steps 0 turns it off"]),
+                          (["--exact-heads", "1", "--feature-map", "elu", "--window", "0"], ["nothing to transfer"])):
+        code, _, err = run_cli(capsys, "convert", src, "--to", "linear", *args, "-o", out, "--no-eval")
+        assert_one_line_error(code, err, *needles)
+        assert not out.exists()

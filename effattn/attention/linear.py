@@ -20,6 +20,9 @@ For query t with window `W_t = {s : t - window < s <= t}`, far keys `F_t = {s : 
 
 With `linear_sinks` = S > 0 the first S positions stay in every later query's softmax (attention sinks,
 kernels/linear/naive.py): `W_t` also holds them and `F_t` does not, and the cache keeps their keys and values.
+`linear_exact_heads` ([layer, KV head] pairs, chosen by the conversion's `--exact-heads K`) gives a few KV
+heads their original attention back (attention/exact.py: full RoPE softmax over every key, a cache that
+grows with the sequence on those heads): their query heads skip the maps, the mix and the linear state.
 (`linear_window` = 0: pure causal linear attention; a window covering the sequence: the original
 softmax attention, wf cancelling up to eps). Only the ratio wf/lf matters (up to eps), so this affine
 form loses nothing against LoLCATs' `linear_factor = 1` option.
@@ -50,6 +53,7 @@ from torch import nn
 
 from effattn.attention.wrapped import AdoptedAttention, StateCache, WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.rope import apply_rope
+from effattn.attention.exact import FullState, exact_heads_of, full_attention, head_rows
 from effattn.kernels.linear.naive import hybrid_attention_naive
 from effattn.kernels.linear.chunk import hybrid_attention_chunk
 from effattn.kernels.linear.recurrent import HybridState, hybrid_attention_step, state_from_prefill
@@ -67,6 +71,7 @@ LINEAR_DEFAULTS = {
     "linear_chunk_size": 64,  # chunk of the prefill kernel (a speed setting only)
     "linear_eps": 1e-6,  # added to the shared normaliser
     "linear_kernel": "chunk",  # prefill/training kernel: "chunk" (linear time) or "naive" (the quadratic reference)
+    "linear_exact_heads": [],  # [layer, KV head] pairs that keep their original attention (a growing cache on those heads)
 }
 LINEAR_KERNELS = ("chunk", "naive")
 # initial window_factors: sigmoid(-ln 10) = 1/11, so wf/lf = 0.1 (LoLCATs' released configs; module docstring)
@@ -78,6 +83,22 @@ class EffattnLinearConfig(WrappedConfig):
 
     model_type = LINEAR_MODEL_TYPE
     DEFAULTS = LINEAR_DEFAULTS
+
+
+class SplitState:
+    """A layer's state when some of its KV heads are exact (`linear_exact_heads`): the linear heads'
+    `HybridState` or `LinearDecodeState` (constant size; None where every head is exact) and the exact
+    heads' `FullState` (every key kept)."""
+
+    def __init__(self, linear, exact: FullState):
+        self.linear, self.exact = linear, exact
+
+    @property
+    def seen(self) -> int:
+        return self.exact.seen
+
+    def nbytes(self) -> int:
+        return (self.linear.nbytes() if self.linear is not None else 0) + self.exact.nbytes()
 
 
 class LinearCache(StateCache):
@@ -140,33 +161,66 @@ class LinearAttention(AdoptedAttention):
         wf = torch.sigmoid(self.window_factors)
         return wf, 1 - wf
 
+    @property
+    def exact_heads(self) -> list[int]:
+        """This layer's KV heads that keep their original attention (`linear_exact_heads`)."""
+        return exact_heads_of(getattr(self.config, "linear_exact_heads", None), self.layer_idx,
+                              self.heads // self.groups, "linear_exact_heads")
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         if position_embeddings is None:
             raise ValueError("LinearAttention needs position_embeddings (the RoPE tables); run it inside "
                              "EffattnLinearForCausalLM")
-        cfg = self.config
         B, T, _ = hidden_states.shape
         q, k, v = self.project(hidden_states)  # [B, T, H, D], [B, T, G, D], [B, T, G, D]
         state = cache.states.get(self.layer_idx) if cache is not None else None
+        exact = self.exact_heads
+        if not exact:
+            out, state = self._hybrid(q, k, v, position_embeddings, state, cache is not None)
+        else:  # the exact heads' original attention, the others' hybrid; the outputs go back in head order
+            G = k.shape[2]
+            linear = [g for g in range(G) if g not in exact]
+            rows_e, rows_l = head_rows(exact, self.groups, q.device), head_rows(linear, self.groups, q.device)
+            cos, sin = (x[0].to(q.dtype) for x in position_embeddings)  # [T, D]
+            out_e, exact_state = full_attention(q[:, :, rows_e], k[:, :, exact], v[:, :, exact], cos, sin, self.scaling,
+                                                state.exact if state is not None else None)
+            if linear:
+                out_l, linear_state = self._hybrid(q[:, :, rows_l], k[:, :, linear], v[:, :, linear], position_embeddings,
+                                                   state.linear if state is not None else None, cache is not None,
+                                                   rows=rows_l)
+                out = torch.cat((out_l, out_e), 2)[:, :, torch.argsort(torch.cat((rows_l, rows_e)))]
+            else:
+                out, linear_state = out_e, None
+            state = SplitState(linear_state, exact_state)
+        if cache is not None:
+            cache.states[self.layer_idx] = state
+        return self.o_proj(out.reshape(B, T, -1)), None  # [B, T, H * D] -> [B, T, hidden]
+
+    def _hybrid(self, q, k, v, position_embeddings, state, stateful: bool, rows: torch.Tensor | None = None):
+        """The hybrid attention of the query heads `rows` (all by default; q [B, T, len(rows), D], k and v their
+        KV heads), continuing `state`; returns the output [B, T, len(rows), D] and the state to cache (None
+        unless `stateful`)."""
+        cfg = self.config
+        T = q.shape[1]
         hedgehog = isinstance(self.feature_map_q, HedgehogFeatureMap)
+        pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731  per-head parameters
         maps = (self.feature_map_q.weight, self.feature_map_k.weight) if hedgehog else ()
         if can_decode(state, q, *maps):  # one token after a cached prefix, inference: the compiled step
-            out = self._decode(q, k, v, position_embeddings, cache, state, hedgehog)
-            return self.o_proj(out.reshape(B, T, -1)), None
+            return self._decode(q, k, v, position_embeddings, state, hedgehog, rows)
         if isinstance(state, LinearDecodeState):  # anything else continues from the plain state
             state = state.to_state()
         cos, sin = (x[0].to(q.dtype)[:, None] for x in position_embeddings)  # [T, 1, D]: one layout per batch
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = repeat_heads(k, self.groups), repeat_heads(v, self.groups)  # [B, T, H, D] each
-        fq, fk = self.feature_map_q(q), self.feature_map_k(k)  # [B, T, H, F] each
-        wf, lf = self.mix()  # [H] each
+        fq, fk = self._features(q, k, rows)  # [B, T, H, F] each
+        wf, lf = (pick(x) for x in self.mix())  # [H] each
         settings = dict(window=cfg.linear_window, window_factor=wf, linear_factor=lf, scale=self.scaling,
                         eps=float(cfg.linear_eps), sinks=int(cfg.linear_sinks))
         if state is not None and T == 1:  # one token after a cached prefix: the recurrent step
             out, state = hybrid_attention_step(q, k, v, fq, fk, state, **settings)
         elif cfg.linear_kernel == "naive" and state is None:  # the quadratic reference
             out = hybrid_attention_naive(q, k, v, fq, fk, **settings)
-            state = state_from_prefill(k, v, fk, settings["window"], settings["sinks"]) if cache is not None else None
+            state = state_from_prefill(k, v, fk, settings["window"], settings["sinks"]) if stateful else None
         elif cfg.linear_kernel == "naive":  # several tokens after a cached prefix: the step, token by token
             outs = []
             for t in range(T):
@@ -176,25 +230,35 @@ class LinearAttention(AdoptedAttention):
         else:  # a whole sequence (training, a prefill), or several tokens continuing the cached state
             out, state = hybrid_attention_chunk(q, k, v, fq, fk, **settings, chunk_size=cfg.linear_chunk_size,
                                                 state=state, return_state=True)
-        if cache is not None:
-            cache.states[self.layer_idx] = _stored(state)
-        return self.o_proj(out.reshape(B, T, -1)), None  # [B, T, H * D] -> [B, T, hidden]
+        return out, (_stored(state) if stateful else None)
 
-    def _decode(self, q, k, v, position_embeddings, cache, state, hedgehog: bool) -> torch.Tensor:
-        """One token through the compiled step (kernels/linear/decode.py), the layer's state kept in the
-        cache in the step's ring layout; returns [B, 1, H, D]. ``hedgehog``: the maps are Hedgehog's,
-        which the step computes itself."""
+    def _features(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor | None):
+        """The feature maps of the query heads `rows` (all by default) on rotated q and k [B, T, len(rows), D]:
+        the maps hold per-query-head parameters for every head, so a subset runs on a tensor of all H heads
+        (zeros elsewhere), then is selected."""
+        if rows is None:
+            return self.feature_map_q(q), self.feature_map_k(k)
+        full = lambda x: x.new_zeros(*x.shape[:2], self.heads, x.shape[3]).index_copy(2, rows, x)  # noqa: E731
+        return self.feature_map_q(full(q))[:, :, rows], self.feature_map_k(full(k))[:, :, rows]
+
+    def _decode(self, q, k, v, position_embeddings, state, hedgehog: bool, rows: torch.Tensor | None) -> tuple:
+        """One token of the query heads `rows` (all by default) through the compiled step
+        (kernels/linear/decode.py), the state kept in the step's ring layout; returns ([B, 1, len(rows), D], the
+        advanced state). ``hedgehog``: the maps are Hedgehog's, which the step computes itself."""
+        pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731  per-head parameters
         if not isinstance(state, LinearDecodeState):
-            state = cache.states[self.layer_idx] = from_state(state)
+            state = from_state(state)
         cos, sin = (x[0, 0].to(q.dtype) for x in position_embeddings)  # [D]: this position's row
         settings = dict(scale=self.scaling, eps=float(self.config.linear_eps))
         fmq, fmk = self.feature_map_q, self.feature_map_k
+        factors = pick(self.window_factors)
         if hedgehog:  # RoPE and the maps run in the step too
-            return native_decode_step(state, q, k, v, cos, sin, self.window_factors,
-                                      hedgehog=(fmq.weight, fmq.bias, fmk.weight, fmk.bias), **settings)
+            maps = (pick(fmq.weight), None if fmq.bias is None else pick(fmq.bias), pick(fmk.weight),
+                    None if fmk.bias is None else pick(fmk.bias))
+            return native_decode_step(state, q, k, v, cos, sin, factors, hedgehog=maps, **settings), state
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        fq, fk = fmq(q), fmk(repeat_heads(k, self.groups))
-        return native_decode_step(state, q, k, v, cos, sin, self.window_factors, fq=fq, fk=fk, rope=False, **settings)
+        fq, fk = self._features(q, repeat_heads(k, self.groups), rows)
+        return native_decode_step(state, q, k, v, cos, sin, factors, fq=fq, fk=fk, rope=False, **settings), state
 
 
 class EffattnLinearForCausalLM(WrappedCausalLM):

@@ -35,6 +35,7 @@ from torch import nn
 from effattn.attention.wrapped import AdoptedAttention, StateCache, WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.vq.chunk import VQState, vq_attention_chunk
 from effattn.kernels.rope import apply_rope
+from effattn.attention.exact import FullState, exact_heads_of, full_attention, head_rows
 from effattn.kernels.vq.codes import code_table, nearest_codes
 from effattn.kernels.vq.decode import VQDecodeState, can_decode, from_state, vq_decode_step
 from effattn.kernels.vq.heavy import vq_heavy_chunk, vq_heavy_naive
@@ -79,40 +80,6 @@ class EffattnVQConfig(WrappedConfig):
 
     model_type = VQ_MODEL_TYPE
     DEFAULTS = VQ_DEFAULTS
-
-
-class FullState:
-    """The cache of the exact heads' full attention: every rotated key and value so far, (B, G, seen, D)."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
-
-    @property
-    def seen(self) -> int:
-        return self.k.shape[2]
-
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
-
-def full_attention(q, k, v, cos, sin, scale: float, state: FullState | None = None):
-    """The original attention of a RoPE model: q (B, T, H, D), pre-RoPE k, v (B, T, G, D) at absolute
-    positions state.seen .. (cos, sin (T, D)), causal over the cached keys and these. Returns the
-    output (B, T, H, D) and the state holding every key and value (detached, like `VQState`).
-    `effattn.attention.functional.causal_attention` with a cache; written here because this module
-    is bundled as remote code with the kernels only."""
-    B, T, H, D = q.shape
-    G = k.shape[2]
-    qr = apply_rope(q, cos[:, None], sin[:, None]).transpose(1, 2)  # (B, H, T, D)
-    kr = apply_rope(k, cos[:, None], sin[:, None]).transpose(1, 2)  # (B, G, T, D)
-    vt = v.transpose(1, 2)
-    past = 0 if state is None else state.seen
-    if state is not None:
-        kr, vt = torch.cat((state.k, kr), 2), torch.cat((state.v, vt), 2)
-    # query t (absolute past + t) reads keys 0 .. past + t
-    mask = torch.arange(past + T, device=q.device)[None, :] <= torch.arange(past, past + T, device=q.device)[:, None]
-    out = F.scaled_dot_product_attention(qr, kr, vt, attn_mask=mask, scale=scale, enable_gqa=H != G)
-    return out.transpose(1, 2), FullState(kr.detach(), vt.detach())
 
 
 class SplitState:
@@ -169,12 +136,8 @@ class VQAttention(AdoptedAttention):
     @property
     def exact_heads(self) -> list[int]:
         """This layer's KV heads that keep their original attention (`vq_exact_heads`)."""
-        kv_heads = self.codebook.shape[0]
-        pairs = getattr(self.config, "vq_exact_heads", None) or []
-        exact = sorted({int(g) for layer, g in pairs if int(layer) == self.layer_idx})
-        if any(not 0 <= g < kv_heads for g in exact):
-            raise ValueError(f"vq_exact_heads names KV head {exact[-1]} of layer {self.layer_idx}, which has {kv_heads}")
-        return exact
+        return exact_heads_of(getattr(self.config, "vq_exact_heads", None), self.layer_idx, self.codebook.shape[0],
+                              "vq_exact_heads")
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, vq_far=None,
                 **kwargs):
@@ -199,7 +162,7 @@ class VQAttention(AdoptedAttention):
             out, new_state = full_attention(q, k, v, cos, sin, self.scaling, state)
         else:  # some heads of each kind: each group runs its own kernel, the outputs go back in head order
             rep = q.shape[2] // G
-            rows = lambda heads: torch.tensor([g * rep + r for g in heads for r in range(rep)], device=q.device)
+            rows = lambda heads: head_rows(heads, rep, q.device)  # noqa: E731
             sq, se = (state.quantized, state.exact) if state is not None else (None, None)
             out_q, sq = self._attend_quantized(q[:, :, rows(quant)], k[:, :, quant], v[:, :, quant], rope, sq,
                                                cache is not None, heads=quant)

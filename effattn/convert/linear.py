@@ -35,6 +35,13 @@ kept exact, it costs 4 keys and values per head. On SmolLM2 the default transfer
 fell from 0.155 to 0.072 with them, and perplexity at 2,048 tokens from 1.90x / 2.05x to 1.36x / 1.45x
 (shakespeare / britannica; BENCHMARKS.md).
 
+Exact heads (`--exact-heads K`, default 0): while the calibration activations go through each transferred layer,
+every KV head is scored by the relative error of its attention output against the original's (exact_heads.py);
+after the walk the K worst keep the original attention (full RoPE softmax over every key, a cache that grows on
+those heads; `linear_exact_heads` in config.json, every head's error in effattn.json), as `vq-init --exact-heads`
+does for VQ. The transfer itself is the same: every head's map is fitted, and one conversion serves every K
+(bench_linear.py's `--exact-heads` scores several).
+
 The cache stops growing after the window and the sinks: per layer the window's keys, values and feature keys of the
 H query heads (the KV heads are repeated before the key map, as LoLCATs does) plus the linear state
 S [H, F, Dv] and z [H, F]. The plan states both parts; its `kv_bytes_per_token` is the cache at the
@@ -62,6 +69,7 @@ from ..resources import Dims, compute_seconds
 from .base import Plan, kv_bytes_per_token, out_dtype, read_time, same_specs
 from .calibrate import CALIB_HELP, CalibSettings
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
+from .exact_heads import choose, scoring_hooks
 from .refine import LearningRate, RefineOptions, Steps, Target, attention_out, refine_flops, relative_error
 
 FeatureMapName = Literal["hedgehog", "elu", "performer", "taylor"]
@@ -79,6 +87,11 @@ LINFORMER = ("Linformer projects keys and values along the sequence axis (a fixe
 # (F 256) took 673 s where this says 410 s (dry run) (it would want 1.36). The earlier model (a softmax pass per step,
 # whatever F) said 603 s for all of these.
 LINEAR_FORWARD_EXTRA = 0.8
+# The plan's time for scoring the heads (--exact-heads): this share of one attention block's forward (`attention_flops`,
+# at the layer-wise rate) per layer. The scoring is one SDPA pass and the q/k/v projections per calibration block, far
+# faster than the layer-wise rate assumes: on SmolLM2 (2 cores) the default conversion with --exact-heads 18 took 341 s
+# against 330 s without, where the full `attention_flops` said 135 s more.
+EXACT_SCORING_SHARE = 0.1
 # Attention sinks kept exact by default (StreamingLLM's name and count). Measured on SmolLM2 (BENCHMARKS, "Linear
 # attention"): with the default transfer, 4 sinks took the mean per-layer error on the calibration text from 0.155
 # to 0.072; in a one-layer screen on calibration text (layer 5, 40 steps) 1 sink and 4 gave the same held-out error
@@ -146,6 +159,9 @@ class LinearOptions(RefineOptions):
                                                                f"(F = 2P features; default {MAP_DEFAULTS['projection_dim']})")
     features: int | None = Field(None, ge=1, description="performer: number of random features F "
                                                          f"(default {MAP_DEFAULTS['features']})")
+    exact_heads: int = Field(0, ge=0, description="K: the K KV heads whose attention output the hybrid changes most on "
+                                                  "the calibration text (after attention transfer) keep their original "
+                                                  "attention, with a cache that grows on those heads (0: none)")
     calib: str = Field(DEFAULT_CALIB, description=CALIB_HELP + " (attention transfer)")
     calib_tokens: int = Field(8192, ge=1, description="calibration tokens (attention transfer)")
     calib_seq_len: int = Field(2048, ge=2, description="calibration sequence length: the length the maps learn to "
@@ -228,15 +244,18 @@ def sink_bytes(shape: AttentionShape, sinks: int, dtype: torch.dtype) -> float:
 
 
 def cache_line(before: float, state: float, window_bytes: float, window: int, trained: int, sinks: int = 0,
-               sink_total: float = 0.0) -> str:
+               sink_total: float = 0.0, exact_bytes: float = 0.0, exact_heads: int = 0) -> str:
     fixed = state + window * window_bytes + sink_total
-    even = fixed / before
-    at = fixed / trained
+    even = fixed / (before - exact_bytes)
+    at = fixed / trained + exact_bytes
     start = f"after {window + sinks} tokens" if window else "from the first token"
-    return (f"original {before:,.0f} bytes/token (grows with length); linear: constant {start}, "
+    return (f"original {before:,.0f} bytes/token (grows with length); linear: "
+            + ("the hybrid heads' part constant " if exact_heads else "constant ") + f"{start}, "
             f"{fixed:,.0f} bytes per sequence (state S, z {state:,.0f}"
             + (f" + window {window} x {window_bytes:,.0f} bytes/token" if window else "")
             + (f" + {sinks} sinks {sink_total:,.0f}" if sinks else "") + ")"
+            + (f" + {exact_bytes:,.0f} bytes/token for the {exact_heads} exact heads' keys and values" if exact_heads
+               else "")
             + (f"; smaller than the original's beyond {even:,.0f} tokens" if even < trained else
                f"; larger than the original's up to {even:,.0f} tokens")
             + f"; {at:,.0f} bytes/token at {trained:,} tokens "
@@ -251,7 +270,7 @@ class LinearConversion:
         model_type="effattn_linear", description="LoLCATs hybrid sliding-window + linear attention (effattn_linear)",
         config_class=lambda: _linear_classes()[0], model_class=lambda: _linear_classes()[1],
         modeling_file="modeling_effattn_linear.py",
-        modules=("kernels/rope.py", "kernels/linear/naive.py", "kernels/linear/recurrent.py", "kernels/linear/decode.py",
+        modules=("kernels/rope.py", "attention/exact.py", "kernels/linear/naive.py", "kernels/linear/recurrent.py", "kernels/linear/decode.py",
                  "kernels/linear/chunk.py", "kernels/linear/features.py", "attention/wrapped.py", "attention/linear.py"))
     Options = LinearOptions
     memory_options = ("calib_tokens",)
@@ -278,6 +297,11 @@ class LinearConversion:
         if opts.window >= trained:
             raise EffattnError(f"--window {opts.window:,} covers the whole trained context ({trained:,} tokens): "
                                "no key would reach the linear attention", f"use a window below {trained:,} (default 64)")
+        exact_heads = opts.exact_heads
+        if exact_heads > shape.layers * shape.kv_heads:
+            raise EffattnError(f"--exact-heads {exact_heads} is more than the model's {shape.layers * shape.kv_heads} "
+                               f"KV heads ({shape.layers} layers x {shape.kv_heads})",
+                               f"use at most {shape.layers * shape.kv_heads}")
         spec = feature_map_spec(opts)
         try:
             fmap = build_feature_map(spec, shape.head_dim, shape.heads)
@@ -301,7 +325,11 @@ class LinearConversion:
         fk_dtype = torch.promote_types(dtype, torch.float32) if spec["name"] == "performer" else dtype
         state_bytes, window_bytes = cache_parts(shape, fdim, opts.window, dtype, fk_dtype)
         sink_total = sink_bytes(shape, sinks, dtype)
-        after = (state_bytes + min(opts.window, trained) * window_bytes + sink_total) / trained
+        # the exact heads' keys and values, per token (growing), as the original caches them
+        exact_bytes = exact_heads * 2 * shape.head_dim * dtype.itemsize
+        linear_share = 1 - exact_heads / (shape.layers * shape.kv_heads)  # of the state, window and sinks
+        state_bytes, window_bytes, sink_total = (x * linear_share for x in (state_bytes, window_bytes, sink_total))
+        after = (state_bytes + min(opts.window, trained) * window_bytes + sink_total) / trained + exact_bytes
         trainable = sum(t.numel() for n, t in tensors.items() if n == "window_factors" or n.endswith("weight")
                         or n.endswith("bias"))
         map_words = {"hedgehog": f"hedgehog, P {spec.get('projection_dim')} (F {fdim}, learned)",
@@ -312,12 +340,13 @@ class LinearConversion:
                    ("attention", (f"softmax over the last {opts.window} keys + " if opts.window else "")
                     + (f"the first {sinks} (sinks) + " if sinks else "")
                     + f"linear attention beyond, feature map {map_words}")]
-        settings: dict[str, Any] = {"feature_map": spec["name"], "window": opts.window, "sinks": sinks}
+        settings: dict[str, Any] = {"feature_map": spec["name"], "window": opts.window, "sinks": sinks,
+                                    "exact_heads": exact_heads}
         if "projection_dim" in spec:
             settings["projection_dim"] = spec["projection_dim"]
         if "num_features" in spec:
             settings["features"] = spec["num_features"]
-        state: dict[str, Any] = {"shape": shape, "target": target, "spec": spec}
+        state: dict[str, Any] = {"shape": shape, "target": target, "spec": spec, "exact_heads": exact_heads}
         est_seconds, est_peak = read_time(ckpt), streaming_bytes(ckpt, family)
         learned = any(n != "window_factors" and n.endswith(("weight", "bias")) for n in tensors)
         steps = opts.refine_steps
@@ -329,6 +358,12 @@ class LinearConversion:
                                    "window/linear mix, so attention transfer has nothing to train",
                                    "drop them, or use --feature-map hedgehog or a --window above 0")
             steps = 0
+        if exact_heads and not steps:
+            why = ("--refine-steps 0 turns it off" if not opts.refine_steps else
+                   f"--feature-map {spec['name']} with --window 0 has nothing to transfer")
+            raise EffattnError(f"--exact-heads {exact_heads} ranks the heads by their error after attention transfer, "
+                               f"and {why}", "drop --exact-heads, or run attention transfer (--refine-steps N, "
+                               "a map with parameters or a window)")
         if steps:
             calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens, seq_len=opts.calib_seq_len,
                                   batch_size=2).validate(ckpt.folder)
@@ -350,6 +385,8 @@ class LinearConversion:
             per_layer = dims.layer_flops(N, T) + refine_flops(dims, refine, N, T, converted=converted)
             if opts.window and not learned:  # initial_mix: the original and every grid point on one sequence
                 per_layer += dims.attention_flops(T, T) + (1 + len(MIX_GRID)) * converted(T, T)
+            if exact_heads:  # scoring the heads: the original attention beside the propagation
+                per_layer += EXACT_SCORING_SHARE * dims.attention_flops(N, T)
             est_seconds += compute_seconds(shape.layers * per_layer)
             est_peak = calibrated_bytes(ckpt, family, calib, refine)
             summary.append(("attention transfer", f"{refine.steps_words} on "
@@ -368,13 +405,18 @@ class LinearConversion:
             settings["refine_steps"] = 0
             summary.append(("attention transfer", "none (--refine-steps 0): the feature maps keep their initial values"))
         summary.append(("KV cache", cache_line(before, state_bytes, window_bytes, opts.window, trained, sinks,
-                                               sink_total)))
+                                               sink_total, exact_bytes, exact_heads)))
+        if exact_heads:
+            summary.append(("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose attention "
+                                           "output the hybrid changes most on the calibration text (after attention "
+                                           "transfer) keep their original attention"))
         summary.append(("decode step", _decode_line()))
         return Plan(conversion=self.name, config=new, specs=same_specs(ckpt, target, extra=extra), settings=settings,
                     summary=summary, kv_bytes_per_token=(before, after), est_seconds=est_seconds,
                     est_peak_bytes=est_peak,
                     # a query reads its window's keys and one F-dimensional state
-                    state=state | {"attention_span": lambda context: opts.window + sinks + fdim})
+                    state=state | {"attention_span": lambda context: opts.window + sinks + fdim
+                                   + round((1 - linear_share) * context)})
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
         from ..attention.linear import EffattnLinearConfig, LinearAttention, build_feature_map
@@ -384,6 +426,7 @@ class LinearConversion:
         cfg = EffattnLinearConfig(**plan.config)
         calib = st.get("calib")
         mixes: list[dict[str, float]] = []  # per layer, where `initial_mix` chose the mix's start
+        errors = torch.zeros(shape.layers, 2, shape.kv_heads, dtype=torch.float64)  # per head: Σ|Δout|², Σ|out|²
 
         def linearize(layer: LayerInput) -> LayerOutput:
             base = f"{layer.prefix}self_attn."
@@ -401,12 +444,20 @@ class LinearConversion:
                 logit, err = initial_mix(module.float(), layer.original, layer.x[:1], layer.cos, layer.sin)
                 mixes.append({"layer": layer.index, "logit": logit, "error": round(err, 6)})
                 note += f", mix from logit {logit:g} (error {err:.3f})"
+            before = after = None
+            if st["exact_heads"]:  # score each head's hybrid output (what o_proj receives) while the activations pass
+                before, after = scoring_hooks(module, attn, layer.cos, layer.sin, errors[layer.index])
             return LayerOutput(dict(layer.tensors) | {base + n: t.detach().clone() for n, t in own.items()},
-                               module=module.requires_grad_(False).eval(), trainable=trainable, note=note)
+                               module=module.requires_grad_(False).eval(), trainable=trainable, note=note,
+                               before=before, after=after)
 
         plan.measured |= run_layers(ckpt, family, writer, linearize, layers=shape.layers, target=st["target"],
                                     calib=calib, refine=st.get("refine"), progress=progress,
                                     description="attention transfer" if calib else "writing layers")
+        if st["exact_heads"]:
+            pairs, record = choose(errors, st["exact_heads"])
+            plan.measured["config"] = {"linear_exact_heads": pairs}  # chosen by the run: the driver writes it
+            plan.measured["settings"] = record
         if mixes:
             plan.measured["initial_mix"] = {"what": "the mix's logit (window_factors, every head) the steps started "
                                                     "from, and its error on one calibration sequence", "layers": mixes}

@@ -35,6 +35,7 @@ from pydantic import Field
 
 from ..data.corpora import DEFAULT_CALIB
 from ..errors import EffattnError
+from .exact_heads import choose, scoring_hooks
 from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
@@ -200,7 +201,8 @@ class _ReRoPEBase:
         config_class=lambda: _vq_classes()[0], model_class=lambda: _vq_classes()[1],
         modeling_file="modeling_effattn_vq.py",
         modules=("kernels/rope.py", "kernels/vq/naive.py", "kernels/vq/chunk.py", "kernels/vq/codes.py", "kernels/vq/decode.py",
-                 "kernels/vq/heavy.py", "kernels/vq/heavy_decode.py", "attention/wrapped.py", "attention/vq.py"))
+                 "kernels/vq/heavy.py", "kernels/vq/heavy_decode.py", "attention/wrapped.py", "attention/exact.py",
+                 "attention/vq.py"))
 
 
 class ReRoPEConversion(_ReRoPEBase):
@@ -383,12 +385,9 @@ class VQConversion(_ReRoPEBase):
                                     calib=st["calib"], refine=st["refine"], progress=progress,
                                     description="fitting codebooks" + (" and refining" if st["refine"].steps else ""))
         if st["exact_heads"]:
-            relative = errors[:, 0] / errors[:, 1].clamp_min(1e-30)  # (layers, G)
-            top = relative.flatten().argsort(descending=True)[: st["exact_heads"]]
-            pairs = sorted([int(i) // shape.kv_heads, int(i) % shape.kv_heads] for i in top)
+            pairs, record = choose(errors, st["exact_heads"])
             plan.measured["config"] = {"vq_exact_heads": pairs}  # chosen by the run: the driver writes it
-            plan.measured["settings"] = {"exact_heads_chosen": pairs, "head_errors": {
-                f"{l}.{g}": round(float(relative[l, g]), 5) for l in range(shape.layers) for g in range(shape.kv_heads)}}
+            plan.measured["settings"] = record
 
     @staticmethod
     def fit_layer(plan: Plan, cfg, layer: LayerInput, far, errors: torch.Tensor) -> LayerOutput:
@@ -446,25 +445,7 @@ class VQConversion(_ReRoPEBase):
         tensors = dict(layer.tensors) | {base + name: buf.float() for name, buf in attn.named_buffers()}
         before = after = None
         if st["exact_heads"]:  # score each head's VQ output (what o_proj receives) while the activations pass
-            taken: dict[str, torch.Tensor] = {}
-
-            def take_input(_, args, kwargs):
-                taken["x"] = args[0] if args else kwargs["hidden_states"]
-
-            def take_output(_, args):
-                taken["quantized"] = args[0]
-
-            def score(*_):
-                h = module.input_layernorm(taken["x"])
-                errors[layer.index] += quantization_error(attn, h, taken.pop("quantized"), cos, sin)
-
-            hooks = []
-
-            def before():  # after refinement (which runs the module too): only the propagation, of the final layer
-                hooks.extend([module.register_forward_pre_hook(take_input, with_kwargs=True),
-                              attn.o_proj.register_forward_pre_hook(take_output), module.register_forward_hook(score)])
-
-            after = lambda: [hook.remove() for hook in hooks]  # noqa: E731
+            before, after = scoring_hooks(module, attn, cos, sin, errors[layer.index])
         # Refinement (--refine-steps, run_layers) trains q/k/v/o through this module in eval mode (no EMA
         # step) and keeps the codebook fitted above on the unrefined keys. With key means (the default)
         # the codebook only partitions the far keys and each code is scored at the mean of the keys it
@@ -474,22 +455,6 @@ class VQConversion(_ReRoPEBase):
         # unrefined keys above, stay as they are).
         return LayerOutput(tensors, module=module, forward_kwargs={"vq_far": far}, note=f"error {result.error:.3g}",
                            before=before, after=after)
-
-
-def quantization_error(attn, h: torch.Tensor, quantized: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """What ReRoPE + VQ does to each KV head's attention output on hidden states h (B, T, hidden), given
-    that output (`quantized`, (B, T, H * D), what o_proj receives): [2, G] float64, Σ‖out_VQ − out_original‖²
-    and Σ‖out_original‖² over the positions and the head's query heads (out_original: the model's own
-    attention, full RoPE). Their ratio ranks the heads for `--exact-heads`."""
-    from ..attention.vq import full_attention
-
-    q, k, v = attn.project(h)
-    exact, _ = full_attention(q, k, v, cos[0].to(q.dtype), sin[0].to(q.dtype), attn.scaling)
-    G = k.shape[2]
-    per_query_head = lambda t: t.double().pow(2).sum((0, 1, 3))  # (H,)
-    err = per_query_head(quantized.view_as(exact) - exact).view(G, -1).sum(1)
-    norm = per_query_head(exact).view(G, -1).sum(1)
-    return torch.stack((err, norm))
 
 
 def attention_statistics(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, far, scale: float,
