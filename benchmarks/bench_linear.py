@@ -149,9 +149,12 @@ def quality(args) -> None:
 def decode(args) -> None:
     from benchmarks.bench_mla import decode_rows
 
-    linear = args.model or str(make(*parse_variant(args.variant)[:3], "transfer", parse_variant(args.variant)[3])[0])
-    decode_rows([("original", "llama"), ("linear", linear)], args.contexts, args.tokens, record, mode="native",
-                gemv=args.gemv)
+    if args.model and "=" in args.model:  # several already made models, NAME=PATH,...
+        linear = [tuple(item.split("=", 1)) for item in args.model.split(",")]
+    else:
+        linear = [("linear", args.model or str(make(*parse_variant(args.variant)[:3], "transfer",
+                                                     parse_variant(args.variant)[3])[0]))]
+    decode_rows([("original", "llama"), *linear], args.contexts, args.tokens, record, mode="native", gemv=args.gemv)
 
 
 def main() -> None:
@@ -167,7 +170,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--contexts", default="16384")
     parser.add_argument("--variant", default="hedgehog-w64", help="decode: the linear model (converted if needed)")
-    parser.add_argument("--model", default=None, help="decode: an already converted linear model instead")
+    parser.add_argument("--model", default=None, help="decode: an already converted linear model instead (PATH, or "
+                        "NAME=PATH,... for several)")
     parser.add_argument("--gemv", action="store_true", help="decode: both models' linear layers through effattn's "
                         "kernels/gemv")
     args = parser.parse_args()

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import effattn  # noqa: F401 - registers effattn_linear with transformers
-from effattn.attention.linear import INIT_WINDOW_FACTOR, LinearCache
+from effattn.attention.linear import INIT_WINDOW_FACTOR, LinearCache, SplitState
 from effattn.convert import convert
 
 from .conftest import logits_of
@@ -373,10 +373,14 @@ def test_exact_heads_keep_the_original_attention_and_decode_as_the_full_forward(
                 step = model(input_ids=IDS[:, start:start + n], cache=cache, use_cache=True)
                 cache, start = step.cache, start + n
                 got.append(step.logits)
-                sizes.append((start, cache.nbytes()))
+                states = cache.states.values()
+                hybrid = sum(st.linear.nbytes() if isinstance(st, SplitState) else st.nbytes() for st in states)
+                kept = sum(2 * st.exact.k.numel() * dtype.itemsize for st in states if isinstance(st, SplitState))
+                assert cache.nbytes() >= hybrid + kept  # the exact buffers hold their keys plus room to grow
+                sizes.append((start, hybrid, kept))
         torch.testing.assert_close(torch.cat(got, 1), full, rtol=tol, atol=tol)
-        (t0, b0), (t1, b1) = sizes[-6], sizes[-1]
-        assert b1 - b0 == (t1 - t0) * IDS.shape[0] * 2 * 2 * 8 * dtype.itemsize
+        (t0, h0, k0), (t1, h1, k1) = sizes[-6], sizes[-1]
+        assert h1 == h0 and k1 - k0 == (t1 - t0) * IDS.shape[0] * 2 * 2 * 8 * dtype.itemsize
     # training: the hybrid heads' maps and mix get gradients, the exact heads' do not
     model = model.double().train()
     model(input_ids=IDS, labels=IDS, use_cache=False).loss.backward()
@@ -404,9 +408,47 @@ def test_exact_heads_in_the_plan_and_its_refusals(tiny, tmp_path, capsys):
     plain = json.loads(stdout)["kv_bytes_per_token"][1]
     # the exact heads' share of the constant part (2 of 6 KV heads) goes, their growing cache comes
     assert plan["kv_bytes_per_token"][1] == pytest.approx(plain * 4 / 6 + exact)
+    # scoring the heads costs a share of one attention pass per layer on the calibration tokens
+    from effattn.convert.linear import EXACT_SCORING_SHARE
+    from effattn.resources import Dims, compute_seconds
+
+    config = json.loads((src / "config.json").read_text())
+    extra = 2 * EXACT_SCORING_SHARE * Dims.of(config).attention_flops(8192, 2048)
+    assert plan["est_seconds"] - json.loads(stdout)["est_seconds"] == pytest.approx(compute_seconds(extra), rel=1e-6)
     for args, needles in ((["--exact-heads", "7"], ["--exact-heads 7 is more than the model's 6 KV heads"]),
                           (["--exact-heads", "1", "--refine-steps", "0"], ["--refine-steps 0 turns it off"]),
                           (["--exact-heads", "1", "--feature-map", "elu", "--window", "0"], ["nothing to transfer"])):
         code, _, err = run_cli(capsys, "convert", src, "--to", "linear", *args, "-o", out, "--no-eval")
         assert_one_line_error(code, err, *needles)
         assert not out.exists()
+
+
+def test_the_exact_heads_cache_appends_in_place_with_room_to_grow():
+    """FullState: appends without autograd write into buffers that grow by an eighth (at least 256
+    positions), so decoding copies the keys a few times, not at every token; the kept keys are every
+    append's, in order; under autograd a step leaves the state it continued unchanged."""
+    from effattn.attention.exact import FullState, full_attention
+
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 5, 4, generator=gen), torch.randn(1, 2, 5, 4, generator=gen)
+    state, keys, values, buffers = FullState(k, v), [k], [v], set()
+    for _ in range(600):
+        k, v = torch.randn(1, 2, 1, 4, generator=gen), torch.randn(1, 2, 1, 4, generator=gen)
+        assert state.append(k, v) is state
+        keys.append(k), values.append(v), buffers.add(state._k.data_ptr())
+    assert state.seen == 605 and torch.equal(state.k, torch.cat(keys, 2)) and torch.equal(state.v, torch.cat(values, 2))
+    assert len(buffers) == 3  # 5 -> 262 (6 + 256) -> 519 (263 + 256) -> 776 (520 + 256); not one per token
+    assert state.nbytes() == 2 * 776 * 2 * 4 * 4
+    # attention through it is the full causal attention over the keys so far
+    q = torch.randn(1, 1, 4, 4, generator=gen)
+    cos, sin = torch.ones(1, 4), torch.zeros(1, 4)  # position's rotation: the identity, so k is its rotated key
+    with torch.no_grad():
+        out, same = full_attention(q, k.transpose(1, 2), v.transpose(1, 2), cos, sin, 0.5, state)
+    expected = torch.softmax(0.5 * q.transpose(1, 2) @ torch.cat(keys + [k], 2).repeat_interleave(2, 1).transpose(2, 3), -1) \
+        @ torch.cat(values + [v], 2).repeat_interleave(2, 1)
+    assert same is state and state.seen == 606
+    torch.testing.assert_close(out, expected.transpose(1, 2))
+    with torch.enable_grad():  # (pytest runs with autograd on: the no_grad above is what inference sees)
+        kq = k.clone().requires_grad_()
+        _, new = full_attention(q, kq.transpose(1, 2), v.transpose(1, 2), cos, sin, 0.5, state)
+    assert new is not state and state.seen == 606 and new.seen == 607

@@ -545,9 +545,13 @@ def test_exact_heads_decode_through_the_cache_which_grows_on_those_heads_only(ti
     src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
     model = load(vq_init(src, tmp_path / "vq", calib_file, sinks=1), vq_exact_heads=[[0, 2], [1, 0], [1, 1]])
     ids = IDS[:1]
-    _, sizes = decode_matches_full_forward(model, ids)
-    # each new token adds a key and a value (head_dim 8, float64) on each of the 3 exact heads, nothing else
-    assert {b - a for a, b in zip(sizes, sizes[1:])} == {3 * 2 * 8 * 8}
+    cache, sizes = decode_matches_full_forward(model, ids)
+    # the 3 exact heads hold a key and a value (head_dim 8, float64) per token, the quantized heads a constant state
+    exact = [state.exact for state in cache.states.values()]
+    assert sum(2 * state.k.numel() * 8 for state in exact) == ids.shape[1] * 3 * 2 * 8 * 8
+    # the exact heads' buffers grew once, at the first decoded token, with room for 256 more: the cache's
+    # bytes then stay put while the keys go in
+    assert len(set(sizes)) == 1 and all(state._k.shape[2] == 40 + 1 + 256 for state in exact)
 
 
 def test_training_leaves_the_exact_heads_codebooks_alone(tiny, tmp_path, calib_file):

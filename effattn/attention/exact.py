@@ -26,35 +26,68 @@ def head_rows(heads, groups: int, device=None) -> torch.Tensor:
     return torch.tensor([g * groups + r for g in heads for r in range(groups)], dtype=torch.long, device=device)
 
 
+# Room a FullState reserves when an append outgrows it: this share of the keys it then holds (at least
+# FULL_RESERVE_MIN positions), so a decode copies its keys once per ~1/8 more tokens, not at every token.
+FULL_RESERVE_SHARE, FULL_RESERVE_MIN = 8, 256
+
+
 class FullState:
-    """The cache of the exact heads' full attention: every rotated key and value so far, (B, G, seen, D)."""
+    """The cache of the exact heads' full attention: every rotated key and value so far, `k` and `v`
+    (B, G, seen, D), views of buffers with room to grow. An inference step appends in place (the state
+    advances, as the decode states of the kernels do); a step under autograd makes a new state."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
+        self._k, self._v, self.seen = k, v, k.shape[2]
 
     @property
-    def seen(self) -> int:
-        return self.k.shape[2]
+    def k(self) -> torch.Tensor:
+        return self._k[:, :, : self.seen]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._v[:, :, : self.seen]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> "FullState":
+        """Add T rotated keys and values (B, G, T, D) in place, growing the buffers when full; returns self."""
+        need = self.seen + k.shape[2]
+        if need > self._k.shape[2]:
+            room = max(FULL_RESERVE_MIN, need // FULL_RESERVE_SHARE)
+            grow = lambda buf: torch.cat((buf[:, :, : self.seen], buf.new_empty(*buf.shape[:2], need - self.seen + room,
+                                                                                  buf.shape[3])), 2)  # noqa: E731
+            self._k, self._v = grow(self._k), grow(self._v)
+        self._k[:, :, self.seen : need] = k
+        self._v[:, :, self.seen : need] = v
+        self.seen = need
+        return self
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """The bytes the buffers hold, the room to grow included."""
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
 
 def full_attention(q, k, v, cos, sin, scale: float, state: FullState | None = None):
     """The original attention of a RoPE model: q (B, T, H, D), pre-RoPE k, v (B, T, G, D) at absolute
     positions state.seen .. (cos, sin (T, D)), causal over the cached keys and these. Returns the
-    output (B, T, H, D) and the state holding every key and value (detached, like `VQState`).
-    `effattn.attention.functional.causal_attention` with a cache; written here because this module
-    is bundled as remote code with the kernels only (functional.py is not)."""
+    output (B, T, H, D) and the state holding every key and value (detached, like `VQState`; without
+    autograd `state` itself, advanced in place). `effattn.attention.functional.causal_attention` with a
+    cache; written here because this module is bundled as remote code with the kernels only
+    (functional.py is not)."""
     B, T, H, D = q.shape
     G = k.shape[2]
     qr = apply_rope(q, cos[:, None], sin[:, None]).transpose(1, 2)  # (B, H, T, D)
     kr = apply_rope(k, cos[:, None], sin[:, None]).transpose(1, 2)  # (B, G, T, D)
     vt = v.transpose(1, 2)
     past = 0 if state is None else state.seen
-    if state is not None:
+    if state is None:
+        state = FullState(kr.detach(), vt.detach())
+    elif torch.is_grad_enabled():  # gradients reach this call's keys: a new state, the old one unchanged
         kr, vt = torch.cat((state.k, kr), 2), torch.cat((state.v, vt), 2)
-    # query t (absolute past + t) reads keys 0 .. past + t
-    mask = torch.arange(past + T, device=q.device)[None, :] <= torch.arange(past, past + T, device=q.device)[:, None]
+        state = FullState(kr.detach(), vt.detach())
+    else:
+        state = state.append(kr, vt)
+        kr, vt = state.k, state.v
+    # query t (absolute past + t) reads keys 0 .. past + t (every key when T is 1)
+    mask = None if T == 1 else \
+        torch.arange(past + T, device=q.device)[None, :] <= torch.arange(past, past + T, device=q.device)[:, None]
     out = F.scaled_dot_product_attention(qr, kr, vt, attn_mask=mask, scale=scale, enable_gqa=H != G)
-    return out.transpose(1, 2), FullState(kr.detach(), vt.detach())
+    return out.transpose(1, 2), state
