@@ -270,8 +270,9 @@ class LinearConversion:
         model_type="effattn_linear", description="LoLCATs hybrid sliding-window + linear attention (effattn_linear)",
         config_class=lambda: _linear_classes()[0], model_class=lambda: _linear_classes()[1],
         modeling_file="modeling_effattn_linear.py",
-        modules=("kernels/rope.py", "attention/exact.py", "kernels/linear/naive.py", "kernels/linear/recurrent.py", "kernels/linear/decode.py",
-                 "kernels/linear/chunk.py", "kernels/linear/features.py", "attention/wrapped.py", "attention/linear.py"))
+        modules=("kernels/rope.py", "attention/exact.py", "kernels/linear/naive.py", "kernels/linear/recurrent.py",
+                 "kernels/linear/decode.py", "kernels/linear/chunk.py", "kernels/linear/features.py", "attention/wrapped.py",
+                 "attention/linear.py"))
     Options = LinearOptions
     memory_options = ("calib_tokens",)
     # the constant cache pays off at long context
