@@ -34,7 +34,6 @@ from torch import nn
 
 from effattn.attention.wrapped import AdoptedAttention, StateCache, WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.vq.chunk import VQState, vq_attention_chunk
-from effattn.kernels.rope import apply_rope
 from effattn.attention.exact import FullState, exact_heads_of, full_attention, head_rows
 from effattn.kernels.vq.codes import code_table, nearest_codes
 from effattn.kernels.vq.decode import VQDecodeState, can_decode, from_state, vq_decode_step

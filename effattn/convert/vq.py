@@ -35,7 +35,6 @@ from pydantic import Field
 
 from ..data.corpora import DEFAULT_CALIB
 from ..errors import EffattnError
-from .exact_heads import choose, scoring_hooks
 from ..families import AttentionShape, Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
@@ -48,6 +47,7 @@ from .calibrate import CALIB_HELP, batches
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .options import ConversionOptions
 from .refine import TARGET_WORDS, RefineOptions, Steps, refine_flops
+from .exact_heads import choose, scoring_hooks
 
 # Default far position (`--far-position`) as a multiple of the window. ReRoPE classically sees far keys
 # at the window's own distance; on SmolLM2 a larger constant costs much less (BENCHMARKS.md, vq-quality:
