@@ -8,11 +8,15 @@ import torch.nn.functional as F
 
 from effattn.kernels.linear import (
     FEATURE_MAPS,
+    HybridParts,
     HybridState,
+    combine_parts,
     feature_map,
     hybrid_attention_chunk,
     hybrid_attention_naive,
+    hybrid_attention_parts,
     hybrid_attention_step,
+    hybrid_parts_naive,
     init_state,
     state_from_prefill,
 )
@@ -297,9 +301,17 @@ def test_taylor_features_give_the_second_order_expansion_exactly():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 2, 5, 2, D, generator=g, dtype=torch.float64)  # [B, T, H, D] each
     fq, fk = phi(q), phi(k)
-    assert fq.shape == (2, 5, 2, 1 + D + D * D) and phi.feature_dim == 1 + D + D * D
+    # the quadratic block's upper triangle: 1 + D + D (D + 1) / 2 features, not Based's 1 + D + D^2
+    assert fq.shape == (2, 5, 2, 1 + D + D * (D + 1) // 2) and phi.feature_dim == 1 + D + 21
     s = torch.einsum("bthd,bshd->bhts", q, k) / D**0.5
     torch.testing.assert_close(torch.einsum("bthf,bshf->bhts", fq, fk), 1 + s + s**2 / 2, rtol=1e-12, atol=1e-12)
+    # with autograd (the cat path) the same features, and gradients reach q
+    qg = q.clone().requires_grad_(True)
+    fg = phi(qg)
+    torch.testing.assert_close(fg, fq, rtol=0, atol=0)
+    fg.sum().backward()
+    assert qg.grad is not None and qg.grad.abs().sum() > 0
+    torch.testing.assert_close(qg.grad, torch.func.grad(lambda t: phi(t).sum())(q), rtol=1e-12, atol=1e-12)
 
 
 def test_performer_features_estimate_the_softmax_kernel():
@@ -576,3 +588,42 @@ def test_invalid_sinks_raise_explanations():
     _, state = hybrid_attention_chunk(**inputs, window=3, sinks=1, return_state=True, **settings)
     with pytest.raises(ValueError, match="built with sinks=1 but this call uses sinks=2"):
         hybrid_attention_chunk(**inputs, window=3, sinks=2, state=state, **settings)
+
+
+@pytest.mark.parametrize("window,sinks,segment", [(0, 0, 4096), (5, 0, 4096), (5, 2, 4096), (7, 3, 11), (64, 4, 4096)])
+def test_the_parts_combine_into_the_kernels_output_and_gradients(window, sinks, segment):
+    """hybrid_attention_parts (chunked, in segments) gives the reference's four sums at odd sizes, with and
+    without sinks; combined with any factors they are both kernels' output, and the factors' gradients
+    through `combine_parts` are the reference's."""
+    inputs = make_inputs(2, 37, 3, 8, 5, 6)
+    kwargs = dict(window=window, scale=8**-0.5, sinks=sinks)
+    ref = hybrid_parts_naive(**inputs, **kwargs)
+    parts = hybrid_attention_parts(**inputs, **kwargs, chunk_size=4, segment_size=segment)
+    assert isinstance(parts, HybridParts)
+    for name, a, b in zip(HybridParts._fields, ref, parts):
+        assert a.shape == b.shape, name
+        assert_close(f"parts {name}", a, b, 1e-12) if a.abs().sum() else torch.testing.assert_close(b, a)
+    if window == 0:  # pure linear attention: no window terms
+        assert not parts.window_num.any() and not parts.window_den.any()
+    if window >= 37:  # nothing leaves the window
+        assert not parts.far_num.any()
+    f = {n: t.requires_grad_(True) for n, t in factors(3).items()}
+    out = combine_parts(parts, f["window_factor"], f["linear_factor"], 1e-6)
+    for kernel in (hybrid_attention_naive, hybrid_attention_chunk):
+        assert_close(kernel.__name__, kernel(**inputs, **kwargs, **{n: t.detach() for n, t in f.items()}), out, 1e-12)
+    grads = torch.autograd.grad(out.pow(2).sum(), list(f.values()))
+    g = {n: t.detach().clone().requires_grad_(True) for n, t in f.items()}
+    expect = torch.autograd.grad(hybrid_attention_naive(**inputs, **kwargs, **g).pow(2).sum(), list(g.values()))
+    for name, a, b in zip(f, expect, grads):
+        assert_close(f"d/d {name}", a, b, 1e-8)  # window 0: d/d lf is of the order of eps
+    # autograd reaches the inputs through the parts too
+    for name in ("q", "v", "fk"):
+        if (name == "q" and not window) or (name == "fk" and window >= 37):  # q only through fq; no far keys
+            continue
+        x = inputs[name].clone().requires_grad_(True)
+        (dx,) = torch.autograd.grad(combine_parts(hybrid_attention_parts(**(inputs | {name: x}), **kwargs, chunk_size=4),
+                                                  1.0, 2.0).sum(), [x])
+        x2 = inputs[name].clone().requires_grad_(True)
+        (dx2,) = torch.autograd.grad(hybrid_attention_naive(**(inputs | {name: x2}), **kwargs, window_factor=1.0,
+                                                            linear_factor=2.0).sum(), [x2])
+        assert_close(f"d/d{name}", dx2, dx, 1e-10)

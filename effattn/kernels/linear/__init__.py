@@ -18,12 +18,14 @@ rescaled) and is not detached. ``window = 0`` is pure causal linear attention.
 * :func:`hybrid_attention_naive`: the quadratic reference that defines the semantics;
 * :func:`hybrid_attention_chunk`: the chunked kernel, linear time and memory in T, same signature
   plus ``chunk_size``;
+* :func:`hybrid_attention_parts` (chunked) and :func:`hybrid_parts_naive` (reference): the four sums before
+  the factors weigh them, which :func:`combine_parts` combines (fitting only the factors needs them once);
 * :func:`hybrid_attention_step`, :class:`HybridState`, :func:`init_state`, :func:`state_from_prefill`:
   token-by-token decoding with a constant-size state;
 * :mod:`.features`: the feature maps (``elu``, ``performer``, ``taylor``, ``hedgehog``).
 """
 
-from effattn.kernels.linear.chunk import hybrid_attention_chunk
+from effattn.kernels.linear.chunk import hybrid_attention_chunk, hybrid_attention_parts
 from effattn.kernels.linear.features import (
     FEATURE_MAPS,
     EluFeatureMap,
@@ -32,20 +34,24 @@ from effattn.kernels.linear.features import (
     TaylorFeatureMap,
     feature_map,
 )
-from effattn.kernels.linear.naive import hybrid_attention_naive
+from effattn.kernels.linear.naive import HybridParts, combine_parts, hybrid_attention_naive, hybrid_parts_naive
 from effattn.kernels.linear.recurrent import HybridState, hybrid_attention_step, init_state, state_from_prefill
 
 __all__ = [
     "FEATURE_MAPS",
     "EluFeatureMap",
     "HedgehogFeatureMap",
+    "HybridParts",
     "HybridState",
     "PerformerFeatureMap",
     "TaylorFeatureMap",
+    "combine_parts",
     "feature_map",
     "hybrid_attention_chunk",
     "hybrid_attention_naive",
+    "hybrid_attention_parts",
     "hybrid_attention_step",
+    "hybrid_parts_naive",
     "init_state",
     "state_from_prefill",
 ]

@@ -46,7 +46,7 @@ import os
 import torch
 from torch import Tensor
 
-from effattn.kernels.linear.naive import check_hybrid_inputs, compute_dtype, head_weights
+from effattn.kernels.linear.naive import HybridParts, check_hybrid_inputs, compute_dtype, head_weights
 from effattn.kernels.linear.recurrent import HybridState, check_state, init_state
 
 
@@ -210,29 +210,34 @@ def _with_sinks(state: tuple, k: Tensor, v: Tensor, T: int, sinks: int, window: 
             _rows(v, sink_v, v_prev[:, :more], v[:, :r]))
 
 
-def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tuple, *, window: int, wf: Tensor,
-             lf: Tensor, scale: float, eps: float, C: int, grad: bool, fla=None) -> tuple[Tensor, tuple]:
+def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tuple, *, window: int, wf: Tensor | None,
+             lf: Tensor | None, scale: float, eps: float, C: int, grad: bool, fla=None) -> tuple[Tensor | tuple, tuple]:
     """The T positions after ``state`` (head-major inputs in the compute dtype; state = (seen, k, v, fk, S, z,
     sink_k, sink_v), head-major): (out [BH, T, Dv], the state after them). ``fla``: ``fla_kernel``'s answer for
-    the device. The feature keys of sink positions come zeroed and the sink store extended (`_with_sinks`)."""
+    the device. The feature keys of sink positions come zeroed and the sink store extended (`_with_sinks`).
+    With ``wf`` and ``lf`` None, the four sums (window num [BH, T, Dv], den [BH, T], far num, den) instead of out."""
     seen, k_prev, v_prev, fk_prev, S, z, sink_k, sink_v = state
     T, n = q.shape[1], k_prev.shape[1]
     L = n + T
-    num = den = 0.0
+    win_num, win_den = q.new_zeros(*v.shape), q.new_zeros(v.shape[:2])
+    far_num, far_den = win_num, win_den
     if window > 0:
         with_sinks = (sink_k, sink_v, seen - n, window) if sink_k.shape[1] else None
         win_num, win_den = _window_part(q, k, v, k_prev, v_prev, min(window, L), scale, min(C, L), grad, with_sinks)
-        num, den = wf[:, :, None] * win_num, wf * win_den
     if seen + T > window:  # some key leaves the window in this segment (or already has)
         if fla is not None:  # CUDA: flash-linear-attention's chunked kernel
             far_num, far_den, S, z = _far_part_fla(fla, fq, fk, v, fk_prev, v_prev, window - n, S, z)
         else:
             far_num, far_den, S, z = _far_part(fq, fk, v, fk_prev, v_prev, window - n, min(C, T), S, z)
-        num, den = num + lf[:, :, None] * far_num, den + lf * far_den
     keep = min(window, L)  # the window keeps the last `keep` positions: of this call's, and the kept ones before
     kept = tuple(new[:, T - keep:] if keep <= T else _rows(new, prev[:, n - (keep - T):], new)
                  for prev, new in ((k_prev, k), (v_prev, v), (fk_prev, fk)))
-    return num / (den + eps)[..., None], (seen + T, *kept, S, z, sink_k, sink_v)
+    after = (seen + T, *kept, S, z, sink_k, sink_v)
+    if wf is None:
+        return (win_num, win_den, far_num, far_den), after
+    num = wf[:, :, None] * win_num + lf[:, :, None] * far_num
+    den = wf * win_den + lf * far_den
+    return num / (den + eps)[..., None], after
 
 
 # positions per segment: the working memory of a long sequence stays that of one segment
@@ -339,6 +344,33 @@ def _fast_segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state
     return out, (seen + T, *kept, S[..., :Dv].contiguous(), S[..., Dv].contiguous(), sink_k, sink_v)
 
 
+def _segments(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, hm: tuple, *, window: int, sinks: int, wf,
+              lf, scale: float, eps: float, chunk_size: int, segment_size: int, grad: bool, fla, fast, heads_major):
+    """The positions of q .. fk in segments of `segment_size`, each continuing the head-major state `hm`:
+    (each segment's result, the state after the last). Inputs head-major, or batch-major for `fast` (then
+    `_fast_segment` with its dtype bound); `heads_major` lays a batch-major tensor out head-major."""
+    T = q.shape[1]
+    outs = []
+    for a in range(0, T, segment_size):
+        part = slice(a, a + segment_size)
+        fk_part = fk[:, part]
+        if hm[0] < sinks:  # sinks never reach the linear state: their feature keys count as zeros
+            r = min(sinks - hm[0], fk_part.shape[1])
+            fk_part = torch.cat((torch.zeros_like(fk_part[:, :r]), fk_part[:, r:]), dim=1)
+        if sinks:  # the fast path's inputs are batch-major: the sinks' first rows go head-major
+            first = slice(a, min(a + segment_size, a + sinks, T))
+            lay = heads_major if fast else (lambda x: x)
+            hm = _with_sinks(hm, lay(k[:, first]), lay(v[:, first]), fk_part.shape[1], sinks, window)
+        if fast:  # batch-major inputs: the fast path lays them out itself
+            out, hm = fast(q[:, part], k[:, part], v[:, part], fq[:, part], fk_part, hm, window=window,
+                           wf=wf, lf=lf, scale=scale, eps=eps)
+        else:
+            out, hm = _segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk_part, hm, window=window,
+                               wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad, fla=fla)
+        outs.append(out)
+    return outs, hm
+
+
 def hybrid_attention_chunk(
     q: Tensor,
     k: Tensor,
@@ -411,24 +443,10 @@ def hybrid_attention_chunk(
             and fla is None)  # fmt: skip
     if not fast:
         q, k, v, fq, fk = map(heads_major, (q, k, v, fq, fk))
-    outs = []
-    for a in range(0, T, segment_size):
-        part = slice(a, a + segment_size)
-        fk_part = fk[:, part]
-        if hm[0] < sinks:  # sinks never reach the linear state: their feature keys count as zeros
-            r = min(sinks - hm[0], fk_part.shape[1])
-            fk_part = torch.cat((torch.zeros_like(fk_part[:, :r]), fk_part[:, r:]), dim=1)
-        if sinks:  # the fast path's inputs are batch-major: the sinks' first rows go head-major
-            first = slice(a, min(a + segment_size, a + sinks, T))
-            lay = heads_major if fast else (lambda x: x)
-            hm = _with_sinks(hm, lay(k[:, first]), lay(v[:, first]), fk_part.shape[1], sinks, window)
-        if fast:  # batch-major inputs: the fast path lays them out itself
-            out, hm = _fast_segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk_part, hm, window=window,
-                                    wf=wf, lf=lf, scale=scale, eps=eps, dt=dt)
-        else:
-            out, hm = _segment(q[:, part], k[:, part], v[:, part], fq[:, part], fk_part, hm, window=window,
-                               wf=wf, lf=lf, scale=scale, eps=eps, C=chunk_size, grad=grad, fla=fla)
-        outs.append(out)
+    outs, hm = _segments(q, k, v, fq, fk, hm, window=window, sinks=sinks, wf=wf, lf=lf, scale=scale, eps=eps,
+                         chunk_size=chunk_size, segment_size=segment_size, grad=grad, fla=fla,
+                         fast=(lambda *a, **kw: _fast_segment(*a, **kw, dt=dt)) if fast else None,
+                         heads_major=heads_major)
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [B * H, T, Dv]
     out = out.view(B, H, T, Dv).transpose(1, 2).to(in_dtype)  # [B, T, H, Dv]
     if not return_state:
@@ -441,3 +459,32 @@ def hybrid_attention_chunk(
     return out, HybridState(seen=seen, window=window, S=S.view(B, H, Fd, Dv), z=z.view(B, H, Fd),
                             k=batch_major(k_w), v=batch_major(v_w), fk=batch_major(fk_w), sinks=sinks,
                             sink_k=batch_major(sink_k), sink_v=batch_major(sink_v))
+
+
+def hybrid_attention_parts(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, *, window: int, scale: float,
+                           chunk_size: int = 64, segment_size: int = SEGMENT_SIZE, sinks: int = 0) -> HybridParts:
+    """The chunked kernel's four sums of a whole sequence before the factors combine them (`HybridParts`, in
+    the compute dtype, batch-major), linear in T: ``combine_parts(parts, wf, lf, eps)`` is
+    ``hybrid_attention_chunk`` with those factors, and `hybrid_parts_naive` the reference. Arguments as
+    `hybrid_attention_chunk`'s (its generic path: autograd reaches q, k, v, fq, fk when they need it)."""
+    check_hybrid_inputs(q, k, v, fq, fk, window, 1.0, 1.0, scale, 0.0, sinks)
+    B, T, H, D = q.shape
+    Dv, Fd = v.shape[3], fq.shape[3]
+    dt = compute_dtype(q.dtype)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, fq, fk))
+
+    def heads_major(x: Tensor) -> Tensor:  # [B, T, H, E] -> [B * H, T, E]
+        return x.to(dt).transpose(1, 2).reshape(B * H, x.shape[1], x.shape[3])
+
+    state = init_state(B, H, D, Dv, Fd, window=window, dtype=q.dtype, device=q.device, sinks=sinks)
+    hm = (state.seen, *map(heads_major, (state.k, state.v, state.fk)), state.S.to(dt).reshape(B * H, Fd, Dv),
+          state.z.to(dt).reshape(B * H, Fd), *map(heads_major, (state.sink_k, state.sink_v)))
+    outs, _ = _segments(*map(heads_major, (q, k, v, fq, fk)), hm, window=window, sinks=sinks, wf=None, lf=None,
+                        scale=scale, eps=0.0, chunk_size=chunk_size, segment_size=segment_size, grad=grad,
+                        fla=fla_kernel(q.device), fast=None, heads_major=heads_major)
+
+    def batch_major(i: int) -> Tensor:  # part i of every segment, [B * H, T, *] -> [B, T, H, *]
+        x = torch.cat([o[i] for o in outs], dim=1) if len(outs) > 1 else outs[0][i]
+        return x.view(B, H, T, -1).transpose(1, 2) if x.dim() == 3 else x.view(B, H, T).transpose(1, 2)
+
+    return HybridParts(*(batch_major(i) for i in range(4)))

@@ -11,7 +11,8 @@ maps queries and keys (``fq = phi(q)``, ``fk = phi(k)``); each module has ``feat
 * ``performer``: FAVOR+ positive orthogonal random features (Choromanski et al. 2021), an unbiased
   estimate of ``exp(q . k / sqrt(D))``; F = ``num_features``.
 * ``taylor``: the second-order Taylor expansion of ``exp(q . k / sqrt(D))`` (as in Based, Arora et al.
-  2024), exact: ``phi(q) . phi(k) = 1 + s + s^2 / 2`` with ``s = q . k / sqrt(D)``; F = 1 + D + D^2.
+  2024), exact: ``phi(q) . phi(k) = 1 + s + s^2 / 2`` with ``s = q . k / sqrt(D)``; F = 1 + D + D (D + 1) / 2
+  (the quadratic block's upper triangle).
 * ``hedgehog``: the learned per-head map of Hedgehog / LoLCATs (Zhang et al. 2024),
   ``[softmax(x W), softmax(-x W)]``; F = 2 * ``projection_dim``.
 
@@ -121,22 +122,40 @@ class PerformerFeatureMap(_FeatureMap):
 class TaylorFeatureMap(_FeatureMap):
     """Second-order Taylor features of ``exp(q . k / sqrt(D))`` (Based, Arora et al. 2024).
 
-        phi(x) = [1, x / D^(1/4), vec(x x^T) / (sqrt(2) sqrt(D))],   F = 1 + D + D^2,
+    With ``x' = x / D^(1/4)`` (so that ``q' . k' = s = q . k / sqrt(D)``):
 
-    so ``phi(q) . phi(k) = 1 + s + s^2 / 2`` with ``s = q . k / sqrt(D)``, exactly (the quadratic block
-    gives ``sum_ij q_i q_j k_i k_j / (2D) = (q . k)^2 / (2D)``). It is positive: 1 + s + s^2/2 >= 1/2.
+        phi(x) = [1, x', x'_i^2 / sqrt(2) (i = 1..D), x'_i x'_j (i < j)],   F = 1 + D + D (D + 1) / 2,
+
+    so ``phi(q) . phi(k) = 1 + s + s^2 / 2`` exactly: ``s^2 / 2 = sum_ij q'_i q'_j k'_i k'_j / 2`` is the
+    diagonal terms halved plus each pair i < j once. Based writes the quadratic block as the whole outer
+    product ``vec(x' x'^T) / sqrt(2)`` (F = 1 + D + D^2: 4,161 at D = 64); its D (D - 1) / 2 mirrored
+    entries add nothing the upper triangle does not, so this map has 2,145 features at D = 64, and the
+    state and the far part's work shrink by the same factor. It is positive: 1 + s + s^2/2 >= 1/2.
     """
 
     def __init__(self, head_dim: int, heads: int):
         super().__init__(head_dim, heads)
-        self.feature_dim = 1 + head_dim + head_dim**2
+        self.feature_dim = 1 + head_dim + head_dim * (head_dim + 1) // 2
+        i, j = torch.triu_indices(head_dim, head_dim)  # the pairs i <= j, row by row
+        self.register_buffer("pairs", torch.stack((i, j)), persistent=False)
+        self.register_buffer("diagonal", (i == j).nonzero()[:, 0], persistent=False)  # where the squares are
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: [B, T, H, D] -> [B, T, H, 1 + D + D^2]."""
+        """x: [B, T, H, D] -> [B, T, H, 1 + D + D (D + 1) / 2], written once into one buffer."""
         self._check(x)
-        x = x * self.head_dim**-0.25  # [B, T, H, D], x' with x' . y' = s
-        outer = (x[..., :, None] * x[..., None, :]).flatten(-2) / math.sqrt(2)  # [B, T, H, D^2]
-        return torch.cat((torch.ones_like(x[..., :1]), x, outer), dim=-1)  # [B, T, H, 1 + D + D^2]
+        D = self.head_dim
+        x = x * D**-0.25  # [B, T, H, D], x' with x' . y' = s
+        i, j = self.pairs.to(x.device)
+        weight = x.new_ones(len(i))
+        weight[self.diagonal.to(x.device)] = 2**-0.5  # 1 / sqrt(2) on the squares, 1 on the pairs i < j
+        weighted = x[..., i] * weight  # [B, T, H, D (D + 1) / 2]
+        if torch.is_grad_enabled() and x.requires_grad:  # autograd: out= does not differentiate
+            return torch.cat((torch.ones_like(x[..., :1]), x, weighted * x[..., j]), dim=-1)
+        out = x.new_empty((*x.shape[:3], self.feature_dim))
+        out[..., 0] = 1
+        out[..., 1 : 1 + D] = x
+        torch.mul(weighted, x[..., j], out=out[..., 1 + D :])
+        return out
 
 
 class HedgehogFeatureMap(_FeatureMap):

@@ -31,6 +31,8 @@ Every implementation of this package (``chunk.py``, ``recurrent.py``) follows th
 including the placement of ``eps`` and the non-detached ``m_t``, so outputs and gradients agree.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -125,6 +127,60 @@ def head_weights(factor, heads: int, dtype: torch.dtype, device: torch.device) -
     return torch.full((heads,), float(factor), dtype=dtype, device=device)
 
 
+class HybridParts(NamedTuple):
+    """The hybrid's four sums before the per-head factors combine them (`combine_parts`), in the compute
+    dtype: ``window_num`` [B, T, H, Dv] and ``window_den`` [B, T, H], ``sum_{W_t} exp(scale q_t.k_s - m_t)
+    (v_s, 1)``; ``far_num``, ``far_den`` likewise ``sum_{F_t} (fq_t.fk_s) (v_s, 1)``. They do not depend on
+    the factors: fitting only the factors (attention transfer of a map without parameters) needs them once."""
+
+    window_num: Tensor
+    window_den: Tensor
+    far_num: Tensor
+    far_den: Tensor
+
+
+def combine_parts(parts: HybridParts, window_factor: Tensor | float, linear_factor: Tensor | float,
+                  eps: float = 1e-6) -> Tensor:
+    """``out_t = (wf num_window + lf num_far) / (wf den_window + lf den_far + eps)`` per head: [B, T, H, Dv] in the
+    parts' dtype (autograd reaches the factors)."""
+    H, dt, device = parts.window_num.shape[2], parts.window_num.dtype, parts.window_num.device
+    wf = head_weights(window_factor, H, dt, device)  # [H]
+    lf = head_weights(linear_factor, H, dt, device)  # [H]
+    num = wf[:, None] * parts.window_num + lf[:, None] * parts.far_num  # [B, T, H, Dv]
+    den = wf * parts.window_den + lf * parts.far_den  # [B, T, H]
+    return num / (den + eps)[..., None]
+
+
+def hybrid_parts_naive(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, *, window: int, scale: float,
+                       sinks: int = 0) -> HybridParts:
+    """The quadratic reference's four sums (`HybridParts`; arguments as `hybrid_attention_naive`'s), in the
+    compute dtype."""
+    check_hybrid_inputs(q, k, v, fq, fk, window, 1.0, 1.0, scale, 0.0, sinks)
+    B, T, H, D = q.shape
+    dt = compute_dtype(q.dtype)
+    q, k, v, fq, fk = (x.to(dt) for x in (q, k, v, fq, fk))
+
+    t = torch.arange(T, device=q.device)[:, None]  # query positions
+    s = torch.arange(T, device=q.device)[None, :]  # key positions
+    in_window = (s <= t) & ((s > t - window) | (s < sinks))  # [T, T], W_t with the sinks
+    in_far = (s <= t - window) & (s >= sinks)  # [T, T], F_t
+
+    v = v.transpose(1, 2)  # [B, H, T, Dv]
+    # linear terms: a_ln[t, s] = fq_t . fk_s on the far keys
+    a_ln = torch.einsum("bthf,bshf->bhts", fq, fk).masked_fill(~in_far, 0.0)  # [B, H, T, T]
+    far_num, far_den = a_ln @ v, a_ln.sum(-1)  # [B, H, T, Dv], [B, H, T]
+    if window > 0:
+        # softmax terms: exp(scale q_t . k_s - m_t) on the window keys (and sinks); s = t is always there, so m_t is finite
+        logits = torch.einsum("bthd,bshd->bhts", q, k) * scale  # [B, H, T, T]
+        logits = logits.masked_fill(~in_window, float("-inf"))
+        m = logits.amax(-1, keepdim=True)  # [B, H, T, 1], m_t (not detached)
+        a_sm = torch.exp(logits - m)  # [B, H, T, T], zero outside the window
+        win_num, win_den = a_sm @ v, a_sm.sum(-1)
+    else:
+        win_num, win_den = torch.zeros_like(far_num), torch.zeros_like(far_den)
+    return HybridParts(*(x.transpose(1, 2) for x in (win_num, win_den, far_num, far_den)))  # [B, T, H, *]
+
+
 def hybrid_attention_naive(
     q: Tensor,
     k: Tensor,
@@ -159,31 +215,5 @@ def hybrid_attention_naive(
         [B, T, H, Dv] in the dtype of ``q``; accumulated in float32 at least.
     """
     check_hybrid_inputs(q, k, v, fq, fk, window, window_factor, linear_factor, scale, eps, sinks)
-    B, T, H, D = q.shape
-    in_dtype, dt = q.dtype, compute_dtype(q.dtype)
-    q, k, v, fq, fk = (x.to(dt) for x in (q, k, v, fq, fk))
-    wf = head_weights(window_factor, H, dt, q.device)[None, :, None, None]  # [1, H, 1, 1]
-    lf = head_weights(linear_factor, H, dt, q.device)[None, :, None, None]  # [1, H, 1, 1]
-
-    t = torch.arange(T, device=q.device)[:, None]  # query positions
-    s = torch.arange(T, device=q.device)[None, :]  # key positions
-    in_window = (s <= t) & ((s > t - window) | (s < sinks))  # [T, T], W_t with the sinks
-    in_far = (s <= t - window) & (s >= sinks)  # [T, T], F_t
-
-    v = v.transpose(1, 2)  # [B, H, T, Dv]
-    # linear terms: a_ln[t, s] = fq_t . fk_s on the far keys
-    a_ln = torch.einsum("bthf,bshf->bhts", fq, fk).masked_fill(~in_far, 0.0)  # [B, H, T, T]
-    num = lf * (a_ln @ v)  # [B, H, T, Dv]
-    den = lf * a_ln.sum(-1, keepdim=True)  # [B, H, T, 1]
-
-    if window > 0:
-        # softmax terms: exp(scale q_t . k_s - m_t) on the window keys (and sinks); s = t is always there, so m_t is finite
-        logits = torch.einsum("bthd,bshd->bhts", q, k) * scale  # [B, H, T, T]
-        logits = logits.masked_fill(~in_window, float("-inf"))
-        m = logits.amax(-1, keepdim=True)  # [B, H, T, 1], m_t (not detached)
-        a_sm = torch.exp(logits - m)  # [B, H, T, T], zero outside the window
-        num = num + wf * (a_sm @ v)
-        den = den + wf * a_sm.sum(-1, keepdim=True)
-
-    out = num / (den + eps)  # [B, H, T, Dv]
-    return out.transpose(1, 2).to(in_dtype)  # [B, T, H, Dv]
+    parts = hybrid_parts_naive(q, k, v, fq, fk, window=window, scale=scale, sinks=sinks)
+    return combine_parts(parts, window_factor, linear_factor, eps).to(q.dtype)  # [B, T, H, Dv]
