@@ -58,7 +58,7 @@ def test_a_window_covering_the_sequence_is_the_original_model(tiny, tmp_path, fa
     assert "conversion_run" not in record and record["conversion"]["refine_steps"] == 0
 
 
-@pytest.mark.parametrize("fmap,extra", [("hedgehog", {"projection_dim": 8}), ("elu", {})])
+@pytest.mark.parametrize("fmap,extra", [("hedgehog", {"projection_dim": 8}), ("elu", {}), ("taylor", {})])
 def test_attention_transfer_lowers_every_layers_error(tiny, tmp_path, fmap, extra):
     src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
     out = convert(src, tmp_path / "lin", to="linear", options=FAST | extra | {"feature_map": fmap}, measure=False).out
@@ -231,6 +231,13 @@ def test_the_plans_time_grows_with_the_features_and_the_steps(tiny, tmp_path, ca
     assert seconds("--projection-dim", "128") > base
     assert seconds("--refine-steps", "80") > base
     assert seconds("--refine-steps", "0") < base
+    # a map without parameters fits only the mix from the hybrid's sums (mix_predictor): a step costs an o_proj,
+    # not a pass of the hybrid, unless the stream target runs the whole layer
+    elu = [seconds("--feature-map", "elu", "--refine-steps", str(n)) for n in (40, 400)]
+    hedgehog = [seconds("--refine-steps", str(n)) for n in (40, 400)]
+    assert elu[1] > elu[0] and (elu[1] - elu[0]) < (hedgehog[1] - hedgehog[0]) / 10
+    stream = [seconds("--feature-map", "elu", "--refine-target", "stream", "--refine-steps", str(n)) for n in (40, 400)]
+    assert stream[1] - stream[0] > 10 * (elu[1] - elu[0])
 
 
 def test_refinement_on_auto_is_the_cpus_here_and_a_gpu_is_named_in_the_plan(tiny, tmp_path, capsys, monkeypatch):
@@ -298,6 +305,47 @@ def test_a_map_without_parameters_starts_from_the_mix_that_fits_best(tiny, tmp_p
     assert err == pytest.approx(min(errors.values()), rel=1e-6) and errors[logit] == pytest.approx(err, rel=1e-6)
     assert torch.equal(layer.self_attn.window_factors, torch.full((6,), logit))
     assert len(set(round(e, 6) for e in errors.values())) > 1  # the grid's points differ: a real choice
+
+
+@pytest.mark.parametrize("fmap,target", [("elu", "attention"), ("taylor", "attention"), ("performer", "stream")])
+def test_fitting_only_the_mix_from_the_sums_is_the_steps_through_the_kernel(tiny, fmap, target):
+    """A map without parameters trains only the mix: refinement's steps from the hybrid's four sums (computed
+    once, `mix_predictor`) follow the same path as steps through the whole attention (same picks, losses,
+    Adam): the same mix and errors, in float64. The stream target has no such shortcut: the hook is not used."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from effattn.attention.linear import EffattnLinearConfig, LinearAttention, linear_config_from
+    from effattn.convert.linear import mix_predictor
+    from effattn.convert.refine import RefineSettings, refine_layer
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64)
+    cfg = EffattnLinearConfig(**linear_config_from(base.config.to_dict(), linear_window=4, linear_sinks=1,
+                                                   linear_feature_map={"name": fmap}))
+    x = torch.randn(5, 24, base.config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    cos, sin = base.model.rotary_emb(x, torch.arange(24)[None])
+    original = base.model.layers[0]
+    settings = RefineSettings(steps=6, lr=0.3, target=target, schedule="cosine")
+    results, mixes, calls = [], [], []
+
+    def counted(*args):
+        calls.append(1)
+        return mix_predictor(*args)
+
+    for prepare in (None, counted):
+        layer = copy.deepcopy(original)
+        layer.self_attn = LinearAttention(layer.self_attn, cfg, 0).double()
+        results.append(refine_layer(layer, original, x, cos, sin, settings, x0=x if target == "stream" else None,
+                                    trainable=["window_factors"], prepare=prepare))
+        mixes.append(layer.self_attn.window_factors.detach().clone())
+    assert results[0]["ran"] and results[0]["after"] < results[0]["before"]
+    assert not torch.allclose(mixes[0], torch.full((6,), INIT_WINDOW_FACTOR, dtype=torch.float64))  # it trained
+    assert len(calls) == (target == "attention")  # prepared once per layer, and only for the attention target
+    torch.testing.assert_close(mixes[1], mixes[0], rtol=1e-9, atol=1e-9)
+    for key in ("before", "after"):
+        assert results[1][key] == pytest.approx(results[0][key], rel=1e-9)
 
 
 def test_the_conversion_of_a_map_without_parameters_reports_its_initial_mix(tiny, tmp_path, capsys):

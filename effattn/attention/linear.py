@@ -54,8 +54,8 @@ from torch import nn
 from effattn.attention.wrapped import AdoptedAttention, StateCache, WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.rope import apply_rope
 from effattn.attention.exact import FullState, exact_heads_of, full_attention, head_rows
-from effattn.kernels.linear.naive import hybrid_attention_naive
-from effattn.kernels.linear.chunk import hybrid_attention_chunk
+from effattn.kernels.linear.naive import HybridParts, combine_parts, hybrid_attention_naive, hybrid_parts_naive
+from effattn.kernels.linear.chunk import hybrid_attention_chunk, hybrid_attention_parts
 from effattn.kernels.linear.recurrent import HybridState, hybrid_attention_step, state_from_prefill
 from effattn.kernels.linear.features import FEATURE_MAPS, HedgehogFeatureMap, feature_map
 from effattn.kernels.linear.decode import LinearDecodeState, can_decode, from_state
@@ -209,10 +209,7 @@ class LinearAttention(AdoptedAttention):
             return self._decode(q, k, v, position_embeddings, state, hedgehog, rows)
         if isinstance(state, LinearDecodeState):  # anything else continues from the plain state
             state = state.to_state()
-        cos, sin = (x[0].to(q.dtype)[:, None] for x in position_embeddings)  # [T, 1, D]: one layout per batch
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = repeat_heads(k, self.groups), repeat_heads(v, self.groups)  # [B, T, H, D] each
-        fq, fk = self._features(q, k, rows)  # [B, T, H, F] each
+        q, k, v, fq, fk = self._kernel_inputs(q, k, v, position_embeddings, rows)
         wf, lf = (pick(x) for x in self.mix())  # [H] each
         settings = dict(window=cfg.linear_window, window_factor=wf, linear_factor=lf, scale=self.scaling,
                         eps=float(cfg.linear_eps), sinks=int(cfg.linear_sinks))
@@ -231,6 +228,37 @@ class LinearAttention(AdoptedAttention):
             out, state = hybrid_attention_chunk(q, k, v, fq, fk, **settings, chunk_size=cfg.linear_chunk_size,
                                                 state=state, return_state=True)
         return out, (_stored(state) if stateful else None)
+
+    def _kernel_inputs(self, q, k, v, position_embeddings, rows: torch.Tensor | None = None) -> tuple:
+        """The kernels' inputs from the projections (q [B, T, len(rows), D], k and v their KV heads): q and k
+        rotated, k and v repeated to the query heads, and the feature maps of both: (q, k, v, fq, fk)."""
+        cos, sin = (x[0].to(q.dtype)[:, None] for x in position_embeddings)  # [T, 1, D]: one layout per batch
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = repeat_heads(k, self.groups), repeat_heads(v, self.groups)  # [B, T, H, D] each
+        return (q, k, v, *self._features(q, k, rows))  # fq, fk: [B, T, H, F] each
+
+    def parts(self, hidden_states: torch.Tensor, position_embeddings) -> HybridParts:
+        """The hybrid's four sums on whole sequences (no cache; kernels/linear/naive.py's `HybridParts`): what
+        the mix weighs. `from_parts` gives this attention's output from them for any mix, so fitting only the
+        mix (a feature map without parameters) runs the kernel once per sequence instead of once per step."""
+        if self.exact_heads:
+            raise ValueError(f"layer {self.layer_idx} has exact heads {self.exact_heads}: their output does not come "
+                             "from the mix; use forward()")
+        q, k, v = self.project(hidden_states)  # [B, T, H, D], [B, T, G, D], [B, T, G, D]
+        q, k, v, fq, fk = self._kernel_inputs(q, k, v, position_embeddings)
+        cfg = self.config
+        if cfg.linear_kernel == "naive":
+            return hybrid_parts_naive(q, k, v, fq, fk, window=cfg.linear_window, scale=self.scaling,
+                                      sinks=int(cfg.linear_sinks))
+        return hybrid_attention_parts(q, k, v, fq, fk, window=cfg.linear_window, scale=self.scaling,
+                                      chunk_size=cfg.linear_chunk_size, sinks=int(cfg.linear_sinks))
+
+    def from_parts(self, parts: HybridParts) -> torch.Tensor:
+        """This attention's output [B, T, hidden] from `parts`, with the current mix (autograd reaches
+        `window_factors` and o_proj)."""
+        wf, lf = self.mix()
+        out = combine_parts(parts, wf, lf, float(self.config.linear_eps))  # [B, T, H, D]
+        return self.o_proj(out.reshape(*out.shape[:2], -1).to(self.o_proj.weight.dtype))
 
     def _features(self, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor | None):
         """The feature maps of the query heads `rows` (all by default) on rotated q and k [B, T, len(rows), D]:

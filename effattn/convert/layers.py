@@ -90,6 +90,9 @@ class LayerOutput:
     # that changes the rotary dims, e.g. MLA's shared rotary key): propagation and refinement use them.
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     trainable: list[str] | None = None  # parameters of module.self_attn that refinement trains (default q/k/v/o)
+    # a faster forward for refinement's `attention` target: prepare(module, x, cos, sin) -> predict(rows)
+    # (refine.refine_layer); None: module's own forward
+    prepare: Callable | None = None
 
 
 @torch.no_grad()
@@ -120,7 +123,8 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         new_rope = out.rope or (cos, sin)
         if refine is not None and out.refinable and out.module is not None:
             losses.append(refine_layer(out.module, original, x, cos, sin, refine, x0=x0, trainable=out.trainable,
-                                       converted_rope=out.rope, forward_kwargs=out.forward_kwargs) | {"layer": layer})
+                                       converted_rope=out.rope, forward_kwargs=out.forward_kwargs,
+                                       prepare=out.prepare) | {"layer": layer})
             state = out.module.state_dict()
             for name in out.tensors:
                 if name[len(prefix):] in state:

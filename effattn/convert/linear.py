@@ -54,7 +54,7 @@ causal decoding, so it is refused (`--feature-map linformer` says why).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -112,20 +112,40 @@ SINKS = 4
 MIX_GRID = tuple(float(x) for x in range(-8, 21, 2))
 
 
+def mix_predictor(module: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  batch: int = 2) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For a decoder layer `module` whose LinearAttention has only its mix to fit (a feature map without
+    parameters): `predict(rows)`, the attention's output on x[rows] for the current mix, from the hybrid's
+    four sums on x, computed here once (`LinearAttention.parts`, `batch` sequences at a time). The same
+    function as `attention_out(module, x[rows], ...)`, without the kernel: refinement's steps and
+    `initial_mix`'s grid then cost an o_proj each (refine.refine_layer's `prepare`)."""
+    attn = module.self_attn
+    with torch.no_grad():
+        chunks = [attn.parts(module.input_layernorm(x[i : i + batch]), (cos, sin)) for i in range(0, len(x), batch)]
+        parts = type(chunks[0])(*(torch.cat(p) for p in zip(*chunks)))
+
+    def predict(rows: torch.Tensor) -> torch.Tensor:
+        return attn.from_parts(type(parts)(*(p[rows] for p in parts)))
+
+    return predict
+
+
 @torch.no_grad()
 def initial_mix(module: torch.nn.Module, original: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[float, float]:
-    """Set every head's mix logit (`window_factors`) of `module` (a decoder layer with a LinearAttention) to
-    the one of `INIT_WINDOW_FACTOR` and `MIX_GRID` whose attention output on x [N, T, D] is closest to
-    `original`'s (relative squared error, as refinement measures it); returns (logit, error)."""
+    """Set every head's mix logit (`window_factors`) of `module` (a decoder layer with a LinearAttention whose
+    map has no parameters) to the one of `INIT_WINDOW_FACTOR` and `MIX_GRID` whose attention output on x
+    [N, T, D] is closest to `original`'s (relative squared error, as refinement measures it); returns (logit,
+    error). The hybrid's sums on x are computed once (`mix_predictor`): each grid point costs an o_proj."""
     from ..attention.linear import INIT_WINDOW_FACTOR
 
     target = attention_out(original, x, cos, sin)
+    predict, rows = mix_predictor(module, x, cos, sin), torch.arange(len(x))
     factors = module.self_attn.window_factors
     best: tuple[float, float] | None = None
     for logit in (INIT_WINDOW_FACTOR, *MIX_GRID):
         factors.fill_(logit)
-        err = relative_error(attention_out(module, x, cos, sin), target)
+        err = relative_error(predict(rows), target)
         if best is None or err < best[1]:
             best = (logit, err)
     factors.fill_(best[0])
@@ -382,10 +402,20 @@ class LinearConversion:
             def converted(n: int, t: int) -> float:
                 return LINEAR_FORWARD_EXTRA * linear_attention_flops(dims, n, t, opts.window, sinks, fdim, map_flops)
 
-            # the layer's inputs, then the steps (the original attention's targets, the hybrid's passes)
-            per_layer = dims.layer_flops(N, T) + refine_flops(dims, refine, N, T, converted=converted)
-            if opts.window and not learned:  # initial_mix: the original and every grid point on one sequence
-                per_layer += dims.attention_flops(T, T) + (1 + len(MIX_GRID)) * converted(T, T)
+            def o_proj(n: int) -> float:
+                return 2 * n * dims.heads * dims.head_dim * dims.hidden
+
+            # the layer's inputs (its propagation)
+            per_layer = dims.layer_flops(N, T)
+            if not learned:  # initial_mix: the original and the hybrid's sums on one sequence, an o_proj per logit
+                per_layer += dims.attention_flops(T, T) + converted(T, T) + (1 + len(MIX_GRID)) * o_proj(T)
+            if not learned and refine.target == "attention":  # only the mix trains: the hybrid's sums once
+                # (mix_predictor), the targets, then every error and step an o_proj
+                fit = (dims.attention_flops(N, T) + converted(N, T) + 2 * o_proj(N)
+                       + 3 * refine.steps * o_proj(refine.batch_size * T))
+                per_layer += fit if refine.device == "cpu" else 0.0
+            else:  # the original attention's targets, the hybrid's passes
+                per_layer += refine_flops(dims, refine, N, T, converted=converted)
             if exact_heads:  # scoring the heads: the original attention beside the propagation
                 per_layer += EXACT_SCORING_SHARE * dims.attention_flops(N, T)
             est_seconds += compute_seconds(shape.layers * per_layer)
@@ -440,17 +470,19 @@ class LinearConversion:
             own = {n: t for n, t in attn.state_dict().items() if n == "window_factors" or n.startswith("feature_map_")}
             trainable = [n for n, _ in attn.named_parameters() if n == "window_factors" or n.startswith("feature_map_")]
             note = f"{len(trainable)} trained tensors"
+            prepare = None
             if cfg.linear_window and trainable == ["window_factors"]:  # a map without parameters: the mix's scale
                 # sets window_factors in place: `own` (the state dict's views) and what is written see it
                 logit, err = initial_mix(module.float(), layer.original, layer.x[:1], layer.cos, layer.sin)
                 mixes.append({"layer": layer.index, "logit": logit, "error": round(err, 6)})
                 note += f", mix from logit {logit:g} (error {err:.3f})"
+                prepare = mix_predictor  # only the mix trains: the kernel runs once per sequence, not per step
             before = after = None
             if st["exact_heads"]:  # score each head's hybrid output (what o_proj receives) while the activations pass
                 before, after = scoring_hooks(module, attn, layer.cos, layer.sin, errors[layer.index])
             return LayerOutput(dict(layer.tensors) | {base + n: t.detach().clone() for n, t in own.items()},
                                module=module.requires_grad_(False).eval(), trainable=trainable, note=note,
-                               before=before, after=after)
+                               before=before, after=after, prepare=prepare)
 
         plan.measured |= run_layers(ckpt, family, writer, linearize, layers=shape.layers, target=st["target"],
                                     calib=calib, refine=st.get("refine"), progress=progress,

@@ -172,7 +172,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
                  sin: torch.Tensor, settings: RefineSettings, x0: torch.Tensor | None = None,
                  trainable: list[str] | None = None,
                  converted_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 forward_kwargs: dict[str, Any] | None = None) -> dict[str, float | bool]:
+                 forward_kwargs: dict[str, Any] | None = None, prepare=None) -> dict[str, float | bool]:
     """Train `converted`'s attention parameters in place (see the module docstring); x [N, T, D] are its
     inputs, x0 the original model's activations at this depth (target `stream`). Returns the relative
     squared error over all of x before and after, and whether the steps ran: a layer that already matches
@@ -183,6 +183,10 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     converted_rope: the converted layer's own (cos, sin) where its rotary dims differ from the original's.
     forward_kwargs: extra arguments of the converted layer's forward (e.g. VQ's `vq_far`); the original
     layer runs without them.
+    prepare: for the `attention` target, `prepare(converted, x, cos, sin)` returns `predict(rows)`, the
+    converted attention's output on x[rows] with autograd to the trainable parameters, where the conversion
+    can compute it faster than a forward (linear attention with only its mix to fit precomputes what does
+    not depend on it); the steps, picks, errors and optimizer are the same.
 
     Modules stay in the mode they come in (eval for every conversion here: a VQ layer in training mode
     would move its codebook by EMA at every forward). On a GPU (`settings.device`) both layers and the
@@ -191,7 +195,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     """
     if settings.device != "cpu":
         return _refine_on(settings.device, converted, original, x, cos, sin, settings, x0, trainable, converted_rope,
-                          forward_kwargs)
+                          forward_kwargs, prepare)
     ccos, csin = converted_rope or (cos, sin)
     kwargs = forward_kwargs or {}
     batch = settings.batch_size
@@ -202,12 +206,18 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
         else:
             targets = _map(lambda xb: attention_out(original, xb, cos, sin), x, batch)  # (N, T, D)
             scale = targets.pow(2).sum()
-    predict = layer_out if settings.target == "stream" else attention_out
+    forward = layer_out if settings.target == "stream" else attention_out
+    fast = prepare(converted, x, ccos, csin) if prepare is not None and settings.target == "attention" else None
+
+    def predict(rows: torch.Tensor) -> torch.Tensor:  # the converted layer's output on x[rows]
+        return fast(rows) if fast is not None else forward(converted, x[rows], ccos, csin, **kwargs)
+
     energy = scale / targets[..., 0].numel()  # per position: the loss below is a mean over positions
 
     def error() -> float:
         with torch.no_grad():
-            return relative_error(_map(lambda xb: predict(converted, xb, ccos, csin, **kwargs), x, batch), targets, scale)
+            out = torch.cat([predict(torch.arange(i, min(i + batch, len(x)))) for i in range(0, len(x), batch)])
+            return relative_error(out, targets, scale)
 
     before = error()
     if before <= EXACT:
@@ -227,7 +237,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     for _ in range(settings.steps):
         pick = torch.randint(len(x), (batch,), generator=gen)
         with torch.enable_grad():
-            residual = predict(converted, x[pick], ccos, csin, **kwargs) - targets[pick]
+            residual = predict(pick) - targets[pick]
             loss = residual.pow(2).sum(-1).mean() / energy
             loss.backward()
         optimizer.step()
@@ -239,7 +249,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
 
 
 def _refine_on(device: str, converted, original, x, cos, sin, settings: RefineSettings, x0, trainable, converted_rope,
-               forward_kwargs) -> dict[str, float | bool]:
+               forward_kwargs, prepare=None) -> dict[str, float | bool]:
     """refine_layer with its steps on `device`; the modules come back to the CPU whatever happens."""
     from dataclasses import replace
 
@@ -252,7 +262,7 @@ def _refine_on(device: str, converted, original, x, cos, sin, settings: RefineSe
         return refine_layer(converted, original, to(x), to(cos), to(sin), replace(settings, device="cpu"),
                             x0=to(x0), trainable=trainable,
                             converted_rope=tuple(to(t) for t in converted_rope) if converted_rope else None,
-                            forward_kwargs={k: to(v) for k, v in (forward_kwargs or {}).items()})
+                            forward_kwargs={k: to(v) for k, v in (forward_kwargs or {}).items()}, prepare=prepare)
     finally:
         converted.to("cpu")
         original.to("cpu")

@@ -136,18 +136,14 @@ class TaylorFeatureMap(_FeatureMap):
     def __init__(self, head_dim: int, heads: int):
         super().__init__(head_dim, heads)
         self.feature_dim = 1 + head_dim + head_dim * (head_dim + 1) // 2
-        i, j = torch.triu_indices(head_dim, head_dim)  # the pairs i <= j, row by row
-        self.register_buffer("pairs", torch.stack((i, j)), persistent=False)
-        self.register_buffer("diagonal", (i == j).nonzero()[:, 0], persistent=False)  # where the squares are
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [B, T, H, D] -> [B, T, H, 1 + D + D (D + 1) / 2], written once into one buffer."""
         self._check(x)
         D = self.head_dim
         x = x * D**-0.25  # [B, T, H, D], x' with x' . y' = s
-        i, j = self.pairs.to(x.device)
-        weight = x.new_ones(len(i))
-        weight[self.diagonal.to(x.device)] = 2**-0.5  # 1 / sqrt(2) on the squares, 1 on the pairs i < j
+        i, j = torch.triu_indices(D, D, device=x.device)  # the pairs i <= j, row by row
+        weight = torch.where(i == j, x.new_tensor(2**-0.5), x.new_tensor(1.0))  # 1 / sqrt(2) on the squares
         weighted = x[..., i] * weight  # [B, T, H, D (D + 1) / 2]
         if torch.is_grad_enabled() and x.requires_grad:  # autograd: out= does not differentiate
             return torch.cat((torch.ones_like(x[..., :1]), x, weighted * x[..., j]), dim=-1)
