@@ -423,7 +423,7 @@ class LinearConversion:
             summary.append(("attention transfer", f"{refine.steps_words} on "
                                                   f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}"
                                                   f", fitting the {refine.target} output; trains "
-                                                  f"{trainable:,} parameters per layer (maps + mix)"))
+                                                  f"{trainable:,} parameters per layer " + ("(maps + mix)" if learned else "(the mix: the map has none)")))
         elif opts.refine_steps:
             settings["refine_steps"] = 0
             summary.append(("attention transfer", f"none: {spec['name']} has no parameters and window 0 no mix to fit"))

@@ -130,7 +130,7 @@ def _delayed(fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor, lag: int, e
 
 
 def _far_part(fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor, lag: int, C: int, S0: Tensor,
-              z0: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              z0: Tensor, grad: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Linear numerator and denominator of the T queries, on top of an incoming state.
 
     Head-major: fq [BH, T, F], fk [BH, T, F], v [BH, T, Dv]; fk_prev/v_prev [BH, n, *]: the window kept
@@ -138,7 +138,9 @@ def _far_part(fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor
     whose newest is position ``seen + u - window``: the rows of ``[lag zeros, fk_prev, fk]`` (lag =
     window - n > 0 only while the sequence is shorter than the window) delayed so that row u holds it.
     S0 [BH, F, Dv], z0 [BH, F]: the sums over every key before. Returns (num [BH, T, Dv], den [BH, T],
-    S, z): S and z then include every key that left the window by the last query.
+    S, z): S and z then include every key that left the window by the last query. Without ``grad`` the
+    states are carried by a scan over the chunks (in place) instead of stored per chunk: the same sums,
+    without the [BH, N, F, Dv] tensors a large F makes large.
     """
     BH, T, Fd = fq.shape
     Dv = v.shape[2]
@@ -147,6 +149,17 @@ def _far_part(fq: Tensor, fk: Tensor, v: Tensor, fk_prev: Tensor, v_prev: Tensor
     fq_c = _rows(fq, fq, end).reshape(BH, N, C, Fd)  # [BH, N, C, F]
     fk_d, v_d = _delayed(fk, v, fk_prev, v_prev, lag, end)
     fk_c, v_c = fk_d.reshape(BH, N, C, Fd), v_d.reshape(BH, N, C, Dv)  # [BH, N, C, *], delayed
+    if not grad:
+        A = torch.matmul(fq_c, fk_c.transpose(2, 3)).tril_()  # [BH, N, C, C], row t, column u
+        num, den = torch.matmul(A, v_c), A.sum(-1)  # [BH, N, C, Dv], [BH, N, C]: the chunks' own terms
+        S = torch.cat((S0, z0[..., None]), dim=-1)  # [BH, F, Dv + 1]: the normaliser as a last column
+        for b in range(N):  # S before chunk b, then chunk b's keys into it
+            inter = torch.bmm(fq_c[:, b], S)  # [BH, C, Dv + 1]
+            num[:, b] += inter[..., :Dv]
+            den[:, b] += inter[..., Dv]
+            S[..., :Dv].baddbmm_(fk_c[:, b].transpose(1, 2), v_c[:, b])
+            S[..., Dv] += fk_c[:, b].sum(1)
+        return num.view(BH, N * C, Dv)[:, :T], den.view(BH, N * C)[:, :T], S[..., :Dv].contiguous(), S[..., Dv].contiguous()
 
     # inter-chunk: S_b = S0 + the sum of fk'^T v' over the chunks before b (exclusive prefix sum), z_b likewise
     S_incl = torch.matmul(fk_c.transpose(2, 3), v_c).cumsum(1) + S0[:, None]  # [BH, N, F, Dv], through chunk b
@@ -228,7 +241,7 @@ def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tup
         if fla is not None:  # CUDA: flash-linear-attention's chunked kernel
             far_num, far_den, S, z = _far_part_fla(fla, fq, fk, v, fk_prev, v_prev, window - n, S, z)
         else:
-            far_num, far_den, S, z = _far_part(fq, fk, v, fk_prev, v_prev, window - n, min(C, T), S, z)
+            far_num, far_den, S, z = _far_part(fq, fk, v, fk_prev, v_prev, window - n, min(C, T), S, z, grad)
     keep = min(window, L)  # the window keeps the last `keep` positions: of this call's, and the kept ones before
     kept = tuple(new[:, T - keep:] if keep <= T else _rows(new, prev[:, n - (keep - T):], new)
                  for prev, new in ((k_prev, k), (v_prev, v), (fk_prev, fk)))

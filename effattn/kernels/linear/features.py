@@ -138,20 +138,24 @@ class TaylorFeatureMap(_FeatureMap):
         self.feature_dim = 1 + head_dim + head_dim * (head_dim + 1) // 2
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: [B, T, H, D] -> [B, T, H, 1 + D + D (D + 1) / 2], written once into one buffer."""
+        """x: [B, T, H, D] -> [B, T, H, 1 + D + D (D + 1) / 2], a view of head-major memory (as the kernels
+        read it); written row by row of the triangle into one buffer (concatenated under autograd)."""
         self._check(x)
         D = self.head_dim
-        x = x * D**-0.25  # [B, T, H, D], x' with x' . y' = s
-        i, j = torch.triu_indices(D, D, device=x.device)  # the pairs i <= j, row by row
-        weight = torch.where(i == j, x.new_tensor(2**-0.5), x.new_tensor(1.0))  # 1 / sqrt(2) on the squares
-        weighted = x[..., i] * weight  # [B, T, H, D (D + 1) / 2]
-        if torch.is_grad_enabled() and x.requires_grad:  # autograd: out= does not differentiate
-            return torch.cat((torch.ones_like(x[..., :1]), x, weighted * x[..., j]), dim=-1)
-        out = x.new_empty((*x.shape[:3], self.feature_dim))
+        x = (x * D**-0.25).transpose(1, 2)  # [B, H, T, D], x' with x' . y' = s
+        rows = [x[..., i : i + 1] * x[..., i:] for i in range(D)]  # row i of the triangle: x'_i x'_j, j >= i
+        if torch.is_grad_enabled() and x.requires_grad:  # autograd: in-place writes into a buffer do not differentiate
+            rows = [r * torch.cat((r.new_full((1,), 2**-0.5), r.new_ones(D - i - 1))) for i, r in enumerate(rows)]
+            return torch.cat((torch.ones_like(x[..., :1]), x, *rows), dim=-1).transpose(1, 2)
+        out = x.new_empty((*x.shape[:3], self.feature_dim))  # [B, H, T, F]
         out[..., 0] = 1
         out[..., 1 : 1 + D] = x
-        torch.mul(weighted, x[..., j], out=out[..., 1 + D :])
-        return out
+        at = 1 + D
+        for i, r in enumerate(rows):
+            out[..., at : at + D - i] = r
+            out[..., at] *= 2**-0.5  # the square x'_i^2 / sqrt(2)
+            at += D - i
+        return out.transpose(1, 2)
 
 
 class HedgehogFeatureMap(_FeatureMap):
