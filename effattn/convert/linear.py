@@ -92,6 +92,10 @@ LINEAR_FORWARD_EXTRA = 0.8
 # faster than the layer-wise rate assumes: on SmolLM2 (2 cores) the default conversion with --exact-heads 18 took 341 s
 # against 330 s without, where the full `attention_flops` said 135 s more.
 EXACT_SCORING_SHARE = 0.1
+# Feature tensors of one calibration batch the transfer holds at once (the plan's peak memory): measured on SmolLM2
+# with taylor (F 2,145): 2.25 GB at the peak where the walk alone is estimated at 1.08 GB, 3.7 batches' [2, 2048, 9,
+# F] float32 tensors more (elu, F 64: 1.10 GB against 1.08).
+FEATURE_COPIES = 4
 # Attention sinks kept exact by default (StreamingLLM's name and count). Measured on SmolLM2 (BENCHMARKS, "Linear
 # attention"): with the default transfer, 4 sinks took the mean per-layer error on the calibration text from 0.155
 # to 0.072; in a one-layer screen on calibration text (layer 5, 40 steps) 1 sink and 4 gave the same held-out error
@@ -419,7 +423,9 @@ class LinearConversion:
             if exact_heads:  # scoring the heads: the original attention beside the propagation
                 per_layer += EXACT_SCORING_SHARE * dims.attention_flops(N, T)
             est_seconds += compute_seconds(shape.layers * per_layer)
-            est_peak = calibrated_bytes(ckpt, family, calib, refine)
+            # the hybrid's feature tensors of one batch: the queries' and keys' maps, the keys with the sinks zeroed,
+            # and the far part's delayed keys ([batch, T, H, F] in float32 each)
+            est_peak = calibrated_bytes(ckpt, family, calib, refine) + FEATURE_COPIES * calib.batch_size * T * shape.heads * fdim * 4
             summary.append(("attention transfer", f"{refine.steps_words} on "
                                                   f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}"
                                                   f", fitting the {refine.target} output; trains "
