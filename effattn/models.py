@@ -30,6 +30,9 @@ class ModelSpec:
     model_class: Callable[[], type]  # returns the *ForCausalLM class
     modeling_file: str  # e.g. "modeling_effattn_vq.py", named by config.json's auto_map
     modules: tuple[str, ...]  # effattn modules (paths under effattn/) bundled into it, in dependency order
+    # bytes one decoder layer keeps for the backward pass beyond what a softmax layer keeps, for a batch of
+    # B sequences of T tokens: layer_activation_bytes(config, B, T) (the fine-tune's memory plan); None: none
+    layer_activation_bytes: Callable[[dict, int, int], int] | None = None
 
     def bundle(self) -> str:
         """The modules as one self-contained Python module (effattn's own imports dropped)."""

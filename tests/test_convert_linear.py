@@ -500,3 +500,44 @@ def test_the_exact_heads_cache_appends_in_place_with_room_to_grow():
         kq = k.clone().requires_grad_()
         _, new = full_attention(q, kq.transpose(1, 2), v.transpose(1, 2), cos, sin, 0.5, state)
     assert new is not state and state.seen == 606 and new.seen == 607
+
+
+def test_the_fine_tunes_plan_counts_the_hybrids_activations_and_the_cpus_best_rate(tiny, tmp_path, monkeypatch):
+    """A linear student keeps its feature maps' outputs for the backward: the fine-tune's memory plan adds
+    ModelSpec.layer_activation_bytes per layer (taylor's F 1 + D + D (D + 1) / 2 keeps more than elu's F = D), once
+    under activation checkpointing, and suggests checkpointing where that fits. On the CPU the time is priced at the
+    machine's best matmul probe (resources.matmul_flops), not a live probe that may share the cores."""
+    import yaml
+
+    import effattn.finetune.plan as finetune_plan
+    from effattn.convert.linear import layer_activation_bytes
+    from effattn.errors import EffattnError
+    from effattn.finetune.config import load_recipe
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    (tmp_path / "train.txt").write_text("one two three four five six seven eight nine ten. " * 200)
+    recipe = {"student": {"model": str(src), "convert": {"to": "linear", "window": 8, "refine_steps": 0}},
+              "data": {"sources": [str(tmp_path / "train.txt")], "seq_len": 64},
+              "train": {"max_steps": 2, "batch_size": 2, "params": "lora"}, "eval": {"every": 0, "corpora": []}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    monkeypatch.setattr(finetune_plan, "matmul_flops", lambda: 7e9)
+    monkeypatch.setattr(finetune_plan, "device_flops", lambda *a, **k: pytest.fail("a live probe on the CPU"))
+
+    def plan(*overrides, **kw):
+        return finetune_plan.plan_finetune(load_recipe(tmp_path / "r.yaml", list(overrides), output=tmp_path / "o"), 1, **kw)
+
+    elu = plan("student.convert.feature_map=elu")
+    taylor = plan("student.convert.feature_map=taylor")
+    assert elu["est_basis"].startswith(f"{7e9 * finetune_plan.EFFICIENCY / 1e9:,.0f} GFLOP/s")
+    config = {"num_attention_heads": 6, "hidden_size": 48, "head_dim": 8}
+    extra = {m: layer_activation_bytes(config | {"linear_feature_map": {"name": m}}, 2, 64) for m in ("elu", "taylor")}
+    assert extra["elu"] == 4 * 2 * 64 * 6 * (3 * 8 + 18 * 8) and extra["taylor"] == 4 * 2 * 64 * 6 * (3 * 45 + 18 * 8)
+    layers = 2
+    activations = {m: p["memory_bytes_per_process"]["activations"] for m, p in (("elu", elu), ("taylor", taylor))}
+    assert activations["taylor"] - activations["elu"] == layers * (extra["taylor"] - extra["elu"])
+    checkpointed = plan("student.convert.feature_map=taylor", "distributed.activation_checkpointing=true")
+    assert activations["taylor"] - checkpointed["memory_bytes_per_process"]["activations"] > extra["taylor"] / 2
+    # a budget the plain run exceeds and the checkpointed one fits: the refusal names the setting
+    budget = (taylor["memory_bytes_per_process"]["total"] + checkpointed["memory_bytes_per_process"]["total"]) // 2
+    with pytest.raises(EffattnError, match="distributed.activation_checkpointing=true"):
+        plan("student.convert.feature_map=taylor", device_memory=int(budget / finetune_plan.MEMORY_MARGIN))

@@ -218,6 +218,27 @@ def _decode_line() -> str:
             else f"PyTorch (hybrid_attention_step): the compiled one is unavailable ({why})")
 
 
+# What a hybrid decoder layer keeps for the backward pass beyond the fine-tune plan's generic count (12 hidden + 4
+# intermediate floats per token), per token and query head, in float32: ACTIVATION_FEATURES x F (the maps' outputs, the
+# far part's delayed keys) + ACTIVATION_HEAD_DIMS x head_dim (the window's blocks of logits, the rotated and repeated q,
+# k, v). Counted with torch's saved-tensor hooks on one SmolLM2-sized layer (9 heads, head_dim 64, window 64, 4 sinks)
+# at T = 2,048: hedgehog (F 128) 218 MB, elu (F 64) 204 MB, taylor (F 2,145) 657 MB, against 107 MB for the generic
+# count; this model gives 218, 204 and 664.
+ACTIVATION_FEATURES, ACTIVATION_HEAD_DIMS = 3, 18
+
+
+def layer_activation_bytes(config: dict, batch: int, seq_len: int) -> int:
+    """Bytes one effattn_linear decoder layer keeps for the backward pass beyond a softmax layer's generic count
+    (ModelSpec.layer_activation_bytes: the fine-tune's memory plan), for `batch` sequences of `seq_len` tokens."""
+    from ..attention.linear import LINEAR_DEFAULTS, build_feature_map
+
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    spec = config.get("linear_feature_map") or LINEAR_DEFAULTS["linear_feature_map"]
+    features = build_feature_map(spec, head_dim, heads).feature_dim
+    return 4 * batch * seq_len * heads * (ACTIVATION_FEATURES * features + ACTIVATION_HEAD_DIMS * head_dim)
+
+
 def _linear_classes():
     from ..attention.linear import EffattnLinearConfig, EffattnLinearForCausalLM
 
@@ -296,7 +317,8 @@ class LinearConversion:
         modeling_file="modeling_effattn_linear.py",
         modules=("kernels/rope.py", "attention/exact.py", "kernels/linear/naive.py", "kernels/linear/recurrent.py",
                  "kernels/linear/decode.py", "kernels/linear/chunk.py", "kernels/linear/features.py", "attention/wrapped.py",
-                 "attention/linear.py"))
+                 "attention/linear.py"),
+        layer_activation_bytes=layer_activation_bytes)
     Options = LinearOptions
     memory_options = ("calib_tokens",)
     # the constant cache pays off at long context

@@ -37,7 +37,8 @@ from . import distributed
 from .loop import TEACHER_DTYPE, resolve_teacher, tokens_per_step, total_steps
 from .params import count_params, select_trainable
 from ..io.verify import meta_model
-from ..resources import MEMORY_MARGIN, check_memory, device_flops, memory_budget
+from ..models import MODEL_SPECS
+from ..resources import MEMORY_MARGIN, check_memory, device_flops, matmul_flops, memory_budget
 
 # Achieved / measured-matmul FLOP/s of heal-gqa steps on SmolLM2-135M (4x256 tokens, 2 shared CPU
 # cores, load average 5-7): ~22 GFLOP/s achieved, 41-68 measured. A rough, machine-dependent factor.
@@ -103,12 +104,15 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     act_bytes = 2 if recipe.train.precision != "fp32" else 4
     teacher_bytes = DTYPES[TEACHER_DTYPE[recipe.train.precision]].itemsize
 
-    def memory_at(B: int, T: int, shards: int = shards) -> dict[str, int]:
+    own = MODEL_SPECS.get(config.get("model_type"))  # an effattn model: its attention may keep more per layer
+    extra_per_layer = own.layer_activation_bytes if own is not None and own.layer_activation_bytes else None
+
+    def memory_at(B: int, T: int, shards: int = shards, checkpointing: bool = cfg.activation_checkpointing) -> dict[str, int]:
         teacher_shards = shards if cfg.shard_teacher else 1
         inter = config.get("intermediate_size", 4 * hidden)
         optimizer_bytes = {"adamw": 8, "sgd": 4}[recipe.optimizer.name]
-        per_layer = B * T * (12 * hidden + 4 * inter) * act_bytes
-        kept_layers = B * T * hidden * act_bytes * layers + per_layer if cfg.activation_checkpointing else per_layer * layers
+        per_layer = B * T * (12 * hidden + 4 * inter) * act_bytes + (extra_per_layer(config, B, T) if extra_per_layer else 0)
+        kept_layers = B * T * hidden * act_bytes * layers + per_layer if checkpointing else per_layer * layers
         memory = {
             "student_weights": total * 4 // shards,
             "gradients_and_optimizer": trainable * (4 + optimizer_bytes) // shards,
@@ -139,6 +143,10 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
                          if memory_at(B, T, p)["total"] <= budget * MEMORY_MARGIN), None)
             if more:
                 also = f"run it on {more} processes" + (" or train.params=lora" if recipe.train.params != "lora" else "")
+        if (budget and not cfg.activation_checkpointing
+                and memory_at(B, T, checkpointing=True)["total"] <= budget * MEMORY_MARGIN):
+            also = "set distributed.activation_checkpointing=true (each layer's activations recomputed in the backward)" \
+                + (f", or {also}" if also else "")
         check_memory(memory["total"], what=f"the fine-tune (per process, micro-batches of {B} x {T} tokens, "
                                            f"{strategy if processes > 1 else 'one process'})",
                      options=options, device="cuda" if torch.cuda.is_available() else None, budget=device_memory,
@@ -151,7 +159,10 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     dtype = torch.bfloat16 if recipe.train.precision == "bf16" and torch.cuda.is_available() else torch.float32
     if not estimate_time:  # the run checks memory only: no speed probe
         return {"memory_bytes_per_process": memory, "strategy": strategy}
-    flops = device_flops(dtype) * EFFICIENCY
+    # a GPU's probe as it runs; the CPU's best probe on this machine (resources.matmul_flops), as the conversions'
+    # estimates use: a probe that shares the cores with another job measured 69 GFLOP/s where the cores give 203, and
+    # the heal-linear estimate said 55 min for 12.6-17.4 measured
+    flops = (device_flops(dtype) if torch.cuda.is_available() else matmul_flops()) * EFFICIENCY
     return {
         "recipe": recipe.to_dict(),
         "student": {"model": student.model, "conversion": conversion, "params": total, "trainable": trainable,
