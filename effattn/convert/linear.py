@@ -17,7 +17,10 @@ so that the hybrid attention's output matches the original softmax attention's o
 below produce. The per-layer relative errors before (maps at their initial values; the mix too, but where
 `initial_mix` chose it) and after are recorded in effattn.json (`conversion_run.refine`). Maps without parameters (elu, taylor, performer)
 still train the mix, from the start `initial_mix` picks per layer on one calibration sequence (their
-phi(q).phi(k) is not on the window's scale; `conversion_run.initial_mix`). `--refine-steps 0` skips
+phi(q).phi(k) is not on the window's scale; `conversion_run.initial_mix`). The mix only weighs the hybrid's four
+sums (kernels/linear's `HybridParts`), which do not depend on it: `mix_predictor` computes them once per layer, and
+the grid's points and refinement's steps each cost an o_proj (refine.refine_layer's `prepare`; elu on SmolLM2:
+94 s against 218 s through the kernel at every step, the same model). `--refine-steps 0` skips
 calibration: the maps and the mix keep their initial values.
 
 Defaults (SmolLM2-135M, 30 layers, on 2 CPU cores): Adam at lr 1e-2 as LoLCATs' attention transfer,
