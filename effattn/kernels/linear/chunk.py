@@ -37,6 +37,10 @@ keys in the block before are the complementary triangle, and S is carried by a s
 instead of being stored per block (one layer at 32K: 0.66-0.86 s against 0.90-1.02 s, BENCHMARKS).
 ``EFFATTN_LINEAR_FAST=0`` turns it off.
 
+``hybrid_attention_parts`` returns the four sums (window and far, numerator and denominator) before the
+per-head factors weigh them (naive.py's ``combine_parts`` weighs them): fitting only the factors needs them once.
+Without autograd the far part carries S by a scan over the chunks rather than storing it per chunk.
+
 Cost: ``O(T * (C * (D + Dv) + w * (D + Dv) + F * Dv))`` time and, per segment of G positions,
 ``O(G * (C + w + F * Dv / C))`` memory. Plain PyTorch ops: autograd gives the backward pass.
 """
