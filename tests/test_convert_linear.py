@@ -240,6 +240,23 @@ def test_the_plans_time_grows_with_the_features_and_the_steps(tiny, tmp_path, ca
     assert stream[1] - stream[0] > 10 * (elu[1] - elu[0])
 
 
+def test_the_plans_peak_counts_the_transfers_feature_tensors(tiny, tmp_path, capsys):
+    from effattn.convert.linear import FEATURE_COPIES
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+
+    def peak(fmap: str) -> int:
+        code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", fmap, "--calib-seq-len",
+                                    "1024", "--calib-tokens", "2048", "--window", "8", "--dry-run", "--json", "-o",
+                                    tmp_path / "x", "--no-eval")
+        assert code == 0, err
+        return json.loads(stdout)["est_peak_bytes"]
+
+    # taylor's F 1 + 8 + 36 = 45 against elu's 8: a batch of 2 x 1,024 tokens x 6 heads in float32, FEATURE_COPIES
+    # times (the estimate starts from the process's resident set, which moves a little between the two plans)
+    assert peak("taylor") - peak("elu") == pytest.approx(FEATURE_COPIES * 2 * 1024 * 6 * (45 - 8) * 4, rel=0.15)
+
+
 def test_refinement_on_auto_is_the_cpus_here_and_a_gpu_is_named_in_the_plan(tiny, tmp_path, capsys, monkeypatch):
     """refine_device auto (the default) is the CPU on a machine without a GPU: the same tensors as
     `--refine-device cpu`. Where torch sees a GPU, auto moves the steps there and the plan says so (the
@@ -348,9 +365,13 @@ def test_fitting_only_the_mix_from_the_sums_is_the_steps_through_the_kernel(tiny
         assert results[1][key] == pytest.approx(results[0][key], rel=1e-9)
 
 
-def test_the_conversion_of_a_map_without_parameters_reports_its_initial_mix(tiny, tmp_path, capsys):
+def test_the_conversion_of_a_map_without_parameters_reports_its_initial_mix(tiny, tmp_path, capsys, monkeypatch):
+    import effattn.convert.linear as linear
     from effattn.convert.linear import MIX_GRID
 
+    calls = []
+    real = linear.mix_predictor
+    monkeypatch.setattr(linear, "mix_predictor", lambda module, x, *a, **k: calls.append(len(x)) or real(module, x, *a, **k))
     src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
     code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "elu", "--window", "8",
                                 "--refine-steps", "2", "--calib-tokens", "256", "--calib-seq-len", "32",
@@ -358,6 +379,8 @@ def test_the_conversion_of_a_map_without_parameters_reports_its_initial_mix(tiny
     assert code in (0, None), err
     mixes = json.loads((tmp_path / "elu" / "effattn.json").read_text())["conversion_run"]["initial_mix"]["layers"]
     assert [m["layer"] for m in mixes] == [0, 1] and all(m["logit"] in (INIT_WINDOW_FACTOR, *MIX_GRID) for m in mixes)
+    # per layer the sums of one sequence (initial_mix's grid), then of all 8 calibration sequences (the steps)
+    assert calls == [1, 8, 1, 8]
     code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--refine-steps", "2", "--calib-tokens", "256",
                                 "--calib-seq-len", "32", "--projection-dim", "8", "--window", "8", "-o", tmp_path / "hh", "--no-eval")
     assert code in (0, None), err  # hedgehog's maps train with the mix from LoLCATs' start: no grid

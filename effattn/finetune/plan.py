@@ -42,7 +42,7 @@ from ..resources import MEMORY_MARGIN, check_memory, device_flops, matmul_flops,
 
 # Achieved / best-measured-matmul FLOP/s of the CPU recipes on SmolLM2-135M, 2 idle cores (AMD EPYC, best probe 203
 # GFLOP/s): at 0.45 the plan said 20.9 min of training for heal-gqa (100 steps of 4 x 256 tokens; measured 14.7 min)
-# and 18.5 min for heal-linear (36 of 2,048; measured 12.4-17.4 min), 0.70 and 0.67-0.94 of it; 0.6 makes them 15.7
+# and 18.5 min for heal-linear (36 of 2,048; measured 11.6-17.4 min), 0.70 and 0.63-0.94 of it; 0.6 makes them 15.7
 # and 13.9 min. (0.45 was fitted against live probes under load, 41-68 GFLOP/s.) A rough, machine-dependent factor.
 EFFICIENCY = 0.6
 RUNTIME_BYTES = 2**29  # Python, torch, tokenizer, tokenized text: ~0.5 GiB measured
@@ -106,8 +106,8 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     act_bytes = 2 if recipe.train.precision != "fp32" else 4
     teacher_bytes = DTYPES[TEACHER_DTYPE[recipe.train.precision]].itemsize
 
-    own = MODEL_SPECS.get(config.get("model_type"))  # an effattn model: its attention may keep more per layer
-    extra_per_layer = own.layer_activation_bytes if own is not None and own.layer_activation_bytes else None
+    # an effattn model's attention may keep more per layer for the backward pass (ModelSpec.layer_activation_bytes)
+    extra_per_layer = getattr(MODEL_SPECS.get(config.get("model_type")), "layer_activation_bytes", None)
 
     def memory_at(B: int, T: int, shards: int = shards, checkpointing: bool = cfg.activation_checkpointing) -> dict[str, int]:
         teacher_shards = shards if cfg.shard_teacher else 1
@@ -163,7 +163,7 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         return {"memory_bytes_per_process": memory, "strategy": strategy}
     # a GPU's probe as it runs; the CPU's best probe on this machine (resources.matmul_flops), as the conversions'
     # estimates use: a probe that shares the cores with another job measured 69 GFLOP/s where the cores give 203, and
-    # the heal-linear estimate said 55 min for 12.6-17.4 measured
+    # the heal-linear estimate said 55 min for 11.6-17.4 measured
     flops = (device_flops(dtype) if torch.cuda.is_available() else matmul_flops()) * EFFICIENCY
     return {
         "recipe": recipe.to_dict(),

@@ -236,8 +236,7 @@ def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tup
     seen, k_prev, v_prev, fk_prev, S, z, sink_k, sink_v = state
     T, n = q.shape[1], k_prev.shape[1]
     L = n + T
-    win_num, win_den = q.new_zeros(*v.shape), q.new_zeros(v.shape[:2])
-    far_num, far_den = win_num, win_den
+    win_num = win_den = far_num = far_den = None  # a part that does not arise here is zeros (made below)
     if window > 0:
         with_sinks = (sink_k, sink_v, seen - n, window) if sink_k.shape[1] else None
         win_num, win_den = _window_part(q, k, v, k_prev, v_prev, min(window, L), scale, min(C, L), grad, with_sinks)
@@ -250,6 +249,10 @@ def _segment(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, state: tup
     kept = tuple(new[:, T - keep:] if keep <= T else _rows(new, prev[:, n - (keep - T):], new)
                  for prev, new in ((k_prev, k), (v_prev, v), (fk_prev, fk)))
     after = (seen + T, *kept, S, z, sink_k, sink_v)
+    if win_num is None or far_num is None:
+        zeros = q.new_zeros(*v.shape), q.new_zeros(v.shape[:2])
+        win_num, win_den = (win_num, win_den) if win_num is not None else zeros
+        far_num, far_den = (far_num, far_den) if far_num is not None else zeros
     if wf is None:
         return (win_num, win_den, far_num, far_den), after
     num = wf[:, :, None] * win_num + lf[:, :, None] * far_num

@@ -19,8 +19,6 @@ maps queries and keys (``fq = phi(q)``, ``fk = phi(k)``); each module has ``feat
 ``feature_map(name, head_dim, heads, **kw)`` builds one from the registry ``FEATURE_MAPS``.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
