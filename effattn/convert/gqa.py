@@ -19,7 +19,7 @@ import torch
 from pydantic import Field, field_validator
 
 from ..errors import EffattnError, one_of
-from ..families import AttentionShape, Family
+from ..families import AttentionShape, Family, context_positions, rope_inv_freq
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
 from ..resources import Dims, compute_seconds
@@ -29,7 +29,8 @@ from .base import Plan, kv_bytes_per_token, passthrough, read_time, same_specs
 from .calibrate import CALIB_HELP, CalibSettings, batches, refit_o_proj
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .refine import TARGET_WORDS, LearningRate, RefineOptions, Steps, Target, refine_default, refine_flops
-from .headmerge import KeyMerge, align_keys, align_values, choose_groups, complex_rows, merge_keys, merge_values, merged_key_rows, real_rows
+from .headmerge import (KeyMerge, align_keys, align_values, block_key_merge, choose_groups, complex_rows, merge_keys,
+                        merge_pooled_keys, merge_values, merged_key_rows, pair_dims, real_rows)
 
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -138,11 +139,17 @@ class LayerStats:
     key_cov   [F, G, G] complex: E[z_g conj(z_h)] per RoPE frequency, keys as complex pairs (pre-RoPE)
     q_energy  [H, F]    real:    E|w_{i,f}|², query energy per head and frequency
     value_cov [G*d, G*d] real:   E[v vᵀ] of all value heads stacked
+    pool_*    the slow RoPE pairs merged across frequencies (headmerge.PooledKeys), where asked for:
+              pool_dims their n dims, pool_key_cov [G*n, G*n] E[x xᵀ] of the keys on them (head-major),
+              pool_q_cov [H, n, n] E[q qᵀ] of every query head on them
     """
 
     key_cov: torch.Tensor
     q_energy: torch.Tensor
     value_cov: torch.Tensor
+    pool_dims: list[int] | None = None
+    pool_key_cov: torch.Tensor | None = None
+    pool_q_cov: torch.Tensor | None = None
 
     @classmethod
     def from_weights(cls, attn: LayerAttention, shape: AttentionShape, input_gain: torch.Tensor | None) -> LayerStats:
@@ -169,9 +176,11 @@ class LayerStats:
 class _Moments:
     """Running second moments of q/k/v (the LayerStats) over calibration batches."""
 
-    def __init__(self):
+    def __init__(self, pool_dims: list[int] | None = None):
         self.n = 0
         self.key_cov = self.q_energy = self.value_cov = 0
+        self.pool_dims = pool_dims or None
+        self.pool_key_cov = self.pool_q_cov = 0
 
     def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # per-batch products in single precision, running sums in double
@@ -181,10 +190,19 @@ class _Moments:
         self.key_cov = self.key_cov + torch.einsum("btgf,bthf->fgh", zk, zk.conj()).to(torch.complex128)
         vf = v.flatten(2).flatten(0, 1).float()  # (B*T, G*d)
         self.value_cov = self.value_cov + (vf.T @ vf).double()
+        if self.pool_dims:
+            kp = k[..., self.pool_dims].flatten(2).flatten(0, 1).float()  # (B*T, G*n), head-major
+            self.pool_key_cov = self.pool_key_cov + (kp.T @ kp).double()
+            qp = q[..., self.pool_dims].float()  # (B, T, H, n)
+            self.pool_q_cov = self.pool_q_cov + torch.einsum("bthi,bthj->hij", qp, qp).double()
         self.n += q.shape[0] * q.shape[1]
 
     def stats(self) -> LayerStats:
-        return LayerStats(self.key_cov / self.n, self.q_energy / self.n, self.value_cov / self.n)
+        pool = {}
+        if self.pool_dims:
+            pool = {"pool_dims": self.pool_dims, "pool_key_cov": self.pool_key_cov / self.n,
+                    "pool_q_cov": self.pool_q_cov / self.n}
+        return LayerStats(self.key_cov / self.n, self.q_energy / self.n, self.value_cov / self.n, **pool)
 
 
 def output_metric(o: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -223,7 +241,8 @@ class HeadAssignment:
 
 class HeadMergeMethod:
     """RoPE-exact head merging (see headmerge.py): keys by weighted complex PCA per frequency with
-    the queries compensated, values by weighted PCA absorbed into o_proj, heads grouped by key
+    the queries compensated (with calibration statistics, the slowest pairs by one PCA across their
+    frequencies: headmerge.PooledKeys), values by weighted PCA absorbed into o_proj, heads grouped by key
     similarity. `stats` come from the weights (`align`) or from calibration activations (`pca`,
     `calibrated`); `calibrated` then refits o_proj by least squares (calibrate.py)."""
 
@@ -275,11 +294,16 @@ class HeadMergeMethod:
             if kb_rows is not None:
                 new_kb.append(real_rows(merged_key_rows(kb_rows, km)[None]))
             b_of = {g: km.b[members.index(g)] for g in members}
+            q_start = len(new_q)
             for p in positions:
                 scale = b_of[reads[p]].conj()  # w' = conj(b_g)·w
                 new_q.append(q_blocks[p] if attn.k_norm is not None else complex_scale_rows(q_blocks[p], scale, d))
                 if qb_blocks is not None:
                     new_qb.append(qb_blocks[p] if attn.k_norm is not None else complex_scale_rows(qb_blocks[p], scale, d))
+            if stats.pool_dims and self.merge == "pca" and attn.k_norm is None:
+                # the slow pairs: one PCA across their frequencies (PooledKeys) replaces their per-frequency merge
+                self._pool_keys(stats, attn, km, positions, reads, order, q_blocks, qb_blocks,
+                                new_k, new_kb, new_q, new_qb, q_start)
             # -- values: top-d subspace of the group's stacked values, undone in o_proj
             vm = (merge_values(stats.value_cov, out_metric, members, d) if self.merge == "pca"
                   else align_values(stats.value_cov, members, d))
@@ -299,11 +323,43 @@ class HeadMergeMethod:
         )
 
 
+    @staticmethod
+    def _pool_keys(stats: LayerStats, attn: LayerAttention, km: KeyMerge, positions, reads, order, q_blocks, qb_blocks,
+                   new_k, new_kb, new_q, new_qb, q_start) -> None:
+        """Overwrite the slow pairs' rows of the group's new key (the last of new_k) and of its queries
+        (new_q from q_start on) with the cross-frequency merge, aligned to the per-frequency one `km`."""
+        members = km.members
+        dims = torch.tensor(stats.pool_dims)
+        n, G = len(dims), stats.pool_key_cov.shape[0] // len(dims)
+        q_cov = torch.zeros(G, n, n, dtype=torch.float64)
+        for p in positions:
+            q_cov[reads[p]] += stats.pool_q_cov[order[p]]
+        d = attn.k.shape[0] // G
+        pk = merge_pooled_keys(stats.pool_key_cov, q_cov, members, stats.pool_dims,
+                               reference=block_key_merge(km, stats.pool_dims, d))
+
+        def block(w):  # the members' rows on the block's dims, stacked head-major: (r*n, ...)
+            heads = w.double().reshape(G, d, *w.shape[1:])
+            return torch.cat([heads[g][dims] for g in members])
+
+        new_k[-1][dims] = (pk.A @ block(attn.k)).to(new_k[-1].dtype)
+        if attn.k_bias is not None:
+            new_kb[-1][dims] = (pk.A @ block(attn.k_bias)).to(new_kb[-1].dtype)
+        for slot, p in enumerate(positions):
+            B = pk.B[members.index(reads[p])]  # x_g ≈ B y  =>  q·x_g ≈ (Bᵀ q)·y
+            q = new_q[q_start + slot] = new_q[q_start + slot].clone()
+            q[dims] = (B.T @ q_blocks[p].double()[dims]).to(q.dtype)
+            if qb_blocks is not None:
+                qb = new_qb[q_start + slot] = new_qb[q_start + slot].clone()
+                qb[dims] = (B.T @ qb_blocks[p].double()[dims]).to(qb.dtype)
+
+
 METHODS: dict[str, GQAMethod] = {m.name: m for m in [
     MeanMethod(),
     HeadMergeMethod("align", "rotate each head's keys (per RoPE frequency) and values onto a reference head, "
                     "then mean-pool; from the weights alone, streams", needs_calibration=False, refit_o=False, merge="align"),
-    HeadMergeMethod("pca", "RoPE-exact weighted PCA of keys (queries compensated) and values, from calibration "
+    HeadMergeMethod("pca", "weighted PCA of keys (RoPE-exact per frequency, the slowest pairs pooled; queries "
+                    "compensated) and values, from calibration "
                     "activations, layer by layer", needs_calibration=True, refit_o=False, merge="pca"),
     HeadMergeMethod("calibrated", "pca + o_proj refitted by least squares on calibration activations, layer by layer",
                     needs_calibration=True, refit_o=True, merge="pca"),
@@ -323,6 +379,12 @@ class GQAOptions(RefineOptions):
                                                 "model (calibrated methods; 0: off, the closed-form merge alone)")
     refine_lr: LearningRate = refine_default("refine_lr", 3e-4)
     refine_target: Target = refine_default("refine_target", "stream")
+    # 1 radian since 2026-12-06: on SmolLM2 (θ 1e5, 8,192 positions) that is its 6 slowest of 32 pairs. Chosen on
+    # training text (wiki, plays) at 512, 2,048 and 8,192 tokens: 8 pairs (1.46 rad) lost at 8,192 (BENCHMARKS).
+    key_pool_angle: float = Field(1.0, ge=0, description="keys: RoPE pairs that turn by at most this many radians "
+                                                         "over the model's context are merged across frequencies "
+                                                         "(one PCA; pca/calibrated; 0: every frequency on its own, "
+                                                         "RoPE-exact)")
 
     @field_validator("method")
     @classmethod
@@ -330,6 +392,18 @@ class GQAOptions(RefineOptions):
         if v not in METHODS:
             raise ValueError(f"unknown GQA method {v!r} ({one_of(v, METHODS)})")
         return v
+
+
+def pooled_pairs(config: dict[str, Any], shape: AttentionShape, angle: float) -> tuple[list[int], str]:
+    """The RoPE pairs whose angle over the model's whole context is at most `angle` radians (the slowest
+    ones; headmerge.PooledKeys), and "" — or ([], why) where the frequencies cannot be known."""
+    if angle <= 0:
+        return [], "--key-pool-angle 0"
+    inv_freq, why = rope_inv_freq(config, shape.head_dim)
+    if inv_freq is None:
+        return [], why
+    turn = inv_freq * context_positions(config)
+    return [f for f in range(len(turn)) if turn[f] <= angle], ""
 
 
 def valid_kv_heads(heads: int) -> list[int]:
@@ -401,6 +475,13 @@ class GQAConversion:
             refine = opts.refine_settings()
             state["refine"] = refine
             settings |= refine.record()
+            if getattr(method, "merge", None) == "pca":
+                pairs, why = pooled_pairs(ckpt.config, shape, opts.key_pool_angle)
+                state["pool_dims"] = pair_dims(pairs, shape.head_dim)
+                settings |= {"key_pool_angle": opts.key_pool_angle, "key_pool_pairs": len(pairs)}
+                summary.append(("keys", f"the {len(pairs)} RoPE pairs of {shape.head_dim // 2} that turn by at most "
+                                        f"{opts.key_pool_angle:g} rad over {context_positions(ckpt.config):,} positions "
+                                        "merged across frequencies" + (f" (none: {why})" if why else "")))
             dims = Dims.of(ckpt.config)
             N, T = calib.tokens, calib.seq_len
             # per layer: q/k/v statistics, the o_proj refit (old and new attention, Gram matrix), the
@@ -419,6 +500,9 @@ class GQAConversion:
         elif opts.given() & {"calib", "calib_tokens"} and not isinstance(method, _Expansion):
             raise EffattnError(f"--calib/--calib-tokens apply to calibrated methods, not {method.name!r}",
                                "drop them or use --method calibrated")
+        elif "key_pool_angle" in opts.given() and not isinstance(method, _Expansion):
+            raise EffattnError(f"--key-pool-angle applies to the pca and calibrated methods, not {method.name!r}",
+                               "drop it or use --method calibrated")
         elif "refine_steps" in opts.given() and opts.refine_steps and not isinstance(method, _Expansion):
             raise EffattnError(f"--refine-steps needs calibration activations, which method {method.name!r} does not run",
                                "drop it or use --method calibrated")
@@ -460,7 +544,7 @@ class GQAConversion:
         old = LayerAttention(**{role: tensors[name].float() for role, name in names.items()})
         norm = layer.original.input_layernorm
         h = torch.cat([norm(layer.x[sl]) for sl in batches(layer.x, calib.batch_size)])  # (N, T, D) attention inputs
-        moments = _Moments()
+        moments = _Moments(plan.state.get("pool_dims"))
         for sl in batches(h, calib.batch_size):
             moments.add(*project_qkv(h[sl], old, shape.head_dim, eps))
         new = method.convert_layer(old, shape, new_kv, stats=moments.stats())

@@ -16,6 +16,9 @@ Keys (per new KV head j, serving query heads Q_j that used old KV heads S_j):
   query/key token pairs, which factorises), i.e. a rank-1 complex PCA of the keys weighted by the
   energy ω_g = Σ_{i reads g} E|w_{i,f}|² of the queries that read them (Eckart–Young).
 
+The slowest pairs barely turn over the whole context: there the constraint buys almost nothing, and
+`PooledKeys` merges them by one real PCA across their frequencies instead (a bounded logit error).
+
 Values carry no RoPE: any linear map on values can be undone in o_proj. The new value head is the
 top-d principal subspace of the stacked old values of S_j, each head weighted by how much o_proj
 amplifies it (L_g = (W_o,gᵀ W_o,g)^{1/2}); o_proj is then either the PCA reconstruction or refitted
@@ -164,6 +167,90 @@ def merge_values(value_cov: torch.Tensor, out_metric: torch.Tensor, members: lis
     P = torch.stack([U[i * d:(i + 1) * d].T @ L[i] for i in range(r)])  # (r, d, d)
     B = torch.stack([L_inv[i] @ U[i * d:(i + 1) * d] for i in range(r)])  # (r, d, d)
     return ValueMerge(members, P, B)
+
+
+@dataclass
+class PooledKeys:
+    """The keys of the slow RoPE pairs of one new KV head, merged across frequencies.
+
+    A pair that turns by less than about a radian over the whole context rotates almost alike at every
+    distance, so it may hold any mix of the members' slow pairs, not only its own frequency's: the slow
+    block is merged by one real PCA over all its dims (y = A x) instead of one complex number per
+    frequency, and the PCA puts the new key's dims where the members' keys have their energy. The queries
+    reading member g are compensated by B_gᵀ (x_g ≈ B_g y). Exact for the logits at distance 0; at distance
+    Δ a pair's new content turns by its own angle θ·Δ instead of its source's, an error bounded by the
+    block's largest θ·Δ, which the caller keeps small by choosing the pairs.
+    """
+
+    members: list[int]
+    dims: list[int]  # the block's dims in rotate-half layout: [f, f + d/2 for each pair f, fastest first]
+    A: torch.Tensor  # [n, r*n] real: y = A @ [x_g for g in members]
+    B: torch.Tensor  # [r, n, n] real: x_g ≈ B[g] @ y
+
+
+def pair_dims(pairs: list[int], head_dim: int) -> list[int]:
+    """The rotate-half dims of RoPE pairs `pairs` (sorted by frequency index, fastest first)."""
+    return [x for f in sorted(pairs) for x in (f, f + head_dim // 2)]
+
+
+def block_key_merge(merge: KeyMerge, dims: list[int], head_dim: int) -> torch.Tensor:
+    """The per-frequency merge `merge` restricted to the block `dims` (pair_dims layout), as the real
+    matrix [n, r*n] that maps the members' stacked block dims to the new key's: on each pair, the
+    complex coefficient a acts as the 2x2 rotation-and-scale [[Re a, −Im a], [Im a, Re a]]."""
+    F, n, r = head_dim // 2, len(dims), len(merge.members)
+    pairs = dims[0::2]
+    out = torch.zeros(n, r * n, dtype=torch.float64)
+    for i, f in enumerate(pairs):
+        assert dims[2 * i + 1] == f + F, "dims must be pair_dims(...)"
+        for m in range(r):
+            a = merge.a[m, f]
+            c = m * n + 2 * i
+            out[2 * i:2 * i + 2, c:c + 2] = torch.tensor([[a.real, -a.imag], [a.imag, a.real]], dtype=torch.float64)
+    return out
+
+
+def merge_pooled_keys(key_cov: torch.Tensor, q_cov: torch.Tensor, members: list[int], dims: list[int],
+                      eps: float = 1e-6, reference: torch.Tensor | None = None) -> PooledKeys:
+    """Weighted PCA of the members' keys on `dims`, all frequencies of the block at once.
+
+    key_cov: [G*n, G*n] real, E[x xᵀ] of every old head's keys on the n block dims (head-major).
+    q_cov:   [G, n, n] real, Q_g = Σ_{i reads g} E[q_i q_iᵀ] on those dims (the queries of this new head).
+    Minimises Σ_g E (q·(x_g − B_g y))² over the block, with q and x independent: tr Q_g E[e eᵀ], a PCA
+    of the keys whitened by Q_g^½ (Eckart–Young), keeping n of r·n dims.
+
+    The PCA's largest components go to the slowest pairs (the least rotation). With `reference` ([n, r*n],
+    block_key_merge of the per-frequency merge): where that merge already keeps the whole block (heads
+    that are copies), it is returned as it is (RoPE-exact), with its least-squares B.
+    """
+    n, r = len(dims), len(members)
+    idx = torch.cat([torch.arange(g * n, (g + 1) * n) for g in members])
+    cov = key_cov[idx][:, idx]  # (r n, r n)
+    S, S_inv = [], []
+    for g in members:
+        Q = q_cov[g]
+        evals, evecs = torch.linalg.eigh(Q)
+        evals = evals.clamp_min(eps * evals.amax().clamp_min(1e-30))
+        S.append(evecs @ torch.diag(evals.sqrt()) @ evecs.T)
+        S_inv.append(evecs @ torch.diag(evals.rsqrt()) @ evecs.T)
+    big = torch.block_diag(*S)
+    evals, evecs = torch.linalg.eigh(big @ cov @ big)
+    # ascending: the largest components go last, i.e. to the slowest pair of the block
+    U, lam = evecs[:, -n:], evals[-n:].clamp_min(0)
+    A = U.T @ big
+    B = torch.stack([S_inv[i] @ U[i * n:(i + 1) * n] for i in range(r)])
+    # scale y to the members' mean key energy per dim, as merge_keys scales z'
+    target = torch.diagonal(cov).mean()
+    scale = torch.where(lam > 0, (target / lam.clamp_min(1e-300)).sqrt(), torch.ones_like(lam))
+    A, B = A * scale[:, None], B / scale[None, None, :]  # now E[y yᵀ] = target·I on the kept components
+    if reference is not None:
+        whole = torch.trace(big @ cov @ big)
+        cross = big @ cov @ reference.T  # E[(S x) y_refᵀ]
+        gram = reference @ cov @ reference.T  # E[y_ref y_refᵀ]
+        fit = torch.linalg.lstsq(gram, cross.T).solution.T  # S x ≈ fit y_ref
+        if whole - torch.trace(fit @ cross.T) <= 1e-9 * whole.clamp_min(1e-300):
+            return PooledKeys(members, dims, reference.clone(),
+                              torch.stack([S_inv[i] @ fit[i * n:(i + 1) * n] for i in range(r)]))
+    return PooledKeys(members, dims, A, B)
 
 
 def captured_key_energy(key_cov: torch.Tensor, weight: torch.Tensor, members: list[int]) -> float:
