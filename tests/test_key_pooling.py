@@ -117,7 +117,7 @@ def test_pooled_keys_keep_a_block_the_per_frequency_merge_keeps_exact_under_rope
     torch.testing.assert_close(rot(q_new) @ rot(new_key).T, rot(q) @ rot(keys[:T, 1]).T, rtol=1e-9, atol=1e-9)
 
 
-def _slow_rope(family="llama"):
+def _slow_rope():
     return {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
 
 
@@ -164,3 +164,13 @@ def test_key_pool_angle_is_refused_for_weight_only_methods(tiny, capsys, tmp_pat
                            "-o", tmp_path / "out")
     assert code == 2 and "--key-pool-angle applies to the pca and calibrated methods" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_qwen3_keys_are_not_pooled_and_the_plan_says_why(tiny, tmp_path, calib_file):  # noqa: F811
+    src = tiny("qwen3", heads=6, kv_heads=3, head_dim=8, **_slow_rope())
+    opts = {"method": "calibrated", "calib": calib_file, "calib_tokens": 1024, "refine_steps": 0}
+    out = convert(src, tmp_path / "out", to="mqa", options=opts, measure=False).out
+    assert json.loads((out / "effattn.json").read_text())["conversion"]["key_pool_pairs"] == 0
+    llama = convert(tiny("llama", heads=6, kv_heads=3, head_dim=8, **_slow_rope()), tmp_path / "l", to="mqa",
+                    options=opts, measure=False).out
+    assert json.loads((llama / "effattn.json").read_text())["conversion"]["key_pool_pairs"] == 1

@@ -477,6 +477,8 @@ class GQAConversion:
             settings |= refine.record()
             if getattr(method, "merge", None) == "pca":
                 pairs, why = pooled_pairs(ckpt.config, shape, opts.key_pool_angle)
+                if family.k_norm is not None and pairs:  # keys normed per head: mean-pooled, nothing to pool
+                    pairs, why = [], f"{family.name} norms each key head, so its keys are mean-pooled"
                 state["pool_dims"] = pair_dims(pairs, shape.head_dim)
                 settings |= {"key_pool_angle": opts.key_pool_angle, "key_pool_pairs": len(pairs)}
                 summary.append(("keys", f"the {len(pairs)} RoPE pairs of {shape.head_dim // 2} that turn by at most "
