@@ -131,7 +131,7 @@ def context_length(config: dict[str, Any]) -> str:
     kind, factor = params.get("rope_type", "default"), params.get("factor")
     if kind in (None, "default") or not factor:
         return f"{trained:,} tokens (trained)"
-    return f"{trained * float(factor):,.0f} tokens (RoPE {kind} x{float(factor):g} of the trained {trained:,})"
+    return f"{context_positions(config):,} tokens (RoPE {kind} x{float(factor):g} of the trained {trained:,})"
 
 
 def rope_settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -146,37 +146,11 @@ def rope_settings(config: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def rope_inv_freq(config: dict[str, Any], head_dim: int) -> tuple[Any, str]:
-    """RoPE's inverse frequencies θ_f (radians per position, one per pair of rotate-half dims) as the
-    model will apply them, and "" — or (None, why) where they cannot be known here. The default type
-    by its formula; a scaled one through transformers' own initialisation."""
-    import torch
-
-    params = rope_settings(config)
-    if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
-        return None, "partial rotary embeddings"
-    kind = params.get("rope_type") or "default"
-    if kind in ("default", "dynamic"):  # dynamic NTK starts from the default table within its trained length
-        base = float(params.get("rope_theta", 10000.0))
-        return base ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), ""
-    try:
-        from transformers import CONFIG_MAPPING
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        cfg = CONFIG_MAPPING[config["model_type"]].from_dict(config)
-        inv_freq, _ = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"))
-    except Exception as exc:  # noqa: BLE001 - reported by the caller in one line
-        return None, f"transformers could not build its {kind} RoPE table ({type(exc).__name__})"
-    if inv_freq.numel() != head_dim // 2:
-        return None, f"its {kind} RoPE table has {inv_freq.numel()} frequencies for head_dim {head_dim}"
-    return inv_freq.double(), ""
-
-
 def context_positions(config: dict[str, Any]) -> int:
-    """The longest context the model is meant for: max_position_embeddings, or the trained length times
-    a RoPE scaling factor where that is longer."""
+    """The longest context the model is meant for (positions): max_position_embeddings, or the trained
+    length times a RoPE scaling factor where that is longer."""
     params = rope_settings(config)
     longest = int(config.get("max_position_embeddings") or 2048)
-    if params.get("factor") and params.get("rope_type") not in (None, "default", "linear"):
+    if params.get("factor") and params.get("rope_type") not in (None, "default"):
         longest = max(longest, round(trained_length(config) * float(params["factor"])))
     return longest

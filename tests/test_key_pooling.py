@@ -11,7 +11,8 @@ from effattn.attention.functional import apply_rope
 from effattn.convert import convert
 from effattn.convert.gqa import pooled_pairs
 from effattn.convert.headmerge import block_key_merge, merge_keys, merge_pooled_keys, pair_dims
-from effattn.families import AttentionShape, context_positions, rope_inv_freq
+from effattn.attention.layerwise import LayerFactory
+from effattn.families import context_positions, family_for
 
 from .conftest import logits_of
 from .test_cli_errors import run_cli
@@ -47,23 +48,32 @@ def _merges(keys, pairs, q_cov=None):
 
 
 def test_pooled_pairs_are_the_ones_that_barely_turn_over_the_context():
-    shape = AttentionShape.of(SMOLLM2)
-    # θ_f = 1e5^(-f/32): pair 26 turns 0.69 rad over 8,192 positions, pair 25 1.02
-    assert pooled_pairs(SMOLLM2, shape, 1.0) == ([26, 27, 28, 29, 30, 31], "")
-    assert pooled_pairs(SMOLLM2, shape, 0.0)[0] == []
-    assert pooled_pairs(SMOLLM2 | {"max_position_embeddings": 2048}, shape, 1.0)[0] == list(range(22, 32))
-    inv, why = rope_inv_freq(SMOLLM2, 64)
-    assert why == "" and inv[25] * 8192 > 1.0 >= inv[26] * 8192
-    # a scaled model: transformers' own table over the extended context (YaRN x4 of 8,192)
-    yarn = SMOLLM2 | {"rope_parameters": {"rope_theta": 100000.0, "rope_type": "yarn", "factor": 4.0,
+    llama = family_for(SMOLLM2)
+    # θ_f = 1e5^(-f/32): pair 26 turns 0.71 rad over 8,192 positions, pair 25 1.02
+    assert pooled_pairs(SMOLLM2, llama, 1.0) == ([26, 27, 28, 29, 30, 31], "")
+    assert pooled_pairs(SMOLLM2, llama, 0.0)[0] == []
+    assert pooled_pairs(SMOLLM2 | {"max_position_embeddings": 2048}, llama, 1.0)[0] == list(range(22, 32))
+    inv = LayerFactory(SMOLLM2, llama).inv_freq()
+    assert inv[25] * 8192 > 1.0 >= inv[26] * 8192
+    # a scaled model: its own rotary embedding's table over the extended context (YaRN x4 of 8,192)
+    yarn = SMOLLM2 | {"max_position_embeddings": 32768,
+                      "rope_parameters": {"rope_theta": 100000.0, "rope_type": "yarn", "factor": 4.0,
                                           "original_max_position_embeddings": 8192}}
     assert context_positions(yarn) == 32768
-    inv_yarn, why = rope_inv_freq(yarn, 64)
-    assert why == "" and inv_yarn[-1] < inv[-1]  # YaRN slows the slowest pairs down by the factor
-    pairs, _ = pooled_pairs(yarn, shape, 1.0)
-    assert pairs and all(float(inv_yarn[f]) * 32768 <= 1.0 for f in pairs)
-    partial = SMOLLM2 | {"partial_rotary_factor": 0.5}
-    assert pooled_pairs(partial, shape, 1.0) == ([], "partial rotary embeddings")
+    inv_yarn = LayerFactory(yarn, llama).inv_freq()
+    assert inv_yarn[-1] < inv[-1]  # YaRN slows the slowest pairs down by the factor
+    pairs, _ = pooled_pairs(yarn, llama, 1.0)
+    assert pairs and pairs == [f for f in range(32) if float(inv_yarn[f]) * 32768 <= 1.0]
+    qwen3 = SMOLLM2 | {"model_type": "qwen3"}
+    assert pooled_pairs(qwen3, family_for(qwen3), 1.0) == ([], "qwen3 norms each key head, so its keys are mean-pooled")
+
+
+def test_a_rotary_table_shorter_than_the_head_pools_nothing(monkeypatch):
+    """No supported family rotates part of a head (transformers' Llama ignores partial_rotary_factor), but a
+    rotary embedding whose table covers fewer pairs than the head has must not be read pair by pair."""
+    half = LayerFactory(SMOLLM2, family_for(SMOLLM2)).inv_freq()[:16]
+    monkeypatch.setattr(LayerFactory, "inv_freq", lambda self: half)
+    assert pooled_pairs(SMOLLM2, family_for(SMOLLM2), 1.0) == ([], "partial rotary embeddings (16 of 32 pairs rotate)")
 
 
 def test_pooled_keys_are_the_weighted_pca_of_the_block():

@@ -53,8 +53,8 @@ class LayerFactory:
         module.load_state_dict(state, strict=True, assign=True)
         return module.requires_grad_(False).eval()
 
-    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, T, d] for positions 0..T-1, exactly as the model's rotary embedding makes them."""
+    def _rotary_embedding(self) -> torch.nn.Module:
+        """The model's own rotary embedding module (transformers'), built once."""
         if self._rotary is None:
             from transformers import AutoModelForCausalLM
 
@@ -63,5 +63,14 @@ class LayerFactory:
             with torch.device("meta"):
                 skeleton = AutoModelForCausalLM.from_config(config)
             self._rotary = type(skeleton.model.rotary_emb)(config=config)
+        return self._rotary
+
+    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, T, d] for positions 0..T-1, exactly as the model's rotary embedding makes them."""
         positions = torch.arange(length)[None]
-        return self._rotary(torch.zeros(1, dtype=torch.float32), positions)
+        return self._rotary_embedding()(torch.zeros(1, dtype=torch.float32), positions)
+
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE's angle per position of each rotary pair (radians; [rotary dims / 2]), as the model's rotary
+        embedding applies it at positions within its context (every RoPE type transformers knows)."""
+        return self._rotary_embedding().inv_freq.double()

@@ -19,7 +19,7 @@ import torch
 from pydantic import Field, field_validator
 
 from ..errors import EffattnError, one_of
-from ..families import AttentionShape, Family, context_positions, rope_inv_freq
+from ..families import AttentionShape, Family, context_positions
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
 from ..resources import Dims, compute_seconds
@@ -290,20 +290,23 @@ class HeadMergeMethod:
                 r = len(members)
                 ones = torch.full((r, k_rows.shape[1]), 1.0 / r, dtype=torch.complex128)
                 km = KeyMerge(members, ones, torch.ones_like(ones))
-            new_k.append(real_rows(merged_key_rows(k_rows, km)[None]))
-            if kb_rows is not None:
-                new_kb.append(real_rows(merged_key_rows(kb_rows, km)[None]))
+            key = real_rows(merged_key_rows(k_rows, km)[None])  # (d, D)
+            key_b = None if kb_rows is None else real_rows(merged_key_rows(kb_rows, km)[None])
             b_of = {g: km.b[members.index(g)] for g in members}
-            q_start = len(new_q)
+            qs, qbs = [], []  # the group's query heads, in new order
             for p in positions:
                 scale = b_of[reads[p]].conj()  # w' = conj(b_g)·w
-                new_q.append(q_blocks[p] if attn.k_norm is not None else complex_scale_rows(q_blocks[p], scale, d))
+                qs.append(q_blocks[p] if attn.k_norm is not None else complex_scale_rows(q_blocks[p], scale, d))
                 if qb_blocks is not None:
-                    new_qb.append(qb_blocks[p] if attn.k_norm is not None else complex_scale_rows(qb_blocks[p], scale, d))
+                    qbs.append(qb_blocks[p] if attn.k_norm is not None else complex_scale_rows(qb_blocks[p], scale, d))
             if stats.pool_dims and self.merge == "pca" and attn.k_norm is None:
                 # the slow pairs: one PCA across their frequencies (PooledKeys) replaces their per-frequency merge
-                self._pool_keys(stats, attn, km, positions, reads, order, q_blocks, qb_blocks,
-                                new_k, new_kb, new_q, new_qb, q_start)
+                self._pool_keys(stats, attn, km, [(p, reads[p], int(order[p])) for p in positions], q_blocks, qb_blocks,
+                                key, key_b, qs, qbs)
+            new_k.append(key)
+            new_kb += [] if key_b is None else [key_b]
+            new_q += qs
+            new_qb += qbs
             # -- values: top-d subspace of the group's stacked values, undone in o_proj
             vm = (merge_values(stats.value_cov, out_metric, members, d) if self.merge == "pca"
                   else align_values(stats.value_cov, members, d))
@@ -322,36 +325,35 @@ class HeadMergeMethod:
             q_norm=attn.q_norm, k_norm=attn.k_norm,
         )
 
-
     @staticmethod
-    def _pool_keys(stats: LayerStats, attn: LayerAttention, km: KeyMerge, positions, reads, order, q_blocks, qb_blocks,
-                   new_k, new_kb, new_q, new_qb, q_start) -> None:
-        """Overwrite the slow pairs' rows of the group's new key (the last of new_k) and of its queries
-        (new_q from q_start on) with the cross-frequency merge, aligned to the per-frequency one `km`."""
+    def _pool_keys(stats: LayerStats, attn: LayerAttention, km: KeyMerge, heads: list[tuple[int, int, int]],
+                   q_blocks, qb_blocks, key, key_b, qs, qbs) -> None:
+        """Write the cross-frequency merge of the slow pairs (PooledKeys; `km`, the per-frequency merge, is
+        kept where it is exact) into the group's new key rows `key` / `key_b` and its query heads `qs` /
+        `qbs`, in place. heads: (new position, old KV head read, old query head) of each of the group's
+        query heads, in the order of qs."""
         members = km.members
         dims = torch.tensor(stats.pool_dims)
         n, G = len(dims), stats.pool_key_cov.shape[0] // len(dims)
-        q_cov = torch.zeros(G, n, n, dtype=torch.float64)
-        for p in positions:
-            q_cov[reads[p]] += stats.pool_q_cov[order[p]]
         d = attn.k.shape[0] // G
+        q_cov = torch.zeros(G, n, n, dtype=torch.float64)
+        for _, g, old in heads:
+            q_cov[g] += stats.pool_q_cov[old]
         pk = merge_pooled_keys(stats.pool_key_cov, q_cov, members, stats.pool_dims,
                                reference=block_key_merge(km, stats.pool_dims, d))
 
         def block(w):  # the members' rows on the block's dims, stacked head-major: (r*n, ...)
-            heads = w.double().reshape(G, d, *w.shape[1:])
-            return torch.cat([heads[g][dims] for g in members])
+            rows = w.double().reshape(G, d, *w.shape[1:])
+            return torch.cat([rows[g][dims] for g in members])
 
-        new_k[-1][dims] = (pk.A @ block(attn.k)).to(new_k[-1].dtype)
-        if attn.k_bias is not None:
-            new_kb[-1][dims] = (pk.A @ block(attn.k_bias)).to(new_kb[-1].dtype)
-        for slot, p in enumerate(positions):
-            B = pk.B[members.index(reads[p])]  # x_g ≈ B y  =>  q·x_g ≈ (Bᵀ q)·y
-            q = new_q[q_start + slot] = new_q[q_start + slot].clone()
-            q[dims] = (B.T @ q_blocks[p].double()[dims]).to(q.dtype)
-            if qb_blocks is not None:
-                qb = new_qb[q_start + slot] = new_qb[q_start + slot].clone()
-                qb[dims] = (B.T @ qb_blocks[p].double()[dims]).to(qb.dtype)
+        key[dims] = (pk.A @ block(attn.k)).to(key.dtype)
+        if key_b is not None:
+            key_b[dims] = (pk.A @ block(attn.k_bias)).to(key_b.dtype)
+        for slot, (p, g, _) in enumerate(heads):
+            B = pk.B[members.index(g)]  # x_g ≈ B y  =>  q·x_g ≈ (Bᵀ q)·y
+            qs[slot][dims] = (B.T @ q_blocks[p].double()[dims]).to(qs[slot].dtype)
+            if qbs:
+                qbs[slot][dims] = (B.T @ qb_blocks[p].double()[dims]).to(qbs[slot].dtype)
 
 
 METHODS: dict[str, GQAMethod] = {m.name: m for m in [
@@ -394,14 +396,19 @@ class GQAOptions(RefineOptions):
         return v
 
 
-def pooled_pairs(config: dict[str, Any], shape: AttentionShape, angle: float) -> tuple[list[int], str]:
+def pooled_pairs(config: dict[str, Any], family: Family, angle: float) -> tuple[list[int], str]:
     """The RoPE pairs whose angle over the model's whole context is at most `angle` radians (the slowest
-    ones; headmerge.PooledKeys), and "" — or ([], why) where the frequencies cannot be known."""
+    ones; headmerge.PooledKeys), and "" — or ([], why) where none may be pooled."""
     if angle <= 0:
         return [], "--key-pool-angle 0"
-    inv_freq, why = rope_inv_freq(config, shape.head_dim)
-    if inv_freq is None:
-        return [], why
+    if family.k_norm is not None:  # HeadMergeMethod mean-pools keys that are normed per head
+        return [], f"{family.name} norms each key head, so its keys are mean-pooled"
+    from ..attention.layerwise import LayerFactory
+
+    inv_freq = LayerFactory(config, family).inv_freq()
+    head_dim = AttentionShape.of(config).head_dim
+    if 2 * len(inv_freq) != head_dim:
+        return [], f"partial rotary embeddings ({len(inv_freq)} of {head_dim // 2} pairs rotate)"
     turn = inv_freq * context_positions(config)
     return [f for f in range(len(turn)) if turn[f] <= angle], ""
 
@@ -476,9 +483,7 @@ class GQAConversion:
             state["refine"] = refine
             settings |= refine.record()
             if getattr(method, "merge", None) == "pca":
-                pairs, why = pooled_pairs(ckpt.config, shape, opts.key_pool_angle)
-                if family.k_norm is not None and pairs:  # keys normed per head: mean-pooled, nothing to pool
-                    pairs, why = [], f"{family.name} norms each key head, so its keys are mean-pooled"
+                pairs, why = pooled_pairs(ckpt.config, family, opts.key_pool_angle)
                 state["pool_dims"] = pair_dims(pairs, shape.head_dim)
                 settings |= {"key_pool_angle": opts.key_pool_angle, "key_pool_pairs": len(pairs)}
                 summary.append(("keys", f"the {len(pairs)} RoPE pairs of {shape.head_dim // 2} that turn by at most "
