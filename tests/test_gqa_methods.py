@@ -201,6 +201,36 @@ def test_local_refinement_lowers_every_layers_error_and_the_logit_error(tiny, tm
     assert "conversion_run" not in json.loads((plain / "effattn.json").read_text())  # off: nothing measured
 
 
+def test_the_stream_walk_carries_each_refined_layers_output(tiny, tmp_path, calib_file):
+    """With the stream target, refinement's last error pass is the converted layer's output and its targets the
+    original's: the walk carries both on instead of running the layers again (layers.run_layers). The record
+    must then describe the model written: every layer's error after its steps, recomputed from the saved
+    model's own hidden states on the calibration tokens against the original's, is the recorded one; and each
+    layer's error before its steps is taken on the refined layers' outputs below it."""
+    from effattn.convert.calibrate import CalibSettings, calibration_tokens
+
+    src = tiny("llama", layers=3)
+    options = _opts("calibrated", calib_file, refine_steps=8, refine_lr=1e-3, refine_target="stream")
+    out = convert(src, tmp_path / "out", to="mqa", options=options, measure=False).out
+    losses = json.loads((out / "effattn.json").read_text())["conversion_run"]["refine"]
+    ids = calibration_tokens(src, CalibSettings(corpus=calib_file, tokens=1024))
+
+    def states(folder):  # the residual stream before and after every decoder layer
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        seen = [model.model.embed_tokens(ids)]
+        for layer in model.model.layers:
+            layer.register_forward_hook(lambda mod, args, output: seen.append(output[0] if isinstance(output, tuple) else output))
+        with torch.no_grad():
+            model(ids)
+        return seen
+
+    new, old = states(out), states(src)
+    for i in range(3):
+        after = (new[i + 1] - old[i + 1]).pow(2).sum() / (old[i + 1] - old[i]).pow(2).sum()
+        assert after.item() == pytest.approx(losses["after"][i], rel=1e-3, abs=1e-6), (i, losses)
+    assert all(a < b for a, b in zip(losses["after"], losses["before"])), losses
+
+
 def test_calibrated_methods_refine_by_default_and_weight_only_methods_do_not(tiny, tmp_path, calib_file):
     src = tiny("llama", layers=2)
     out = convert(src, tmp_path / "default", to="mqa", options=_opts("calibrated", calib_file), measure=False).out

@@ -121,10 +121,11 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         original = factory.layer(layer, tensors, kv_heads) if calib is not None else None
         out = convert_layer(LayerInput(layer, prefix, tensors, factory, calib, x, cos, sin, original))
         new_rope = out.rope or (cos, sin)
+        carried: dict[str, torch.Tensor] = {}  # the stream target's passes, which are the propagation's (refine_layer)
         if refine is not None and out.refinable and out.module is not None:
             losses.append(refine_layer(out.module, original, x, cos, sin, refine, x0=x0, trainable=out.trainable,
                                        converted_rope=out.rope, forward_kwargs=out.forward_kwargs,
-                                       prepare=out.prepare) | {"layer": layer})
+                                       prepare=out.prepare, outputs=carried) | {"layer": layer})
             state = out.module.state_dict()
             for name in out.tensors:
                 if name[len(prefix):] in state:
@@ -136,11 +137,14 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         ckpt.release()
         if out.before is not None:
             out.before()
-        if x is not None:
+        if x is not None and "x" in carried and out.before is None:
+            x = carried["x"]  # the converted layer's output on x, after its steps: the last error pass of refine_layer
+        elif x is not None:  # (a conversion whose hooks score heads while the activations pass propagates again)
             x = torch.cat([out.module(x[sl], position_embeddings=new_rope, **out.forward_kwargs)
                            for sl in batches(x, calib.batch_size)])
         if x0 is not None:
-            x0 = torch.cat([original(x0[sl], position_embeddings=(cos, sin)) for sl in batches(x0, calib.batch_size)])
+            x0 = carried["x0"] if "x0" in carried else torch.cat(
+                [original(x0[sl], position_embeddings=(cos, sin)) for sl in batches(x0, calib.batch_size)])
         if out.after is not None:
             out.after()
         if progress:

@@ -444,7 +444,7 @@ class LinearConversion:
                        + 3 * refine.steps * o_proj(refine.batch_size * T))
                 per_layer += fit if refine.device == "cpu" else 0.0
             else:  # the original attention's targets, the hybrid's passes
-                per_layer += refine_flops(dims, refine, N, T, converted=converted)
+                per_layer += refine_flops(dims, refine, N, T, converted=converted, hooks=bool(exact_heads))
             if exact_heads:  # scoring the heads: the original attention beside the propagation
                 per_layer += EXACT_SCORING_SHARE * dims.attention_flops(N, T)
             est_seconds += compute_seconds(shape.layers * per_layer)

@@ -128,7 +128,7 @@ def refine_default(name: str, value: Any) -> Any:
 EXACT = 1e-9
 
 
-def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int, converted=None) -> float:
+def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int, converted=None, hooks: bool = False) -> float:
     """Floating-point work the CPU does refining one layer (`dims`: resources.Dims) on `tokens`
     calibration tokens: none when the steps run on a GPU (`steps_words` says they are not estimated).
     `converted(tokens, seq_len)`: one forward of the converted attention block, for a conversion whose
@@ -141,10 +141,13 @@ def refine_flops(dims, settings: RefineSettings, tokens: int, seq_len: int, conv
     def student(n: int) -> float:
         return (converted or dims.attention_flops)(n, seq_len) + (n * mlp if stream else 0.0)
 
-    original = (dims.layer_flops if stream else dims.attention_flops)(tokens, seq_len)
-    targets = original * (2 if stream else 1)  # the targets (the stream target: and x0 onward)
-    # the error before and after, then the steps: forward + backward
-    return targets + 2 * student(tokens) + settings.steps * 3 * student(settings.batch_size * seq_len)
+    targets = (dims.layer_flops if stream else dims.attention_flops)(tokens, seq_len)
+    # The error before and after, then the steps (forward + backward). With the stream target the targets are
+    # the original model's activations after the layer and the error after the steps runs the converted layer
+    # on x, so the layer walk carries both on (`outputs`) and runs neither again: the walk's own propagation,
+    # which each conversion counts, is that error pass, unless the conversion propagates again (`hooks`).
+    errors = 1 if stream and not hooks else 2
+    return targets + errors * student(tokens) + settings.steps * 3 * student(settings.batch_size * seq_len)
 
 
 def relative_error(out: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None = None) -> float:
@@ -172,7 +175,8 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
                  sin: torch.Tensor, settings: RefineSettings, x0: torch.Tensor | None = None,
                  trainable: list[str] | None = None,
                  converted_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 forward_kwargs: dict[str, Any] | None = None, prepare=None) -> dict[str, float | bool]:
+                 forward_kwargs: dict[str, Any] | None = None, prepare=None,
+                 outputs: dict[str, torch.Tensor] | None = None) -> dict[str, float | bool]:
     """Train `converted`'s attention parameters in place (see the module docstring); x [N, T, D] are its
     inputs, x0 the original model's activations at this depth (target `stream`). Returns the relative
     squared error over all of x before and after, and whether the steps ran: a layer that already matches
@@ -188,6 +192,10 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     can compute it faster than a forward (linear attention with only its mix to fit precomputes what does
     not depend on it); the steps, picks, errors and optimizer are the same.
 
+    outputs: with the stream target, filled with what the layer walk would compute next: "x0", the original
+    layer's output on x0 (the targets), and "x", the converted layer's output on x after the steps (the last
+    error pass), so that neither runs twice.
+
     Modules stay in the mode they come in (eval for every conversion here: a VQ layer in training mode
     would move its codebook by EMA at every forward). On a GPU (`settings.device`) both layers and the
     activations are moved there for the steps and the layers moved back after: the caller's tensors stay
@@ -195,7 +203,7 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     """
     if settings.device != "cpu":
         return _refine_on(settings.device, converted, original, x, cos, sin, settings, x0, trainable, converted_rope,
-                          forward_kwargs, prepare)
+                          forward_kwargs, prepare, outputs)
     ccos, csin = converted_rope or (cos, sin)
     kwargs = forward_kwargs or {}
     batch = settings.batch_size
@@ -214,9 +222,15 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
 
     energy = scale / targets[..., 0].numel()  # per position: the loss below is a mean over positions
 
+    keep = outputs is not None and settings.target == "stream"
+    if keep:
+        outputs["x0"] = targets
+
     def error() -> float:
         with torch.no_grad():
             out = torch.cat([predict(torch.arange(i, min(i + batch, len(x)))) for i in range(0, len(x), batch)])
+            if keep:
+                outputs["x"] = out
             return relative_error(out, targets, scale)
 
     before = error()
@@ -249,8 +263,8 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
 
 
 def _refine_on(device: str, converted, original, x, cos, sin, settings: RefineSettings, x0, trainable, converted_rope,
-               forward_kwargs, prepare=None) -> dict[str, float | bool]:
-    """refine_layer with its steps on `device`; the modules come back to the CPU whatever happens."""
+               forward_kwargs, prepare=None, outputs=None) -> dict[str, float | bool]:
+    """refine_layer with its steps on `device`; the modules (and `outputs`) come back to the CPU whatever happens."""
     from dataclasses import replace
 
     def to(t):
@@ -262,7 +276,10 @@ def _refine_on(device: str, converted, original, x, cos, sin, settings: RefineSe
         return refine_layer(converted, original, to(x), to(cos), to(sin), replace(settings, device="cpu"),
                             x0=to(x0), trainable=trainable,
                             converted_rope=tuple(to(t) for t in converted_rope) if converted_rope else None,
-                            forward_kwargs={k: to(v) for k, v in (forward_kwargs or {}).items()}, prepare=prepare)
+                            forward_kwargs={k: to(v) for k, v in (forward_kwargs or {}).items()}, prepare=prepare,
+                            outputs=outputs)
     finally:
+        for k, v in (outputs or {}).items():
+            outputs[k] = v.cpu()
         converted.to("cpu")
         original.to("cpu")

@@ -324,7 +324,7 @@ class VQConversion(_ReRoPEBase):
                      + dims.layer_flops(N, T) + VQ_FORWARD_EXTRA * dims.attention_flops(N, T))
         refine = replace(opts.refine_settings(), seed=opts.seed)
         # refinement's passes run the VQ attention (and its backward: the PyTorch step loop)
-        per_layer += VQ_REFINE_EXTRA * refine_flops(dims, refine, N, T)
+        per_layer += VQ_REFINE_EXTRA * refine_flops(dims, refine, N, T, hooks=bool(exact_heads))
         est = read_time(ckpt) + compute_seconds(shape.layers * per_layer)
         est_peak = calibrated_bytes(ckpt, family, calib, refine) + 3 * shape.kv_heads * N * shape.head_dim * 4
         if refine.steps:
