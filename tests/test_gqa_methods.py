@@ -236,7 +236,7 @@ def test_calibrated_methods_refine_by_default_and_weight_only_methods_do_not(tin
     out = convert(src, tmp_path / "default", to="mqa", options=_opts("calibrated", calib_file), measure=False).out
     record = json.loads((out / "effattn.json").read_text())
     settings = record["conversion"]
-    assert (settings["refine_steps"], settings["refine_lr"], settings["refine_target"]) == (20, 3e-4, "stream")
+    assert (settings["refine_steps"], settings["refine_lr"], settings["refine_target"]) == (36, 3e-4, "stream")
     assert len(record["conversion_run"]["refine"]["before"]) == 2
     mean = convert(src, tmp_path / "mean", to="mqa", options={"method": "mean"}, measure=False).out  # no error
     assert "conversion_run" not in json.loads((mean / "effattn.json").read_text())

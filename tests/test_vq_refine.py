@@ -140,7 +140,7 @@ def test_a_recipe_refines_vq_and_refuses_a_misspelt_refine_option():
 
 
 @pytest.mark.parametrize("name, defaults", [
-    ("gqa", RefineSettings(20, 3e-4, "stream")), ("mla", RefineSettings(30, 3e-4, "stream")),
+    ("gqa", RefineSettings(36, 3e-4, "stream")), ("mla", RefineSettings(30, 3e-4, "stream")),
     ("linear", RefineSettings(40, 1e-2, "attention")), ("vq", RefineSettings(0, 1e-4, "attention")),
 ])
 def test_the_refine_options_are_declared_once_and_listed_last(name, defaults):

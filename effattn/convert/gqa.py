@@ -375,9 +375,10 @@ class GQAOptions(RefineOptions):
     method: str = Field(DEFAULT_METHOD, description=f"how heads are merged: {', '.join(METHODS)}")
     calib: str = Field(DEFAULT_CALIB, description=CALIB_HELP + " (calibrated methods)")
     calib_tokens: int = Field(16384, ge=1, description="calibration tokens (calibrated methods)")
-    # On by default since 2026-12-05: on SmolLM2's MQA, 20 steps towards the original model's activations at
-    # 3e-4 lower held-out perplexity by 11-25% and keep the conversion under 5 minutes (BENCHMARKS, gqa-refine).
-    refine_steps: Steps = Field(20, description="local refinement: optimizer steps per layer fitting the original "
+    # On by default since 2026-12-05: on SmolLM2's MQA, steps towards the original model's activations at 3e-4
+    # lower held-out perplexity by 11-25% (20 steps). 36 since 2026-12-06, when the walk stopped running the stream
+    # target's passes twice: as many as fit the 5 minutes with a margin, chosen on training text (BENCHMARKS, gqa-refine).
+    refine_steps: Steps = Field(36, description="local refinement: optimizer steps per layer fitting the original "
                                                 "model (calibrated methods; 0: off, the closed-form merge alone)")
     refine_lr: LearningRate = refine_default("refine_lr", 3e-4)
     refine_target: Target = refine_default("refine_target", "stream")

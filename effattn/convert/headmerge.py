@@ -233,6 +233,14 @@ def merge_pooled_keys(key_cov: torch.Tensor, q_cov: torch.Tensor, members: list[
         S.append(evecs @ torch.diag(evals.sqrt()) @ evecs.T)
         S_inv.append(evecs @ torch.diag(evals.rsqrt()) @ evecs.T)
     big = torch.block_diag(*S)
+    if reference is not None:
+        whole = torch.trace(big @ cov @ big)
+        cross = big @ cov @ reference.T  # E[(S x) y_refᵀ]
+        gram = reference @ cov @ reference.T  # E[y_ref y_refᵀ]
+        fit = torch.linalg.lstsq(gram, cross.T).solution.T  # S x ≈ fit y_ref
+        if whole - torch.trace(fit @ cross.T) <= 1e-9 * whole.clamp_min(1e-300):
+            return PooledKeys(members, dims, reference.clone(),
+                              torch.stack([S_inv[i] @ fit[i * n:(i + 1) * n] for i in range(r)]))
     evals, evecs = torch.linalg.eigh(big @ cov @ big)
     # ascending: the largest components go last, i.e. to the slowest pair of the block
     U, lam = evecs[:, -n:], evals[-n:].clamp_min(0)
@@ -242,14 +250,6 @@ def merge_pooled_keys(key_cov: torch.Tensor, q_cov: torch.Tensor, members: list[
     target = torch.diagonal(cov).mean()
     scale = torch.where(lam > 0, (target / lam.clamp_min(1e-300)).sqrt(), torch.ones_like(lam))
     A, B = A * scale[:, None], B / scale[None, None, :]  # now E[y yᵀ] = target·I on the kept components
-    if reference is not None:
-        whole = torch.trace(big @ cov @ big)
-        cross = big @ cov @ reference.T  # E[(S x) y_refᵀ]
-        gram = reference @ cov @ reference.T  # E[y_ref y_refᵀ]
-        fit = torch.linalg.lstsq(gram, cross.T).solution.T  # S x ≈ fit y_ref
-        if whole - torch.trace(fit @ cross.T) <= 1e-9 * whole.clamp_min(1e-300):
-            return PooledKeys(members, dims, reference.clone(),
-                              torch.stack([S_inv[i] @ fit[i * n:(i + 1) * n] for i in range(r)]))
     return PooledKeys(members, dims, A, B)
 
 
