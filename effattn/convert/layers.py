@@ -4,9 +4,12 @@
 checkpoint and hands them to the conversion's per-layer function, which returns the tensors to write
 (new shapes, new buffers) and, on a calibrated run, the converted layer as a module. The runner then
   1. optionally refines that module (refine.py: a few optimizer steps fitting the original layer's
-     attention output on the same inputs),
+     attention output on the same inputs, or the original model's activations after the layer),
   2. writes the layer's tensors and releases the checkpoint's pages,
   3. propagates the calibration activations through the converted layer: they are layer i+1's inputs.
+     Refinement towards the original model's activations has computed both already (the original layer's
+     output on its own activations, its targets; the refined layer's output, its last error pass), and
+     they are carried on rather than computed again.
 A layer's tensors are exactly those its function returns (a conversion may rename or drop some);
 tensors outside the layers (embeddings, final norm, head) are copied at the end.
 
