@@ -42,6 +42,7 @@ CASES = {
     "big8-calibrated": ("big8", "convert {model} --to mqa --calib-tokens 4096 --refine-steps 0 --no-eval -o OUT"),
     "big8-vq": ("big8", "vq-init {model} --codebook-size 256 --calib-tokens 4096 --no-eval -o OUT"),
     "finetune-heal": ("llama", "finetune {recipe}"),
+    "mqa-refined": ("llama", "convert {model} --to mqa --no-eval -o OUT"),  # the default since 2026-12-05 (stream steps)
 }
 
 RECIPE = """\
