@@ -181,6 +181,8 @@ def test_qwen3_keys_are_not_pooled_and_the_plan_says_why(tiny, tmp_path, calib_f
     opts = {"method": "calibrated", "calib": calib_file, "calib_tokens": 1024, "refine_steps": 0}
     out = convert(src, tmp_path / "out", to="mqa", options=opts, measure=False).out
     assert json.loads((out / "effattn.json").read_text())["conversion"]["key_pool_pairs"] == 0
+    summary = dict(convert(src, None, to="mqa", options=opts, dry_run=True).plan.summary)
+    assert "(none: qwen3 norms each key head, so its keys are mean-pooled)" in summary["keys"]
     llama = convert(tiny("llama", heads=6, kv_heads=3, head_dim=8, **_slow_rope()), tmp_path / "l", to="mqa",
                     options=opts, measure=False).out
     assert json.loads((llama / "effattn.json").read_text())["conversion"]["key_pool_pairs"] == 1

@@ -302,7 +302,7 @@ class HeadMergeMethod:
             if stats.pool_dims and self.merge == "pca" and attn.k_norm is None:
                 # the slow pairs: one PCA across their frequencies (PooledKeys) replaces their per-frequency merge
                 self._pool_keys(stats, attn, km, [(p, reads[p], int(order[p])) for p in positions], q_blocks, qb_blocks,
-                                key, key_b, qs, qbs)
+                                key, key_b, qs, qbs, G, d)
             new_k.append(key)
             new_kb += [] if key_b is None else [key_b]
             new_q += qs
@@ -327,15 +327,14 @@ class HeadMergeMethod:
 
     @staticmethod
     def _pool_keys(stats: LayerStats, attn: LayerAttention, km: KeyMerge, heads: list[tuple[int, int, int]],
-                   q_blocks, qb_blocks, key, key_b, qs, qbs) -> None:
+                   q_blocks, qb_blocks, key, key_b, qs, qbs, G: int, d: int) -> None:
         """Write the cross-frequency merge of the slow pairs (PooledKeys; `km`, the per-frequency merge, is
         kept where it is exact) into the group's new key rows `key` / `key_b` and its query heads `qs` /
         `qbs`, in place. heads: (new position, old KV head read, old query head) of each of the group's
-        query heads, in the order of qs."""
+        query heads, in the order of qs; G old KV heads of head_dim d."""
         members = km.members
         dims = torch.tensor(stats.pool_dims)
-        n, G = len(dims), stats.pool_key_cov.shape[0] // len(dims)
-        d = attn.k.shape[0] // G
+        n = len(dims)
         q_cov = torch.zeros(G, n, n, dtype=torch.float64)
         for _, g, old in heads:
             q_cov[g] += stats.pool_q_cov[old]
