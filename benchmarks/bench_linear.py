@@ -126,17 +126,25 @@ def quality(args) -> None:
     if args.exact_heads:
         todo = [(f"{label} exact {k}", path, seconds, spec, stage, k) for label, path, seconds, spec, stage in todo
                 for k in map(int, args.exact_heads.split(","))]
-    for label, path, seconds, spec, stage, *exact in todo:
+    if args.global_cache:
+        todo = [(*row[:5], *(row[5:] or [None]), g) for row in todo for g in map(int, args.global_cache.split(","))]
+        todo = [(f"{row[0]} global {row[6]}", *row[1:]) for row in todo]
+    for label, path, seconds, spec, stage, *extra in todo:
+        exact = [extra[0]] if extra and extra[0] is not None else []
+        glob = extra[1] if len(extra) > 1 else None
         load = os.getloadavg()[0]
         model, _, _ = load_model(str(path), tokenizer=False)
         if exact:
             model.config.linear_exact_heads = top_heads(path, exact[0])
+        if glob is not None:
+            model.config.linear_global_cache = glob
         t0 = time.perf_counter()
         with torch.inference_mode():
             result = {c: {k: v for k, v in scores(model, blocks[c], top[c]).items() if k != "top"} for c in corpora}
         row = {"label": label, "spec": spec, "stage": stage, "path": str(path), "convert_s": seconds,
                "tokens": args.tokens, "context": args.context, "original": base, "scores": result,
                **({"exact_heads": model.config.linear_exact_heads} if exact else {}),
+               **({"global_cache": glob} if glob is not None else {}),
                "eval_s": round(time.perf_counter() - t0, 1), "load_before": load, "load_after": os.getloadavg()[0],
                "machine": machine(), "commit": commit()}
         record(row)
@@ -165,6 +173,8 @@ def main() -> None:
     parser.add_argument("--models", default="", help="NAME=PATH of already made models, comma-separated")
     parser.add_argument("--exact-heads", default="", help="quality: K1,K2,...: score each model once per K with the "
                         "top K heads of its conversion's ranking exact")
+    parser.add_argument("--global-cache", default="", help="quality: G1,G2,...: score each model once per G with G far "
+                        "keys per head kept exact by self-recall error (`linear_global_cache`, LoLA)")
     parser.add_argument("--corpora", default="shakespeare,britannica")
     parser.add_argument("--tokens", type=int, default=None, help="quality: tokens per corpus (8192); decode: steps (16)")
     parser.add_argument("--context", type=int, default=2048)

@@ -120,6 +120,8 @@ def test_the_output_loads_with_remote_code_and_decodes_as_the_full_forward(tiny,
     (["--window", "4096"], ["covers the whole trained context"]),
     (["--sinks", "2", "--window", "0"], ["--sinks 2 needs a window", "--window W"]),
     (["--sinks", "-1"], ["--sinks must be an integer >= 0, got -1"]),
+    (["--global-cache", "8", "--window", "0"], ["--global-cache 8 needs a window", "--window W"]),
+    (["--global-cache", "-2"], ["--global-cache must be an integer >= 0, got -2"]),
     (["--refine-steps", "0", "--calib-tokens", "1024"], ["--calib-tokens set attention transfer", "--refine-steps 0"]),
     (["--calib-seq-len", "64", "--window", "64"], ["must be longer than the window"]),
     (["--codebook-size", "8"], ["--codebook-size does not apply to linear"]),
@@ -564,3 +566,40 @@ def test_the_fine_tunes_plan_counts_the_hybrids_activations_and_the_cpus_best_ra
     budget = (taylor["memory_bytes_per_process"]["total"] + checkpointed["memory_bytes_per_process"]["total"]) // 2
     with pytest.raises(EffattnError, match="distributed.activation_checkpointing=true"):
         plan("student.convert.feature_map=taylor", device_memory=int(budget / finetune_plan.MEMORY_MARGIN))
+
+
+def test_a_global_cache_is_planned_fitted_without_it_and_decodes_as_the_full_forward(tiny, tmp_path, capsys):
+    """`--global-cache G` (LoLA): the plan counts G keys, values, feature keys and positions per query head and the
+    undecided block; the maps are fitted as without it (same tensors); the output decodes as its full forward."""
+    src = tiny("llama", heads=6, kv_heads=2, head_dim=8, layers=2)
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "performer", "--features",
+                                "16", "--sinks", "0", "--global-cache", "5", "--dry-run", "--json", "--no-eval")
+    assert code == 0, err
+    plan = json.loads(stdout)
+    assert plan["settings"]["global_cache"] == 5
+    assert "a global cache of 5 far keys per head" in plan["summary"]["attention"]
+    per_key = 8 * 4 + 8 * 4 + 16 * 4  # key, value, feature key (float32)
+    extra = 2 * 6 * (5 * (per_key + 8) + 63 * per_key)
+    assert f"global cache 5 keys/head and the undecided block {extra:,}" in plan["summary"]["KV cache"]
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "performer", "--features",
+                                "16", "--sinks", "0", "--dry-run", "--json", "--no-eval")
+    assert json.loads(stdout)["kv_bytes_per_token"][1] == pytest.approx(plan["kv_bytes_per_token"][1] - extra / 4096)
+
+    opts = FAST | {"projection_dim": 8, "sinks": 2}
+    with_cache = convert(src, tmp_path / "g", to="linear", options=opts | {"global_cache": 3}, measure=False).out
+    without = convert(src, tmp_path / "plain", to="linear", options=opts, measure=False).out
+    assert load_file(with_cache / "model.safetensors").keys() == load_file(without / "model.safetensors").keys()
+    for name, tensor in load_file(with_cache / "model.safetensors").items():
+        torch.testing.assert_close(tensor, load_file(without / "model.safetensors")[name], rtol=0, atol=0)
+    model = load(with_cache)
+    assert model.config.linear_global_cache == 3
+    full = logits(model)
+    assert (full - logits(load(without))).abs().max() > 1e-6  # the far keys it keeps change the output
+    pieces, cache, start, got = [13] + [1] * (IDS.shape[1] - 13), None, 0, []
+    with torch.no_grad():
+        for n in pieces:
+            step = model(input_ids=IDS[:, start:start + n], cache=cache, use_cache=True)
+            cache, start = step.cache, start + n
+            got.append(step.logits)
+    assert all(state.cache_k.shape[1] == 3 for state in cache.states.values())
+    torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-9, atol=1e-9)

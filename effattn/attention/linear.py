@@ -60,6 +60,7 @@ from effattn.kernels.linear.recurrent import HybridState, hybrid_attention_step,
 from effattn.kernels.linear.features import FEATURE_MAPS, HedgehogFeatureMap, feature_map
 from effattn.kernels.linear.decode import LinearDecodeState, can_decode, from_state
 from effattn.kernels.linear.decode import decode_step as native_decode_step
+from effattn.kernels.linear.global_cache import GlobalCacheState, global_cache_attention, global_cache_naive
 
 LINEAR_MODEL_TYPE = "effattn_linear"
 # every linear-attention setting lives in the config under these names; all other keys belong to the base model
@@ -72,6 +73,7 @@ LINEAR_DEFAULTS = {
     "linear_eps": 1e-6,  # added to the shared normaliser
     "linear_kernel": "chunk",  # prefill/training kernel: "chunk" (linear time) or "naive" (the quadratic reference)
     "linear_exact_heads": [],  # [layer, KV head] pairs that keep their original attention (a growing cache on those heads)
+    "linear_global_cache": 0,  # far keys per head kept exact by self-recall error (LoLA's sparse cache; needs a window)
 }
 LINEAR_KERNELS = ("chunk", "naive")
 # initial window_factors: sigmoid(-ln 10) = 1/11, so wf/lf = 0.1 (LoLCATs' released configs; module docstring)
@@ -202,6 +204,8 @@ class LinearAttention(AdoptedAttention):
         unless `stateful`)."""
         cfg = self.config
         T = q.shape[1]
+        if int(getattr(cfg, "linear_global_cache", 0) or 0):
+            return self._global(q, k, v, position_embeddings, state, stateful, rows)
         hedgehog = isinstance(self.feature_map_q, HedgehogFeatureMap)
         pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731  per-head parameters
         maps = (self.feature_map_q.weight, self.feature_map_k.weight) if hedgehog else ()
@@ -229,6 +233,20 @@ class LinearAttention(AdoptedAttention):
                                                 state=state, return_state=True)
         return out, (_stored(state) if stateful else None)
 
+    def _global(self, q, k, v, position_embeddings, state, stateful: bool, rows: torch.Tensor | None):
+        """`_hybrid` with LoLA's global cache (`linear_global_cache` far keys per head kept exact,
+        kernels/linear/global_cache.py): one kernel for training, prefill and decoding, continuing `state`."""
+        cfg = self.config
+        pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731  per-head parameters
+        q, k, v, fq, fk = self._kernel_inputs(q, k, v, position_embeddings, rows)
+        wf, lf = (pick(x) for x in self.mix())  # [H] each
+        settings = dict(window=cfg.linear_window, sinks=int(cfg.linear_sinks), capacity=int(cfg.linear_global_cache),
+                        window_factor=wf, linear_factor=lf, scale=self.scaling, eps=float(cfg.linear_eps))
+        if cfg.linear_kernel == "naive" and state is None and not stateful:  # the quadratic reference
+            return global_cache_naive(q, k, v, fq, fk, **settings), None
+        out, state = global_cache_attention(q, k, v, fq, fk, **settings, state=state, return_state=True)
+        return out, (state.detached() if stateful else None)
+
     def _kernel_inputs(self, q, k, v, position_embeddings, rows: torch.Tensor | None = None) -> tuple:
         """The kernels' inputs from the projections (q [B, T, len(rows), D], k and v their KV heads): q and k
         rotated, k and v repeated to the query heads, and the feature maps of both: (q, k, v, fq, fk)."""
@@ -244,6 +262,9 @@ class LinearAttention(AdoptedAttention):
         if self.exact_heads:
             raise ValueError(f"layer {self.layer_idx} has exact heads {self.exact_heads}: their output does not come "
                              "from the mix; use forward()")
+        if int(getattr(self.config, "linear_global_cache", 0) or 0):
+            raise ValueError("the global cache chooses its keys by the state the mix does not enter, but its four sums "
+                             "are not computed separately; use forward()")
         q, k, v = self.project(hidden_states)  # [B, T, H, D], [B, T, G, D], [B, T, G, D]
         q, k, v, fq, fk = self._kernel_inputs(q, k, v, position_embeddings)
         cfg = self.config

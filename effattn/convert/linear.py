@@ -186,6 +186,10 @@ class LinearOptions(RefineOptions):
                                                                f"(F = 2P features; default {MAP_DEFAULTS['projection_dim']})")
     features: int | None = Field(None, ge=1, description="performer: number of random features F "
                                                          f"(default {MAP_DEFAULTS['features']})")
+    global_cache: int = Field(0, ge=0, description="G: far keys per query head kept under exact softmax, those whose "
+                              "values the linear state recalls worst (LoLA's sparse global cache, chosen as keys leave "
+                              "the window); the cache stays constant; needs --window > 0; the maps are fitted without "
+                              "it (LoLA needs no training) (0: none)")
     exact_heads: int = Field(0, ge=0, description="K: the K KV heads whose attention output the hybrid changes most on "
                                                   "the calibration text (after attention transfer) keep their original "
                                                   "attention, with a cache that grows on those heads (0: none)")
@@ -291,9 +295,19 @@ def sink_bytes(shape: AttentionShape, sinks: int, dtype: torch.dtype) -> float:
     return float(sinks * shape.layers * shape.heads * 2 * shape.head_dim * dtype.itemsize)
 
 
+def global_cache_bytes(shape: AttentionShape, capacity: int, feature_dim: int, window: int, dtype: torch.dtype,
+                       fk_dtype: torch.dtype) -> float:
+    """Bytes a whole model's global cache adds to the LinearCache: per layer and query head, `capacity` keys, values,
+    feature keys and positions (int64), and the block of up to window - 1 keys that have left the window and wait
+    for their decision (kernels/linear/global_cache.py)."""
+    per_key = 2 * shape.head_dim * dtype.itemsize + feature_dim * fk_dtype.itemsize
+    return float(shape.layers * shape.heads * (capacity * (per_key + 8) + (window - 1) * per_key)) if capacity else 0.0
+
+
 def cache_line(before: float, state: float, window_bytes: float, window: int, trained: int, sinks: int = 0,
-               sink_total: float = 0.0, exact_bytes: float = 0.0, exact_heads: int = 0) -> str:
-    fixed = state + window * window_bytes + sink_total
+               sink_total: float = 0.0, exact_bytes: float = 0.0, exact_heads: int = 0, global_total: float = 0.0,
+               capacity: int = 0) -> str:
+    fixed = state + window * window_bytes + sink_total + global_total
     even = fixed / (before - exact_bytes)
     at = fixed / trained + exact_bytes
     start = f"after {window + sinks} tokens" if window else "from the first token"
@@ -301,7 +315,9 @@ def cache_line(before: float, state: float, window_bytes: float, window: int, tr
             + ("the hybrid heads' part constant " if exact_heads else "constant ") + f"{start}, "
             f"{fixed:,.0f} bytes per sequence (state S, z {state:,.0f}"
             + (f" + window {window} x {window_bytes:,.0f} bytes/token" if window else "")
-            + (f" + {sinks} sinks {sink_total:,.0f}" if sinks else "") + ")"
+            + (f" + {sinks} sinks {sink_total:,.0f}" if sinks else "")
+            + (f" + global cache {capacity} keys/head and the undecided block {global_total:,.0f}" if capacity else "")
+            + ")"
             + (f" + {exact_bytes:,.0f} bytes/token for the {exact_heads} exact heads' keys and values" if exact_heads
                else "")
             + (f"; smaller than the original's beyond {even:,.0f} tokens" if even < trained else
@@ -319,8 +335,8 @@ class LinearConversion:
         config_class=lambda: _linear_classes()[0], model_class=lambda: _linear_classes()[1],
         modeling_file="modeling_effattn_linear.py",
         modules=("kernels/rope.py", "attention/exact.py", "kernels/linear/naive.py", "kernels/linear/recurrent.py",
-                 "kernels/linear/decode.py", "kernels/linear/chunk.py", "kernels/linear/features.py", "attention/wrapped.py",
-                 "attention/linear.py"),
+                 "kernels/linear/decode.py", "kernels/linear/chunk.py", "kernels/linear/global_cache.py",
+                 "kernels/linear/features.py", "attention/wrapped.py", "attention/linear.py"),
         layer_activation_bytes=layer_activation_bytes)
     Options = LinearOptions
     memory_options = ("calib_tokens",)
@@ -347,6 +363,10 @@ class LinearConversion:
         if opts.window >= trained:
             raise EffattnError(f"--window {opts.window:,} covers the whole trained context ({trained:,} tokens): "
                                "no key would reach the linear attention", f"use a window below {trained:,} (default 64)")
+        if opts.global_cache and not opts.window:
+            raise EffattnError(f"--global-cache {opts.global_cache} needs a window: far keys leave the window in blocks "
+                               "of its size, and --window 0 has none",
+                               "give --window W (default 64), or --global-cache 0")
         exact_heads = opts.exact_heads
         if exact_heads > shape.layers * shape.kv_heads:
             raise EffattnError(f"--exact-heads {exact_heads} is more than the model's {shape.layers * shape.kv_heads} "
@@ -362,7 +382,8 @@ class LinearConversion:
                                                               "max_window_layers", "layer_types")}
         if base.get("model_type") == "mistral":
             base["sliding_window"] = None
-        new = linear_config_from(base, linear_feature_map=spec, linear_window=opts.window, linear_sinks=sinks)
+        new = linear_config_from(base, linear_feature_map=spec, linear_window=opts.window, linear_sinks=sinks,
+                                 linear_global_cache=opts.global_cache)
         if target is not None:
             new["dtype"] = str(target).replace("torch.", "")
             new.pop("torch_dtype", None)
@@ -375,11 +396,14 @@ class LinearConversion:
         fk_dtype = torch.promote_types(dtype, torch.float32) if spec["name"] == "performer" else dtype
         state_bytes, window_bytes = cache_parts(shape, fdim, opts.window, dtype, fk_dtype)
         sink_total = sink_bytes(shape, sinks, dtype)
+        global_total = global_cache_bytes(shape, opts.global_cache, fdim, opts.window, dtype, fk_dtype)
         # the exact heads' keys and values, per token (growing), as the original caches them
         exact_bytes = exact_heads * 2 * shape.head_dim * dtype.itemsize
         linear_share = 1 - exact_heads / (shape.layers * shape.kv_heads)  # of the state, window and sinks
-        state_bytes, window_bytes, sink_total = (x * linear_share for x in (state_bytes, window_bytes, sink_total))
-        after = (state_bytes + min(opts.window, trained) * window_bytes + sink_total) / trained + exact_bytes
+        state_bytes, window_bytes, sink_total, global_total = (x * linear_share for x in (state_bytes, window_bytes,
+                                                                                          sink_total, global_total))
+        fixed = state_bytes + min(opts.window, trained) * window_bytes + sink_total + global_total
+        after = fixed / trained + exact_bytes
         trainable = sum(t.numel() for n, t in tensors.items() if n == "window_factors" or n.endswith("weight")
                         or n.endswith("bias"))
         map_words = {"hedgehog": f"hedgehog, P {spec.get('projection_dim')} (F {fdim}, learned)",
@@ -389,9 +413,10 @@ class LinearConversion:
                              f"{shape.kv_heads} KV heads, q/k/v/o unchanged"),
                    ("attention", (f"softmax over the last {opts.window} keys + " if opts.window else "")
                     + (f"the first {sinks} (sinks) + " if sinks else "")
+                    + (f"a global cache of {opts.global_cache} far keys per head (LoLA) + " if opts.global_cache else "")
                     + f"linear attention beyond, feature map {map_words}")]
         settings: dict[str, Any] = {"feature_map": spec["name"], "window": opts.window, "sinks": sinks,
-                                    "exact_heads": exact_heads}
+                                    "exact_heads": exact_heads, "global_cache": opts.global_cache}
         if "projection_dim" in spec:
             settings["projection_dim"] = spec["projection_dim"]
         if "num_features" in spec:
@@ -467,7 +492,7 @@ class LinearConversion:
             settings["refine_steps"] = 0
             summary.append(("attention transfer", "none (--refine-steps 0): the feature maps keep their initial values"))
         summary.append(("KV cache", cache_line(before, state_bytes, window_bytes, opts.window, trained, sinks,
-                                               sink_total, exact_bytes, exact_heads)))
+                                               sink_total, exact_bytes, exact_heads, global_total, opts.global_cache)))
         if exact_heads:
             summary.append(("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose attention "
                                            "output the hybrid changes most on the calibration text (after attention "
@@ -477,7 +502,7 @@ class LinearConversion:
                     summary=summary, kv_bytes_per_token=(before, after), est_seconds=est_seconds,
                     est_peak_bytes=est_peak,
                     # a query reads its window's keys and one F-dimensional state
-                    state=state | {"attention_span": lambda context: opts.window + sinks + fdim
+                    state=state | {"attention_span": lambda context: opts.window + sinks + opts.global_cache + fdim
                                    + round((1 - linear_share) * context)})
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
@@ -485,7 +510,8 @@ class LinearConversion:
 
         st = plan.state
         shape = st["shape"]
-        cfg = EffattnLinearConfig(**plan.config)
+        # attention transfer fits the hybrid without the global cache (LoLA adds it to a fitted model, untrained)
+        cfg = EffattnLinearConfig(**(plan.config | {"linear_global_cache": 0}))
         calib = st.get("calib")
         mixes: list[dict[str, float]] = []  # per layer, where `initial_mix` chose the mix's start
         errors = torch.zeros(shape.layers, 2, shape.kv_heads, dtype=torch.float64)  # per head: Σ|Δout|², Σ|out|²
