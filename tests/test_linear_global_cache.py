@@ -120,10 +120,11 @@ def test_bad_settings_are_refused():
         global_cache_attention(q, k, v, fq, fk, **settings(wf, 4, 0, 2), state=state)
 
 
-@pytest.mark.parametrize("fmap", list(MAPS))
-def test_the_model_decodes_as_its_full_forward(tiny, tmp_path, fmap):
+@pytest.mark.parametrize("fmap, exact", [("hedgehog", []), ("elu", []), ("hedgehog", [[0, 1], [1, 0]])])
+def test_the_model_decodes_as_its_full_forward(tiny, tmp_path, fmap, exact):
+    """With exact heads too: their original attention beside the other heads' hybrid and global cache."""
     model = make(tiny, tmp_path, "lin", linear_window=4, linear_sinks=2, linear_global_cache=3,
-                 linear_feature_map=MAPS[fmap])
+                 linear_feature_map=MAPS[fmap], linear_exact_heads=exact)
     perturb(model)
     full = logits(model)
     T = IDS.shape[1]

@@ -23,6 +23,9 @@ kernels/linear/naive.py): `W_t` also holds them and `F_t` does not, and the cach
 `linear_exact_heads` ([layer, KV head] pairs, chosen by the conversion's `--exact-heads K`) gives a few KV
 heads their original attention back (attention/exact.py: full RoPE softmax over every key, a cache that
 grows with the sequence on those heads): their query heads skip the maps, the mix and the linear state.
+`linear_global_cache` = G > 0 adds LoLA's sparse global cache (kernels/linear/global_cache.py): per query head the G
+far keys whose values the linear state recalls worst stay under exact softmax with the window and the sinks; the
+cache stays bounded. One kernel then serves training, prefill and decoding (no compiled step).
 (`linear_window` = 0: pure causal linear attention; a window covering the sequence: the original
 softmax attention, wf cancelling up to eps). Only the ratio wf/lf matters (up to eps), so this affine
 form loses nothing against LoLCATs' `linear_factor = 1` option.

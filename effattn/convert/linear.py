@@ -232,6 +232,12 @@ def _decode_line() -> str:
 # at T = 2,048: hedgehog (F 128) 218 MB, elu (F 64) 204 MB, taylor (F 2,145) 657 MB, against 107 MB for the generic
 # count; this model gives 220, 206 and 666.
 ACTIVATION_FEATURES, ACTIVATION_HEAD_DIMS = 3, 18
+# The global cache's kernel (linear_global_cache = G > 0) keeps, per token and query head, about
+# GLOBAL_ACTIVATION_COLUMNS floats per key its queries read exactly (the cache, the window and the sinks) beyond the
+# hybrid's count: its runs' logits, weights and gathered keys. Counted the same way on SmolLM2's layer 5 at T = 2,048
+# (window 64, 4 sinks): the attention saved 143 MB without the cache, 227 MB with G 64, 349 MB with G 256; this
+# count adds 88 MB and 215 MB.
+GLOBAL_ACTIVATION_COLUMNS = 9
 
 
 def layer_activation_bytes(config: dict, batch: int, seq_len: int) -> int:
@@ -243,7 +249,13 @@ def layer_activation_bytes(config: dict, batch: int, seq_len: int) -> int:
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     spec = config.get("linear_feature_map") or LINEAR_DEFAULTS["linear_feature_map"]
     features = build_feature_map(spec, head_dim, heads).feature_dim
-    return 4 * batch * seq_len * heads * (ACTIVATION_FEATURES * features + ACTIVATION_HEAD_DIMS * head_dim)
+    per_head = ACTIVATION_FEATURES * features + ACTIVATION_HEAD_DIMS * head_dim
+    capacity = int(config.get("linear_global_cache") or 0)
+    if capacity:  # the global cache's runs: every exactly read key's logit and weight, per query
+        window = config.get("linear_window", LINEAR_DEFAULTS["linear_window"])
+        sinks = config.get("linear_sinks", LINEAR_DEFAULTS["linear_sinks"])
+        per_head += GLOBAL_ACTIVATION_COLUMNS * (capacity + window + sinks)
+    return 4 * batch * seq_len * heads * per_head
 
 
 def _linear_classes():
@@ -311,9 +323,12 @@ def cache_line(before: float, state: float, window_bytes: float, window: int, tr
     even = fixed / (before - exact_bytes)
     at = fixed / trained + exact_bytes
     start = f"after {window + sinks} tokens" if window else "from the first token"
+    if capacity:  # the undecided block comes and goes between 1 and window - 1 keys: a bound, not a constant
+        start = f"full after about {sinks + capacity + 2 * window} tokens"
     return (f"original {before:,.0f} bytes/token (grows with length); linear: "
-            + ("the hybrid heads' part constant " if exact_heads else "constant ") + f"{start}, "
-            f"{fixed:,.0f} bytes per sequence (state S, z {state:,.0f}"
+            + ("the hybrid heads' part " if exact_heads else "")
+            + ("bounded, " if capacity else "constant ") + f"{start}, " + ("at most " if capacity else "")
+            + f"{fixed:,.0f} bytes per sequence (state S, z {state:,.0f}"
             + (f" + window {window} x {window_bytes:,.0f} bytes/token" if window else "")
             + (f" + {sinks} sinks {sink_total:,.0f}" if sinks else "")
             + (f" + global cache {capacity} keys/head and the undecided block {global_total:,.0f}" if capacity else "")

@@ -22,6 +22,8 @@ rescaled) and is not detached. ``window = 0`` is pure causal linear attention.
   the factors weigh them, which :func:`combine_parts` combines (fitting only the factors needs them once);
 * :func:`hybrid_attention_step`, :class:`HybridState`, :func:`init_state`, :func:`state_from_prefill`:
   token-by-token decoding with a constant-size state;
+* :func:`global_cache_attention`, :func:`global_cache_naive`, :class:`GlobalCacheState` (``global_cache.py``): LoLA's
+  sparse global cache on top of the hybrid, far keys the linear state recalls worst kept exact, constant memory;
 * :mod:`.features`: the feature maps (``elu``, ``performer``, ``taylor``, ``hedgehog``).
 """
 
@@ -34,12 +36,14 @@ from effattn.kernels.linear.features import (
     TaylorFeatureMap,
     feature_map,
 )
+from effattn.kernels.linear.global_cache import GlobalCacheState, global_cache_attention, global_cache_naive
 from effattn.kernels.linear.naive import HybridParts, combine_parts, hybrid_attention_naive, hybrid_parts_naive
 from effattn.kernels.linear.recurrent import HybridState, hybrid_attention_step, init_state, state_from_prefill
 
 __all__ = [
     "FEATURE_MAPS",
     "EluFeatureMap",
+    "GlobalCacheState",
     "HedgehogFeatureMap",
     "HybridParts",
     "HybridState",
@@ -47,6 +51,8 @@ __all__ = [
     "TaylorFeatureMap",
     "combine_parts",
     "feature_map",
+    "global_cache_attention",
+    "global_cache_naive",
     "hybrid_attention_chunk",
     "hybrid_attention_naive",
     "hybrid_attention_parts",
