@@ -16,6 +16,7 @@ from effattn.convert import convert
 
 from .conftest import logits_of
 from .test_cli_errors import assert_one_line_error, run_cli
+from .test_linear_model import decode_in_pieces
 
 IDS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
 # a short attention transfer on the tiny models: blocks of 64 calibration tokens, window 8
@@ -95,15 +96,10 @@ def test_the_output_loads_with_remote_code_and_decodes_as_the_full_forward(tiny,
     full = logits(model)
     torch.testing.assert_close(remote_logits(out, IDS, "EffattnLinearForCausalLM", tmp_path), full, rtol=0, atol=0)
     # cached: a prefill past the window, then one token at a time through the constant-size cache
-    pieces, cache, start, got = [13] + [1] * (IDS.shape[1] - 13), None, 0, []
-    with torch.no_grad():
-        for n in pieces:
-            step = model(input_ids=IDS[:, start:start + n], cache=cache, use_cache=True)
-            cache, start = step.cache, start + n
-            got.append(step.logits)
+    got, cache = decode_in_pieces(model, IDS, [13] + [1] * (IDS.shape[1] - 13))
     assert isinstance(cache, LinearCache)
     assert all(state.sink_k.shape[1] == 2 for state in cache.states.values())
-    torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-9)
     generated = model.generate(IDS[:1, :8], max_new_tokens=16, min_new_tokens=16, do_sample=False)
     predicted = logits(model, generated)[0, 7:-1]
     predicted[:, model.generation_config.eos_token_id] = float("-inf")  # min_new_tokens suppresses EOS
@@ -595,11 +591,6 @@ def test_a_global_cache_is_planned_fitted_without_it_and_decodes_as_the_full_for
     assert model.config.linear_global_cache == 3
     full = logits(model)
     assert (full - logits(load(without))).abs().max() > 1e-6  # the far keys it keeps change the output
-    pieces, cache, start, got = [13] + [1] * (IDS.shape[1] - 13), None, 0, []
-    with torch.no_grad():
-        for n in pieces:
-            step = model(input_ids=IDS[:, start:start + n], cache=cache, use_cache=True)
-            cache, start = step.cache, start + n
-            got.append(step.logits)
+    got, cache = decode_in_pieces(model, IDS, [13] + [1] * (IDS.shape[1] - 13))
     assert all(state.cache_k.shape[1] == 3 for state in cache.states.values())
-    torch.testing.assert_close(torch.cat(got, 1), full, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-9)

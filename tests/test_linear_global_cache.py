@@ -133,5 +133,10 @@ def test_the_model_decodes_as_its_full_forward(tiny, tmp_path, fmap, exact):
         torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-9)
     model.config.linear_kernel = "naive"  # the quadratic reference
     torch.testing.assert_close(logits(model), full, rtol=1e-9, atol=1e-9)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 5, model.config.hidden_size, dtype=torch.float64)
+    if not exact:  # the sums a map without parameters fits its mix from have no global-cache version
+        with pytest.raises(ValueError, match="has a global cache"):
+            attn.parts(x, model.model.rotary_emb(x, torch.arange(5)[None]))
     model.config.linear_global_cache = 0  # the cache changes the model
     assert (logits(model) - full).abs().max() > 1e-6

@@ -266,8 +266,8 @@ class LinearAttention(AdoptedAttention):
             raise ValueError(f"layer {self.layer_idx} has exact heads {self.exact_heads}: their output does not come "
                              "from the mix; use forward()")
         if int(getattr(self.config, "linear_global_cache", 0) or 0):
-            raise ValueError("the global cache chooses its keys by the state the mix does not enter, but its four sums "
-                             "are not computed separately; use forward()")
+            raise ValueError(f"layer {self.layer_idx} has a global cache (linear_global_cache="
+                             f"{self.config.linear_global_cache}), whose four sums are not computed apart; use forward()")
         q, k, v = self.project(hidden_states)  # [B, T, H, D], [B, T, G, D], [B, T, G, D]
         q, k, v, fq, fk = self._kernel_inputs(q, k, v, position_embeddings)
         cfg = self.config
