@@ -574,8 +574,8 @@ def test_a_global_cache_is_planned_fitted_without_it_and_decodes_as_the_full_for
     plan = json.loads(stdout)
     assert plan["settings"]["global_cache"] == 5
     assert "a global cache of 5 far keys per head" in plan["summary"]["attention"]
-    per_key = 8 * 4 + 8 * 4 + 16 * 4  # key, value, feature key (float32)
-    extra = 2 * 6 * (5 * (per_key + 8) + 63 * per_key)
+    # cached: key, value (float32) and position; waiting for a decision (63): key, value and feature key
+    extra = 2 * 6 * (5 * (8 * 4 + 8 * 4 + 8) + 63 * (8 * 4 + 8 * 4 + 16 * 4))
     assert f"global cache 5 keys/head and the undecided block {extra:,}" in plan["summary"]["KV cache"]
     code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "performer", "--features",
                                 "16", "--sinks", "0", "--dry-run", "--json", "--no-eval")
@@ -592,5 +592,5 @@ def test_a_global_cache_is_planned_fitted_without_it_and_decodes_as_the_full_for
     full = logits(model)
     assert (full - logits(load(without))).abs().max() > 1e-6  # the far keys it keeps change the output
     got, cache = decode_in_pieces(model, IDS, [13] + [1] * (IDS.shape[1] - 13))
-    assert all(state.cache_k.shape[1] == 3 for state in cache.states.values())
+    assert all(state.cache_k.shape[1] == 3 and state.cache_fk is None for state in cache.states.values())
     torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-9)

@@ -97,6 +97,27 @@ def test_the_key_the_state_recalls_worst_stays_exact():
     torch.testing.assert_close(state.cache_v, v[:, 9:10])
 
 
+def test_a_key_map_recomputes_the_cached_features_instead_of_storing_them():
+    T, W, G = 70, 5, 6
+    q, k, v, fq, _, wf = inputs(T, seed=3)
+    M = torch.randn(H, D, F, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+    def key_map(keys):  # [B, n, H, D] -> [B, n, H, F], non-negative
+        return torch.softmax(torch.einsum("bnhd,hdf->bnhf", keys, M), dim=-1)
+
+    kw = settings(wf, W, 2, G)
+    ref, stored = global_cache_attention(q, k, v, fq, key_map(k), **kw, return_state=True)
+    first, state = global_cache_attention(*(x[:, :31] for x in (q, k, v, fq, key_map(k))), **kw, return_state=True,
+                                          key_map=key_map)
+    assert state.cache_fk is None and stored.cache_fk.shape[1] == G
+    rest, state = global_cache_attention(*(x[:, 31:] for x in (q, k, v, fq, key_map(k))), **kw, state=state,
+                                         return_state=True, key_map=key_map)
+    torch.testing.assert_close(torch.cat((first, rest), 1), ref, rtol=1e-12, atol=1e-12)
+    assert stored.nbytes() - state.nbytes() == B * G * H * F * 8
+    with pytest.raises(ValueError, match="pass the same key_map"):
+        global_cache_attention(q[:, :1], k[:, :1], v[:, :1], fq[:, :1], key_map(k[:, :1]), **kw, state=state)
+
+
 def test_the_state_is_constant_in_size():
     sizes = []
     for T in (50, 90, 170):

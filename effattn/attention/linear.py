@@ -247,7 +247,8 @@ class LinearAttention(AdoptedAttention):
                         window_factor=wf, linear_factor=lf, scale=self.scaling, eps=float(cfg.linear_eps))
         if cfg.linear_kernel == "naive" and state is None and not stateful:  # the quadratic reference
             return global_cache_naive(q, k, v, fq, fk, **settings), None
-        out, state = global_cache_attention(q, k, v, fq, fk, **settings, state=state, return_state=True)
+        out, state = global_cache_attention(q, k, v, fq, fk, **settings, state=state, return_state=True,
+                                            key_map=lambda keys: self._key_features(keys, rows))
         return out, (state.detached() if stateful else None)
 
     def _kernel_inputs(self, q, k, v, position_embeddings, rows: torch.Tensor | None = None) -> tuple:
@@ -291,7 +292,13 @@ class LinearAttention(AdoptedAttention):
         if rows is None:
             return self.feature_map_q(q), self.feature_map_k(k)
         full = lambda x: x.new_zeros(*x.shape[:2], self.heads, x.shape[3]).index_copy(2, rows, x)  # noqa: E731
-        return self.feature_map_q(full(q))[:, :, rows], self.feature_map_k(full(k))[:, :, rows]
+        return self.feature_map_q(full(q))[:, :, rows], self._key_features(k, rows)
+
+    def _key_features(self, k: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The key map of the query heads `rows` (all by default) on rotated, repeated keys [B, n, len(rows), D]."""
+        if rows is None:
+            return self.feature_map_k(k)
+        return self.feature_map_k(k.new_zeros(*k.shape[:2], self.heads, k.shape[3]).index_copy(2, rows, k))[:, :, rows]
 
     def _decode(self, q, k, v, position_embeddings, state, hedgehog: bool, rows: torch.Tensor | None) -> tuple:
         """One token of the query heads `rows` (all by default) through the compiled step

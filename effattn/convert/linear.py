@@ -309,11 +309,13 @@ def sink_bytes(shape: AttentionShape, sinks: int, dtype: torch.dtype) -> float:
 
 def global_cache_bytes(shape: AttentionShape, capacity: int, feature_dim: int, window: int, dtype: torch.dtype,
                        fk_dtype: torch.dtype) -> float:
-    """Bytes a whole model's global cache adds to the LinearCache: per layer and query head, `capacity` keys, values,
-    feature keys and positions (int64), and the block of up to window - 1 keys that have left the window and wait
-    for their decision (kernels/linear/global_cache.py)."""
-    per_key = 2 * shape.head_dim * dtype.itemsize + feature_dim * fk_dtype.itemsize
-    return float(shape.layers * shape.heads * (capacity * (per_key + 8) + (window - 1) * per_key)) if capacity else 0.0
+    """Bytes a whole model's global cache adds to the LinearCache: per layer and query head, `capacity` keys, values
+    and positions (int64; the model computes the cached keys' features again at each decision), and the block of up
+    to window - 1 keys that have left the window and wait for their decision, with their feature keys
+    (kernels/linear/global_cache.py)."""
+    cached = 2 * shape.head_dim * dtype.itemsize + 8
+    waiting = 2 * shape.head_dim * dtype.itemsize + feature_dim * fk_dtype.itemsize
+    return float(shape.layers * shape.heads * (capacity * cached + (window - 1) * waiting)) if capacity else 0.0
 
 
 def cache_line(before: float, state: float, window_bytes: float, window: int, trained: int, sinks: int = 0,

@@ -39,6 +39,7 @@ and through the state, it does.
   decided, then the decision that ends the run. Plain PyTorch ops; autograd gives the backward.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -82,6 +83,8 @@ class GlobalCacheState:
         S: [B, H, F, Dv] and z: [B, H, F]: the state of the decided keys not in the cache (float32 at least).
         sink_k, sink_v: [B, s, H, *], positions ``0 .. s - 1``, ``s = min(sinks, seen)``.
         cache_k, cache_v, cache_fk: [B, g, H, *], the global cache (g <= capacity; the same g for every head);
+            cache_fk is None where the kernel is given the key map (``key_map``): the features of the cached keys are
+            then computed again at each decision instead of stored (half a cached key's bytes with F = 2 x head_dim).
         cache_pos: [B, g, H], their positions.
         k, v, fk: [B, r, H, *], the keys not yet decided: positions ``sinks + decided * window .. seen - 1`` (fewer
             than 2 * window of them).
@@ -98,7 +101,7 @@ class GlobalCacheState:
     sink_v: Tensor
     cache_k: Tensor
     cache_v: Tensor
-    cache_fk: Tensor
+    cache_fk: Tensor | None
     cache_pos: Tensor
     k: Tensor
     v: Tensor
@@ -117,8 +120,9 @@ class GlobalCacheState:
 
 def init_global_state(batch_size: int, heads: int, head_dim: int, value_dim: int, feature_dim: int, *, window: int,
                       sinks: int, capacity: int, dtype: torch.dtype = torch.float32,
-                      device: torch.device | str | None = None) -> GlobalCacheState:
-    """The empty state (no position seen); ``dtype`` is the inputs' (S, z use float32 at least)."""
+                      device: torch.device | str | None = None, store_features: bool = True) -> GlobalCacheState:
+    """The empty state (no position seen); ``dtype`` is the inputs' (S, z use float32 at least). Without
+    ``store_features`` the cache keeps no feature keys (the kernel's ``key_map`` computes them)."""
     check_capacity(capacity, window)
 
     def empty(width: int) -> Tensor:
@@ -130,7 +134,7 @@ def init_global_state(batch_size: int, heads: int, head_dim: int, value_dim: int
         S=torch.zeros(batch_size, heads, feature_dim, value_dim, dtype=stats, device=device),
         z=torch.zeros(batch_size, heads, feature_dim, dtype=stats, device=device),
         sink_k=empty(head_dim), sink_v=empty(value_dim),
-        cache_k=empty(head_dim), cache_v=empty(value_dim), cache_fk=empty(feature_dim),
+        cache_k=empty(head_dim), cache_v=empty(value_dim), cache_fk=empty(feature_dim) if store_features else None,
         cache_pos=torch.zeros(batch_size, 0, heads, dtype=torch.long, device=device),
         k=empty(head_dim), v=empty(value_dim), fk=empty(feature_dim),
     )  # fmt: skip
@@ -152,16 +156,19 @@ def _check_state(state: GlobalCacheState, k: Tensor, v: Tensor, fk: Tensor, wind
                          f"pass the state returned for this sequence, batch and feature map.")
 
 
-def _decide(state: GlobalCacheState, eps: float) -> GlobalCacheState:
+def _decide(state: GlobalCacheState, eps: float, key_map: Callable[[Tensor], Tensor] | None) -> GlobalCacheState:
     """The next decision: the cache and the oldest W undecided keys compete by self-recall error; the
-    `capacity` largest stay, the others join the state."""
+    `capacity` largest stay, the others join the state. The cached keys' features come from the state, or from
+    `key_map` where the state does not keep them."""
     W, G = state.window, state.capacity
     first = state.sinks + state.decided * W  # the block's first position
     B, _, H, _ = state.k.shape
     block_pos = torch.arange(first, first + W, device=state.k.device).view(1, W, 1).expand(B, W, H)
     cand_k = torch.cat((state.cache_k, state.k[:, :W]), dim=1)  # [B, g + W, H, D]
     cand_v = torch.cat((state.cache_v, state.v[:, :W]), dim=1)
-    cand_fk = torch.cat((state.cache_fk, state.fk[:, :W]), dim=1)
+    stored = state.cache_fk is not None
+    cache_fk = state.cache_fk if stored else key_map(state.cache_k).to(state.fk.dtype)
+    cand_fk = torch.cat((cache_fk, state.fk[:, :W]), dim=1)
     cand_pos = torch.cat((state.cache_pos, block_pos), dim=1)  # [B, g + W, H]
     with torch.no_grad():
         score = recall_error(cand_fk.detach(), cand_v.detach(), state.S.detach(), state.z.detach(), eps)
@@ -177,7 +184,8 @@ def _decide(state: GlobalCacheState, eps: float) -> GlobalCacheState:
 
     return GlobalCacheState(
         seen=state.seen, window=W, sinks=state.sinks, capacity=G, decided=state.decided + 1, S=S, z=z,
-        sink_k=state.sink_k, sink_v=state.sink_v, cache_k=take(cand_k), cache_v=take(cand_v), cache_fk=take(cand_fk),
+        sink_k=state.sink_k, sink_v=state.sink_v, cache_k=take(cand_k), cache_v=take(cand_v),
+        cache_fk=take(cand_fk) if stored else None,
         cache_pos=cand_pos.gather(1, keep), k=state.k[:, W:], v=state.v[:, W:], fk=state.fk[:, W:],
     )  # fmt: skip
 
@@ -211,19 +219,24 @@ def _run(q: Tensor, fq: Tensor, state: GlobalCacheState, t0: int, wf: Tensor, lf
 
 def global_cache_attention(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, *, window: int, sinks: int,
                            capacity: int, window_factor: Tensor | float, linear_factor: Tensor | float, scale: float,
-                           eps: float = 1e-6, state: GlobalCacheState | None = None,
-                           return_state: bool = False) -> Tensor | tuple[Tensor, GlobalCacheState]:
+                           eps: float = 1e-6, state: GlobalCacheState | None = None, return_state: bool = False,
+                           key_map: Callable[[Tensor], Tensor] | None = None) -> Tensor | tuple[Tensor, GlobalCacheState]:
     """The hybrid with a global cache (module docstring), linear in T; continues ``state`` when given (one position
     after a cached prefix is the decode step). Arguments as `hybrid_attention_naive`'s, plus ``capacity`` (G >= 0,
-    the far keys per head kept exact) and ``state``. Returns [B, T, H, Dv] in q's dtype (and the state after the T
+    the far keys per head kept exact), ``state`` and ``key_map``: the feature map of the keys ([B, n, H, D] ->
+    [B, n, H, F], what gave ``fk``); with it a new state keeps no feature keys for its cache and computes them at
+    each decision (the same numbers, fewer bytes). Returns [B, T, H, Dv] in q's dtype (and the state after the T
     positions with ``return_state``)."""
     check_hybrid_inputs(q, k, v, fq, fk, window, window_factor, linear_factor, scale, eps, sinks)
     check_capacity(capacity, window)
     B, T, H, D = q.shape
     if state is None:
         state = init_global_state(B, H, D, v.shape[3], fq.shape[3], window=window, sinks=sinks, capacity=capacity,
-                                  dtype=k.dtype, device=q.device)
+                                  dtype=k.dtype, device=q.device, store_features=key_map is None)
     _check_state(state, k, v, fk, window, sinks, capacity)
+    if state.cache_fk is None and key_map is None:
+        raise ValueError("the state keeps no feature keys for its cache (it was built with a key_map); pass the same "
+                         "key_map to continue it")
     in_dtype, dt = q.dtype, compute_dtype(q.dtype)
     wf, lf = head_weights(window_factor, H, dt, q.device), head_weights(linear_factor, H, dt, q.device)
     store = state.k.dtype
@@ -246,7 +259,7 @@ def global_cache_attention(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tens
         )  # fmt: skip
         outs.append(_run(q[:, a:e].to(dt), fq[:, a:e].to(dt), state, t0, wf, lf, scale, eps))
         while decided_blocks(state.seen, window, sinks) > state.decided:  # the next query sees one more block
-            state = _decide(state, eps)
+            state = _decide(state, eps, key_map)
         a = e
     out = (torch.cat(outs, 1) if len(outs) > 1 else outs[0]).to(in_dtype)
     return (out, state) if return_state else out
