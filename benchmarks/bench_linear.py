@@ -123,27 +123,29 @@ def quality(args) -> None:
             for v in filter(None, args.variants.split(",")) for stage in args.stages.split(",")]
     todo += [(name, Path(path), None, path, "given") for name, _, path in
              (item.partition("=") for item in filter(None, args.models.split(",")))]
+    # one row per model, K exact heads and G cached keys asked for (None: as the model's config says)
+    todo = [(label, *rest, None, None) for label, *rest in todo]
     if args.exact_heads:
-        todo = [(f"{label} exact {k}", path, seconds, spec, stage, k) for label, path, seconds, spec, stage in todo
+        todo = [(f"{row[0]} exact {k}", *row[1:5], k, None) for row in todo
                 for k in map(int, args.exact_heads.split(","))]
     if args.global_cache:
-        todo = [(*row[:5], *(row[5:] or [None]), g) for row in todo for g in map(int, args.global_cache.split(","))]
-        todo = [(f"{row[0]} global {row[6]}", *row[1:]) for row in todo]
-    for label, path, seconds, spec, stage, *extra in todo:
-        exact = [extra[0]] if extra and extra[0] is not None else []
-        glob = extra[1] if len(extra) > 1 else None
+        todo = [(f"{row[0]} global {g}", *row[1:6], g) for row in todo
+                for g in map(int, args.global_cache.split(","))]
+    model = loaded = None
+    for label, path, seconds, spec, stage, exact, glob in todo:
         load = os.getloadavg()[0]
-        model, _, _ = load_model(str(path), tokenizer=False)
-        if exact:
-            model.config.linear_exact_heads = top_heads(path, exact[0])
-        if glob is not None:
-            model.config.linear_global_cache = glob
+        if loaded != path:  # the rows of one model differ only in its config: loaded once
+            del model
+            model, _, _ = load_model(str(path), tokenizer=False)
+            loaded, saved = path, (model.config.linear_exact_heads, model.config.linear_global_cache)
+        model.config.linear_exact_heads = top_heads(path, exact) if exact is not None else saved[0]
+        model.config.linear_global_cache = glob if glob is not None else saved[1]
         t0 = time.perf_counter()
         with torch.inference_mode():
             result = {c: {k: v for k, v in scores(model, blocks[c], top[c]).items() if k != "top"} for c in corpora}
         row = {"label": label, "spec": spec, "stage": stage, "path": str(path), "convert_s": seconds,
                "tokens": args.tokens, "context": args.context, "original": base, "scores": result,
-               **({"exact_heads": model.config.linear_exact_heads} if exact else {}),
+               **({"exact_heads": model.config.linear_exact_heads} if exact is not None else {}),
                **({"global_cache": glob} if glob is not None else {}),
                "eval_s": round(time.perf_counter() - t0, 1), "load_before": load, "load_after": os.getloadavg()[0],
                "machine": machine(), "commit": commit()}
@@ -151,7 +153,6 @@ def quality(args) -> None:
         print(label, {c: f"{r['perplexity']:.2f} ({r['perplexity'] / base[c]:.3f}x, agree {r['agreement']:.1%})"
                       for c, r in result.items()}, f"convert {seconds}s" if seconds else "", f"load {load:.2f}",
               flush=True)
-        del model
 
 
 def decode(args) -> None:

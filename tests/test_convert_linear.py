@@ -556,6 +556,12 @@ def test_the_fine_tunes_plan_counts_the_hybrids_activations_and_the_cpus_best_ra
     layers = 2
     activations = {m: p["memory_bytes_per_process"]["activations"] for m, p in (("elu", elu), ("taylor", taylor))}
     assert activations["taylor"] - activations["elu"] == layers * (extra["taylor"] - extra["elu"])
+    # a global cache's kernel keeps every exactly read key's logit and weight per query: the cache, window and sinks
+    from effattn.convert.linear import GLOBAL_ACTIVATION_COLUMNS
+
+    cached = plan("student.convert.feature_map=elu", "student.convert.global_cache=5")
+    assert cached["memory_bytes_per_process"]["activations"] - activations["elu"] == \
+        layers * 4 * 2 * 64 * 6 * GLOBAL_ACTIVATION_COLUMNS * (5 + 8 + 4)
     checkpointed = plan("student.convert.feature_map=taylor", "distributed.activation_checkpointing=true")
     assert activations["taylor"] - checkpointed["memory_bytes_per_process"]["activations"] > extra["taylor"] / 2
     # a budget the plain run exceeds and the checkpointed one fits: the refusal names the setting

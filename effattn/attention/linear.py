@@ -63,7 +63,7 @@ from effattn.kernels.linear.recurrent import HybridState, hybrid_attention_step,
 from effattn.kernels.linear.features import FEATURE_MAPS, HedgehogFeatureMap, feature_map
 from effattn.kernels.linear.decode import LinearDecodeState, can_decode, from_state
 from effattn.kernels.linear.decode import decode_step as native_decode_step
-from effattn.kernels.linear.global_cache import GlobalCacheState, global_cache_attention, global_cache_naive
+from effattn.kernels.linear.global_cache import global_cache_attention, global_cache_naive
 
 LINEAR_MODEL_TYPE = "effattn_linear"
 # every linear-attention setting lives in the config under these names; all other keys belong to the base model
@@ -207,12 +207,11 @@ class LinearAttention(AdoptedAttention):
         unless `stateful`)."""
         cfg = self.config
         T = q.shape[1]
-        if int(getattr(cfg, "linear_global_cache", 0) or 0):
-            return self._global(q, k, v, position_embeddings, state, stateful, rows)
+        capacity = int(cfg.linear_global_cache)  # LoLA's global cache: its own kernel, no compiled step
         hedgehog = isinstance(self.feature_map_q, HedgehogFeatureMap)
         pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731  per-head parameters
         maps = (self.feature_map_q.weight, self.feature_map_k.weight) if hedgehog else ()
-        if can_decode(state, q, *maps):  # one token after a cached prefix, inference: the compiled step
+        if not capacity and can_decode(state, q, *maps):  # one token after a cached prefix: the compiled step
             return self._decode(q, k, v, position_embeddings, state, hedgehog, rows)
         if isinstance(state, LinearDecodeState):  # anything else continues from the plain state
             state = state.to_state()
@@ -220,6 +219,12 @@ class LinearAttention(AdoptedAttention):
         wf, lf = (pick(x) for x in self.mix())  # [H] each
         settings = dict(window=cfg.linear_window, window_factor=wf, linear_factor=lf, scale=self.scaling,
                         eps=float(cfg.linear_eps), sinks=int(cfg.linear_sinks))
+        if capacity and cfg.linear_kernel == "naive" and state is None and not stateful:  # the quadratic reference
+            return global_cache_naive(q, k, v, fq, fk, **settings, capacity=capacity), None
+        if capacity:  # training, a prefill and decoding alike (kernels/linear/global_cache.py)
+            out, state = global_cache_attention(q, k, v, fq, fk, **settings, capacity=capacity, state=state,
+                                                return_state=True, key_map=lambda keys: self._key_features(keys, rows))
+            return out, (state.detached() if stateful else None)
         if state is not None and T == 1:  # one token after a cached prefix: the recurrent step
             out, state = hybrid_attention_step(q, k, v, fq, fk, state, **settings)
         elif cfg.linear_kernel == "naive" and state is None:  # the quadratic reference
@@ -236,21 +241,6 @@ class LinearAttention(AdoptedAttention):
                                                 state=state, return_state=True)
         return out, (_stored(state) if stateful else None)
 
-    def _global(self, q, k, v, position_embeddings, state, stateful: bool, rows: torch.Tensor | None):
-        """`_hybrid` with LoLA's global cache (`linear_global_cache` far keys per head kept exact,
-        kernels/linear/global_cache.py): one kernel for training, prefill and decoding, continuing `state`."""
-        cfg = self.config
-        pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731  per-head parameters
-        q, k, v, fq, fk = self._kernel_inputs(q, k, v, position_embeddings, rows)
-        wf, lf = (pick(x) for x in self.mix())  # [H] each
-        settings = dict(window=cfg.linear_window, sinks=int(cfg.linear_sinks), capacity=int(cfg.linear_global_cache),
-                        window_factor=wf, linear_factor=lf, scale=self.scaling, eps=float(cfg.linear_eps))
-        if cfg.linear_kernel == "naive" and state is None and not stateful:  # the quadratic reference
-            return global_cache_naive(q, k, v, fq, fk, **settings), None
-        out, state = global_cache_attention(q, k, v, fq, fk, **settings, state=state, return_state=True,
-                                            key_map=lambda keys: self._key_features(keys, rows))
-        return out, (state.detached() if stateful else None)
-
     def _kernel_inputs(self, q, k, v, position_embeddings, rows: torch.Tensor | None = None) -> tuple:
         """The kernels' inputs from the projections (q [B, T, len(rows), D], k and v their KV heads): q and k
         rotated, k and v repeated to the query heads, and the feature maps of both: (q, k, v, fq, fk)."""
@@ -266,9 +256,10 @@ class LinearAttention(AdoptedAttention):
         if self.exact_heads:
             raise ValueError(f"layer {self.layer_idx} has exact heads {self.exact_heads}: their output does not come "
                              "from the mix; use forward()")
-        if int(getattr(self.config, "linear_global_cache", 0) or 0):
+        if self.config.linear_global_cache:
             raise ValueError(f"layer {self.layer_idx} has a global cache (linear_global_cache="
-                             f"{self.config.linear_global_cache}), whose four sums are not computed apart; use forward()")
+                             f"{self.config.linear_global_cache}), whose four sums are not computed apart; "
+                             "use forward()")
         q, k, v = self.project(hidden_states)  # [B, T, H, D], [B, T, G, D], [B, T, G, D]
         q, k, v, fq, fk = self._kernel_inputs(q, k, v, position_embeddings)
         cfg = self.config

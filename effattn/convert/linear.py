@@ -188,7 +188,7 @@ class LinearOptions(RefineOptions):
                                                          f"(default {MAP_DEFAULTS['features']})")
     global_cache: int = Field(0, ge=0, description="G: far keys per query head kept under exact softmax, those whose "
                               "values the linear state recalls worst (LoLA's sparse global cache, chosen as keys leave "
-                              "the window); the cache stays constant; needs --window > 0; the maps are fitted without "
+                              "the window); the cache stays bounded; needs --window > 0; the maps are fitted without "
                               "it (LoLA needs no training) (0: none)")
     exact_heads: int = Field(0, ge=0, description="K: the K KV heads whose attention output the hybrid changes most on "
                                                   "the calibration text (after attention transfer) keep their original "

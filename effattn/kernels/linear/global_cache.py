@@ -40,7 +40,7 @@ and through the state, it does.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -78,23 +78,22 @@ class GlobalCacheState:
 
     Attributes:
         seen: positions processed (the next query's position).
-        window, sinks, capacity: the settings the state was built with.
-        decided: far-key blocks decided, ``decided_blocks(seen, window, sinks)``.
+        window, sinks, capacity: the settings the state was built with. ``decided_blocks(seen, window, sinks)``
+            far-key blocks are decided.
         S: [B, H, F, Dv] and z: [B, H, F]: the state of the decided keys not in the cache (float32 at least).
         sink_k, sink_v: [B, s, H, *], positions ``0 .. s - 1``, ``s = min(sinks, seen)``.
         cache_k, cache_v, cache_fk: [B, g, H, *], the global cache (g <= capacity; the same g for every head);
             cache_fk is None where the kernel is given the key map (``key_map``): the features of the cached keys are
             then computed again at each decision instead of stored (half a cached key's bytes with F = 2 x head_dim).
         cache_pos: [B, g, H], their positions.
-        k, v, fk: [B, r, H, *], the keys not yet decided: positions ``sinks + decided * window .. seen - 1`` (fewer
-            than 2 * window of them).
+        k, v, fk: [B, r, H, *], the keys not yet decided: positions ``sinks + n * window .. seen - 1`` with n the
+            decided blocks (fewer than 2 * window of them).
     """
 
     seen: int
     window: int
     sinks: int
     capacity: int
-    decided: int
     S: Tensor
     z: Tensor
     sink_k: Tensor
@@ -114,8 +113,8 @@ class GlobalCacheState:
 
     def detached(self) -> "GlobalCacheState":
         """The state with every tensor detached (a cache for generation, not for backpropagation)."""
-        return GlobalCacheState(**{f.name: (x.detach() if isinstance(x, Tensor) else x)
-                                   for f in fields(self) for x in (getattr(self, f.name),)})
+        return replace(self, **{f.name: getattr(self, f.name).detach() for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)})
 
 
 def init_global_state(batch_size: int, heads: int, head_dim: int, value_dim: int, feature_dim: int, *, window: int,
@@ -130,7 +129,7 @@ def init_global_state(batch_size: int, heads: int, head_dim: int, value_dim: int
 
     stats = compute_dtype(dtype)
     return GlobalCacheState(
-        seen=0, window=window, sinks=sinks, capacity=capacity, decided=0,
+        seen=0, window=window, sinks=sinks, capacity=capacity,
         S=torch.zeros(batch_size, heads, feature_dim, value_dim, dtype=stats, device=device),
         z=torch.zeros(batch_size, heads, feature_dim, dtype=stats, device=device),
         sink_k=empty(head_dim), sink_v=empty(value_dim),
@@ -147,8 +146,8 @@ def _check_state(state: GlobalCacheState, k: Tensor, v: Tensor, fk: Tensor, wind
                          f"global_cache_attention returned for this sequence.")
     for name, want in (("window", window), ("sinks", sinks), ("capacity", capacity)):
         if getattr(state, name) != want:
-            raise ValueError(f"The state was built with {name}={getattr(state, name)} but this call uses {name}={want}; "
-                             f"continue a sequence with the settings that started it.")
+            raise ValueError(f"The state was built with {name}={getattr(state, name)} but this call uses "
+                             f"{name}={want}; continue a sequence with the settings that started it.")
     B, _, H, D = k.shape
     if state.k.shape[0] != B or state.k.shape[2] != H or state.S.shape[2:] != (fk.shape[3], v.shape[3]):
         raise ValueError(f"The state holds batch {state.k.shape[0]}, {state.k.shape[2]} heads and S of "
@@ -156,12 +155,13 @@ def _check_state(state: GlobalCacheState, k: Tensor, v: Tensor, fk: Tensor, wind
                          f"pass the state returned for this sequence, batch and feature map.")
 
 
-def _decide(state: GlobalCacheState, eps: float, key_map: Callable[[Tensor], Tensor] | None) -> GlobalCacheState:
-    """The next decision: the cache and the oldest W undecided keys compete by self-recall error; the
+def _decide(state: GlobalCacheState, block: int, eps: float,
+            key_map: Callable[[Tensor], Tensor] | None) -> GlobalCacheState:
+    """Decision `block`: the cache and that block, the oldest W undecided keys, compete by self-recall error; the
     `capacity` largest stay, the others join the state. The cached keys' features come from the state, or from
     `key_map` where the state does not keep them."""
     W, G = state.window, state.capacity
-    first = state.sinks + state.decided * W  # the block's first position
+    first = state.sinks + block * W  # the block's first position
     B, _, H, _ = state.k.shape
     block_pos = torch.arange(first, first + W, device=state.k.device).view(1, W, 1).expand(B, W, H)
     cand_k = torch.cat((state.cache_k, state.k[:, :W]), dim=1)  # [B, g + W, H, D]
@@ -182,22 +182,19 @@ def _decide(state: GlobalCacheState, eps: float, key_map: Callable[[Tensor], Ten
     def take(x: Tensor) -> Tensor:
         return x.gather(1, keep[..., None].expand(-1, -1, -1, x.shape[3]))
 
-    return GlobalCacheState(
-        seen=state.seen, window=W, sinks=state.sinks, capacity=G, decided=state.decided + 1, S=S, z=z,
-        sink_k=state.sink_k, sink_v=state.sink_v, cache_k=take(cand_k), cache_v=take(cand_v),
-        cache_fk=take(cand_fk) if stored else None,
-        cache_pos=cand_pos.gather(1, keep), k=state.k[:, W:], v=state.v[:, W:], fk=state.fk[:, W:],
-    )  # fmt: skip
+    return replace(state, S=S, z=z, cache_k=take(cand_k), cache_v=take(cand_v),
+                   cache_fk=take(cand_fk) if stored else None, cache_pos=cand_pos.gather(1, keep), k=state.k[:, W:],
+                   v=state.v[:, W:], fk=state.fk[:, W:])
 
 
 def _run(q: Tensor, fq: Tensor, state: GlobalCacheState, t0: int, wf: Tensor, lf: Tensor, scale: float,
          eps: float) -> Tensor:
     """The outputs of the queries at positions t0 .. t0 + n - 1 (q [B, n, H, D], fq [B, n, H, F], in the compute
-    dtype), which all see the state's decided blocks, and whose keys the state already holds. [B, n, H, Dv]."""
+    dtype), which all see the blocks decided for t0, and whose keys the state already holds. [B, n, H, Dv]."""
     dt = q.dtype
     n, W, S0 = q.shape[1], state.window, state.sinks
     t = torch.arange(t0, t0 + n, device=q.device)[:, None]  # [n, 1]
-    first = S0 + state.decided * W  # the undecided keys' first position
+    first = S0 + decided_blocks(t0, W, S0) * W  # the undecided keys' first position
     r_pos = torch.arange(first, first + state.k.shape[1], device=q.device)[None, :]  # [1, r]
     s_pos = torch.arange(state.sink_k.shape[1], device=q.device)[None, :]  # [1, s]
     g = state.cache_k.shape[1]
@@ -220,7 +217,8 @@ def _run(q: Tensor, fq: Tensor, state: GlobalCacheState, t0: int, wf: Tensor, lf
 def global_cache_attention(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tensor, *, window: int, sinks: int,
                            capacity: int, window_factor: Tensor | float, linear_factor: Tensor | float, scale: float,
                            eps: float = 1e-6, state: GlobalCacheState | None = None, return_state: bool = False,
-                           key_map: Callable[[Tensor], Tensor] | None = None) -> Tensor | tuple[Tensor, GlobalCacheState]:
+                           key_map: Callable[[Tensor], Tensor] | None = None
+                           ) -> Tensor | tuple[Tensor, GlobalCacheState]:
     """The hybrid with a global cache (module docstring), linear in T; continues ``state`` when given (one position
     after a cached prefix is the decode step). Arguments as `hybrid_attention_naive`'s, plus ``capacity`` (G >= 0,
     the far keys per head kept exact), ``state`` and ``key_map``: the feature map of the keys ([B, n, H, D] ->
@@ -243,23 +241,18 @@ def global_cache_attention(q: Tensor, k: Tensor, v: Tensor, fq: Tensor, fk: Tens
     outs, a = [], 0
     while a < T:
         t0 = state.seen
+        decided = decided_blocks(t0, window, sinks)
         # the run: the queries that see as many decided blocks as t0 (up to the next decision)
-        next_decision = sinks + (state.decided + 2) * window - 1
+        next_decision = sinks + (decided + 2) * window - 1
         e = a + min(T - a, max(next_decision - t0, 1))
         ks, vs, fks = k[:, a:e].to(store), v[:, a:e].to(store), fk[:, a:e].to(store)
         n_sink = min(max(sinks - t0, 0), e - a)  # positions of this run that are sinks
-        sink_k, sink_v = state.sink_k, state.sink_v
-        if n_sink:
-            sink_k, sink_v = torch.cat((sink_k, ks[:, :n_sink]), 1), torch.cat((sink_v, vs[:, :n_sink]), 1)
-        state = GlobalCacheState(
-            seen=state.seen + e - a, window=window, sinks=sinks, capacity=capacity, decided=state.decided, S=state.S,
-            z=state.z, sink_k=sink_k, sink_v=sink_v, cache_k=state.cache_k, cache_v=state.cache_v,
-            cache_fk=state.cache_fk, cache_pos=state.cache_pos, k=torch.cat((state.k, ks[:, n_sink:]), 1),
-            v=torch.cat((state.v, vs[:, n_sink:]), 1), fk=torch.cat((state.fk, fks[:, n_sink:]), 1),
-        )  # fmt: skip
+        state = replace(state, seen=t0 + e - a, sink_k=torch.cat((state.sink_k, ks[:, :n_sink]), 1),
+                        sink_v=torch.cat((state.sink_v, vs[:, :n_sink]), 1), k=torch.cat((state.k, ks[:, n_sink:]), 1),
+                        v=torch.cat((state.v, vs[:, n_sink:]), 1), fk=torch.cat((state.fk, fks[:, n_sink:]), 1))
         outs.append(_run(q[:, a:e].to(dt), fq[:, a:e].to(dt), state, t0, wf, lf, scale, eps))
-        while decided_blocks(state.seen, window, sinks) > state.decided:  # the next query sees one more block
-            state = _decide(state, eps, key_map)
+        for block in range(decided, decided_blocks(state.seen, window, sinks)):  # the next query sees them decided
+            state = _decide(state, block, eps, key_map)
         a = e
     out = (torch.cat(outs, 1) if len(outs) > 1 else outs[0]).to(in_dtype)
     return (out, state) if return_state else out
