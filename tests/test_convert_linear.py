@@ -583,6 +583,12 @@ def test_a_global_cache_is_planned_fitted_without_it_and_decodes_as_the_full_for
     # cached: key, value (float32) and position; waiting for a decision (63): key, value and feature key
     extra = 2 * 6 * (5 * (8 * 4 + 8 * 4 + 8) + 63 * (8 * 4 + 8 * 4 + 16 * 4))
     assert f"global cache 5 keys/head and the undecided block {extra:,}" in plan["summary"]["KV cache"]
+    # the compiled step computes Hedgehog's maps only: with performer the plan says generation runs PyTorch's kernel
+    assert plan["summary"]["decode step"].startswith("PyTorch (global_cache_attention)")
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--global-cache", "5", "--dry-run", "--json",
+                                "--no-eval")
+    assert json.loads(stdout)["summary"]["decode step"] == ("compiled, one call per layer and token "
+                                                            "(kernels/linear/native.c, the cache's decisions included)")
     code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--feature-map", "performer", "--features",
                                 "16", "--sinks", "0", "--dry-run", "--json", "--no-eval")
     assert json.loads(stdout)["kv_bytes_per_token"][1] == pytest.approx(plan["kv_bytes_per_token"][1] - extra / 4096)

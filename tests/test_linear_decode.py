@@ -1,6 +1,7 @@
 """The compiled decode step of the hybrid attention (kernels/linear/native.c, decode.py) against the
 readable step (recurrent.py's hybrid_attention_step), and the model decoding through it against its
-full forward pass and its PyTorch step. float32 (the compiled step's dtype), odd sizes."""
+full forward pass and its PyTorch step; likewise the step with LoLA's global cache against
+global_cache_attention. float32 (the compiled step's dtype), odd sizes."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 
 from effattn.attention.linear import LinearCache
 from effattn.kernels.linear import decode, native
-from effattn.kernels.linear.decode import LinearDecodeState, can_decode, from_state
+from effattn.kernels.linear.decode import GlobalDecodeState, LinearDecodeState, can_decode, from_global_state
+from effattn.kernels.linear.decode import from_state
 from effattn.kernels.linear.features import feature_map
+from effattn.kernels.linear.global_cache import decided_blocks, global_cache_attention
 from effattn.kernels.linear.recurrent import hybrid_attention_step, state_from_prefill
 from effattn.kernels.rope import apply_rope, rope_tables
 
@@ -164,3 +167,84 @@ def test_a_copied_cache_decodes_on_its_own(tiny, tmp_path):
         generated = model.generate(IDS[:1, :6], max_new_tokens=10, min_new_tokens=10, do_sample=False)
         full = model(input_ids=generated).logits[0, 5:-1].argmax(-1)
     assert torch.equal(full, generated[0, 6:])
+
+
+GLOBAL_CASES = [(1, 0, 2), (5, 0, 3), (5, 2, 7), (4, 3, 40), (16, 1, 5)]  # window, sinks, capacity
+
+
+@pytest.mark.parametrize("window, sinks, capacity", GLOBAL_CASES)
+@pytest.mark.parametrize("prefill", [3, 29])
+def test_the_compiled_global_step_equals_the_kernel(window, sinks, capacity, prefill):
+    """LoLA's global cache: after a prefill shorter and longer than the window, steps across several decisions give
+    global_cache_attention's outputs one position at a time; the state, given back in the plain layout, holds the
+    same cache (the same positions), pending keys and S, z, and counts the same bytes."""
+    fmq, fmk = maps("hedgehog", seed=window + capacity)
+    g = torch.Generator().manual_seed(11)
+    T = prefill + 4 * window + sinks + 9
+    q, k, v = (torch.randn(B, T, n, D, generator=g) for n in (H, G, G))
+    wfac = torch.randn(H, generator=g)
+    wf = torch.sigmoid(wfac)
+    cos, sin = rope_tables(T, D)
+    kw = dict(window=window, sinks=sinks, capacity=capacity, window_factor=wf, linear_factor=1 - wf, scale=D**-0.5,
+              eps=1e-6, key_map=fmk)
+    maps_ = (fmq.weight, fmq.bias, fmk.weight, fmk.bias)
+    with torch.no_grad():
+        rq, rk, rv, rfq, rfk = reference_inputs(q, k, v, cos[:, None], sin[:, None], fmq, fmk)
+        _, ref = global_cache_attention(*(x[:, :prefill] for x in (rq, rk, rv, rfq, rfk)), **kw, return_state=True)
+        fast = from_global_state(ref)
+        assert isinstance(fast, GlobalDecodeState) and fast.nbytes() == ref.nbytes()
+        for t in range(prefill, T):
+            pick = slice(t, t + 1)
+            want, ref = global_cache_attention(*(x[:, pick] for x in (rq, rk, rv, rfq, rfk)), **kw, state=ref,
+                                               return_state=True)  # fmt: skip
+            got = decode.global_decode_step(fast, q[:, pick], k[:, pick], v[:, pick], cos[t], sin[t], wfac,
+                                            scale=D**-0.5, eps=1e-6, hedgehog=maps_)  # fmt: skip
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {t}: {m}")
+            assert fast.seen == ref.seen == t + 1 and fast.cached == ref.cache_k.shape[1]
+            assert fast.nbytes() == ref.nbytes()
+        assert fast.cached == min(capacity, decided_blocks(T, window, sinks) * window) > 0
+        back = fast.to_state()
+        assert torch.equal(back.cache_pos, ref.cache_pos)
+        for field in ("k", "v", "fk", "S", "z", "sink_k", "sink_v", "cache_k", "cache_v"):
+            torch.testing.assert_close(getattr(back, field), getattr(ref, field), rtol=1e-5, atol=1e-5)
+
+
+def test_the_global_layout_round_trips_exactly():
+    g = torch.Generator().manual_seed(1)
+    fm = feature_map("hedgehog", D, H, projection_dim=5)
+    for seen, window, sinks, capacity in [(2, 4, 0, 3), (4, 4, 0, 3), (11, 4, 0, 3), (12, 4, 0, 3), (13, 4, 0, 9),
+                                          (3, 5, 2, 4), (16, 5, 2, 4), (17, 5, 2, 4), (40, 1, 3, 2)]:
+        q, k, v = (torch.randn(B, seen, H, D, generator=g) for _ in range(3))
+        wf = torch.full((H,), 0.3)
+        with torch.no_grad():
+            _, state = global_cache_attention(q, k, v, fm(q), fm(k), window=window, sinks=sinks, capacity=capacity,
+                                              window_factor=wf, linear_factor=1 - wf, scale=1.0, key_map=fm,
+                                              return_state=True)  # fmt: skip
+        fast = from_global_state(state)
+        back = fast.to_state()
+        assert back.seen == seen and fast.nbytes() == state.nbytes() == back.nbytes()
+        for field in ("k", "v", "fk", "S", "z", "sink_k", "sink_v", "cache_k", "cache_v", "cache_pos"):
+            assert torch.equal(getattr(back, field), getattr(state, field)), (seen, window, sinks, field)
+
+
+@pytest.mark.parametrize("sinks, exact", [(0, []), (3, []), (2, [[0, 1], [1, 0]])])
+def test_the_model_decodes_with_its_global_cache_through_the_compiled_step(tiny, tmp_path, monkeypatch, sinks, exact):
+    """The global cache's decisions inside the compiled step: token by token, prefill + decode and a chunk after
+    decoded tokens give the full forward's logits and the PyTorch kernel's (EFFATTN_NATIVE=0), with exact heads
+    too; the states count the same bytes."""
+    model = load32(tiny, tmp_path, "lin", linear_window=4, linear_sinks=sinks, linear_global_cache=3,
+                   linear_feature_map=MAPS["hedgehog"], linear_exact_heads=exact, linear_chunk_size=16)
+    with torch.no_grad():
+        full = model(input_ids=IDS).logits
+    cases = {"token by token": [1] * 40, "prefill + decode": [13] + [1] * 27,
+             "decode, then a chunk, then decode": [9] + [1] * 12 + [7] + [1] * 12}  # fmt: skip
+    for name, pieces in cases.items():
+        fast, cache = pieces_logits(model, pieces)
+        states = [s.linear if exact else s for s in cache.states.values()]
+        assert all(isinstance(s, GlobalDecodeState) for s in states if s is not None), name
+        torch.testing.assert_close(fast, full, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        monkeypatch.setenv("EFFATTN_NATIVE", "0")
+        slow, slow_cache = pieces_logits(model, pieces)
+        monkeypatch.delenv("EFFATTN_NATIVE")
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert cache.nbytes() == slow_cache.nbytes()

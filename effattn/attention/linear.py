@@ -25,7 +25,8 @@ heads their original attention back (attention/exact.py: full RoPE softmax over 
 grows with the sequence on those heads): their query heads skip the maps, the mix and the linear state.
 `linear_global_cache` = G > 0 adds LoLA's sparse global cache (kernels/linear/global_cache.py): per query head the G
 far keys whose values the linear state recalls worst stay under exact softmax with the window and the sinks; the
-cache stays bounded. One kernel then serves training, prefill and decoding (no compiled step).
+cache stays bounded. Its kernel serves training and prefill; with Hedgehog's maps a decoded token goes through a
+compiled step that also makes the cache's decisions (kernels/linear/decode.py's `GlobalDecodeState`).
 (`linear_window` = 0: pure causal linear attention; a window covering the sequence: the original
 softmax attention, wf cancelling up to eps). Only the ratio wf/lf matters (up to eps), so this affine
 form loses nothing against LoLCATs' `linear_factor = 1` option.
@@ -61,7 +62,8 @@ from effattn.kernels.linear.naive import HybridParts, combine_parts, hybrid_atte
 from effattn.kernels.linear.chunk import hybrid_attention_chunk, hybrid_attention_parts
 from effattn.kernels.linear.recurrent import HybridState, hybrid_attention_step, state_from_prefill
 from effattn.kernels.linear.features import FEATURE_MAPS, HedgehogFeatureMap, feature_map
-from effattn.kernels.linear.decode import LinearDecodeState, can_decode, from_state
+from effattn.kernels.linear.decode import GlobalDecodeState, LinearDecodeState, can_decode, from_state
+from effattn.kernels.linear.decode import from_global_state, global_decode_step
 from effattn.kernels.linear.decode import decode_step as native_decode_step
 from effattn.kernels.linear.global_cache import global_cache_attention, global_cache_naive
 
@@ -92,7 +94,7 @@ class EffattnLinearConfig(WrappedConfig):
 
 class SplitState:
     """A layer's state when some of its KV heads are exact (`linear_exact_heads`): the linear heads'
-    `HybridState` or `LinearDecodeState` (constant size; None where every head is exact) and the exact
+    `HybridState`, `LinearDecodeState` or a global cache's state (bounded; None where every head is exact) and the exact
     heads' `FullState` (every key kept)."""
 
     def __init__(self, linear, exact: FullState):
@@ -207,13 +209,14 @@ class LinearAttention(AdoptedAttention):
         unless `stateful`)."""
         cfg = self.config
         T = q.shape[1]
-        capacity = int(cfg.linear_global_cache)  # LoLA's global cache: its own kernel, no compiled step
+        capacity = int(cfg.linear_global_cache)  # LoLA's global cache: its own kernels
         hedgehog = isinstance(self.feature_map_q, HedgehogFeatureMap)
         pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731  per-head parameters
         maps = (self.feature_map_q.weight, self.feature_map_k.weight) if hedgehog else ()
-        if not capacity and can_decode(state, q, *maps):  # one token after a cached prefix: the compiled step
+        # one token after a cached prefix: the compiled step (with a global cache, for Hedgehog's maps)
+        if (hedgehog or not capacity) and can_decode(state, q, *maps):
             return self._decode(q, k, v, position_embeddings, state, hedgehog, rows)
-        if isinstance(state, LinearDecodeState):  # anything else continues from the plain state
+        if isinstance(state, (LinearDecodeState, GlobalDecodeState)):  # anything else continues the plain state
             state = state.to_state()
         q, k, v, fq, fk = self._kernel_inputs(q, k, v, position_embeddings, rows)
         wf, lf = (pick(x) for x in self.mix())  # [H] each
@@ -296,15 +299,19 @@ class LinearAttention(AdoptedAttention):
         (kernels/linear/decode.py), the state kept in the step's ring layout; returns ([B, 1, len(rows), D], the
         advanced state). ``hedgehog``: the maps are Hedgehog's, which the step computes itself."""
         pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731  per-head parameters
-        if not isinstance(state, LinearDecodeState):
-            state = from_state(state)
         cos, sin = (x[0, 0].to(q.dtype) for x in position_embeddings)  # [D]: this position's row
         settings = dict(scale=self.scaling, eps=float(self.config.linear_eps))
         fmq, fmk = self.feature_map_q, self.feature_map_k
         factors = pick(self.window_factors)
+        maps = (pick(fmq.weight), None if fmq.bias is None else pick(fmq.bias), pick(fmk.weight),
+                None if fmk.bias is None else pick(fmk.bias)) if hedgehog else None
+        if self.config.linear_global_cache:  # the step with the cache's decisions (Hedgehog's maps only)
+            if not isinstance(state, GlobalDecodeState):
+                state = from_global_state(state)
+            return global_decode_step(state, q, k, v, cos, sin, factors, hedgehog=maps, **settings), state
+        if not isinstance(state, LinearDecodeState):
+            state = from_state(state)
         if hedgehog:  # RoPE and the maps run in the step too
-            maps = (pick(fmq.weight), None if fmq.bias is None else pick(fmq.bias), pick(fmk.weight),
-                    None if fmk.bias is None else pick(fmk.bias))
             return native_decode_step(state, q, k, v, cos, sin, factors, hedgehog=maps, **settings), state
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         fq, fk = self._features(q, repeat_heads(k, self.groups), rows)

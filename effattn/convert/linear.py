@@ -216,13 +216,18 @@ class LinearOptions(RefineOptions):
         return v
 
 
-def _decode_line() -> str:
+def _decode_line(feature_map: str, global_cache: int) -> str:
     """Which decode step runs here (said once, at planning; the step also warns when it falls back)."""
     from ..kernels.linear import native
 
     why = native.why_unavailable()
-    return ("compiled, one call per layer and token (kernels/linear/native.c)" if not why
-            else f"PyTorch (hybrid_attention_step): the compiled one is unavailable ({why})")
+    step = "global_cache_attention" if global_cache else "hybrid_attention_step"
+    if global_cache and feature_map != "hedgehog":
+        return f"PyTorch ({step}): the compiled step with a global cache computes Hedgehog's maps only"
+    if why:
+        return f"PyTorch ({step}): the compiled one is unavailable ({why})"
+    return "compiled, one call per layer and token (kernels/linear/native.c" + (
+        ", the cache's decisions included)" if global_cache else ")")
 
 
 # What a hybrid decoder layer keeps for the backward pass beyond the fine-tune plan's generic count (12 hidden + 4
@@ -352,7 +357,7 @@ class LinearConversion:
         config_class=lambda: _linear_classes()[0], model_class=lambda: _linear_classes()[1],
         modeling_file="modeling_effattn_linear.py",
         modules=("kernels/rope.py", "attention/exact.py", "kernels/linear/naive.py", "kernels/linear/recurrent.py",
-                 "kernels/linear/decode.py", "kernels/linear/chunk.py", "kernels/linear/global_cache.py",
+                 "kernels/linear/chunk.py", "kernels/linear/global_cache.py", "kernels/linear/decode.py",
                  "kernels/linear/features.py", "attention/wrapped.py", "attention/linear.py"),
         layer_activation_bytes=layer_activation_bytes)
     Options = LinearOptions
@@ -514,7 +519,7 @@ class LinearConversion:
             summary.append(("exact heads", f"the {exact_heads} of {shape.layers * shape.kv_heads} KV heads whose attention "
                                            "output the hybrid changes most on the calibration text (after attention "
                                            "transfer) keep their original attention"))
-        summary.append(("decode step", _decode_line()))
+        summary.append(("decode step", _decode_line(spec["name"], opts.global_cache)))
         return Plan(conversion=self.name, config=new, specs=same_specs(ckpt, target, extra=extra), settings=settings,
                     summary=summary, kv_bytes_per_token=(before, after), est_seconds=est_seconds,
                     est_peak_bytes=est_peak,

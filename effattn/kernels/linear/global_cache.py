@@ -37,6 +37,9 @@ and through the state, it does.
 * :func:`global_cache_attention`: linear in T, and the decode step (one position continuing a state): queries in
   runs that see the same decided blocks (at most W), each over the sinks, the cache and the keys not yet
   decided, then the decision that ends the run. Plain PyTorch ops; autograd gives the backward.
+
+Decoding with Hedgehog's maps (no autograd, float32 on the CPU) runs a compiled step instead, decisions included:
+``decode.py``'s :class:`GlobalDecodeState` and ``native.c``'s ``global_decode``, tested against this kernel.
 """
 
 from collections.abc import Callable

@@ -154,3 +154,193 @@ void linear_decode(int B, int H, int G, int D, int Dv, int F, int W, int NS, lon
         }
     }
 }
+
+/* ---- The hybrid with LoLA's global cache (global_cache.py; read its docstring first) ----
+ *
+ * decode.py's GlobalDecodeState holds the state in the layout read here. Besides linear_decode's ring,
+ * sinks and state S, z (of the decided keys not cached): the cache, `cached` rows per head (the same for
+ * every head) of rotated keys, values and positions (cache_k (B, H, C, D), cache_v (B, H, C, Dv), cache_pos
+ * (B, H, C)), and the pending block, the far keys not yet decided (pend_k, pend_v, pend_fk (B, H, W, *)),
+ * position first + i in slot i, first = NS + decided * W. Step t (= seen):
+ *
+ *   1. the key leaving the ring, p = t - W: a sink (p < NS) takes sink slot p; the last key of a block
+ *      (p - NS + 1 a multiple of W) was decided at the end of step t - 1 and is dropped; any other key takes
+ *      pending slot (p - NS) % W;
+ *   2. RoPE, Hedgehog's maps, the new key into the ring (its feature key zeroed if it is a sink);
+ *   3. out = (wf sum_exact exp(scale q.k - m) v + lf (fq^T S + sum_pending (fq.fk) v))
+ *            / (wf sum_exact exp(scale q.k - m) + lf (fq.z + sum_pending fq.fk) + eps),
+ *      "exact" the ring, the sinks out of it and the cache;
+ *   4. when query t + 1 sees one more decided block than query t, that block (the W - 1 pending keys and the
+ *      ring's oldest key, position t + 1 - W) and the cache compete: each candidate's self-recall error
+ *      |v - fk^T S / (fk.z + eps)| against S, z (the cached keys' feature keys computed again by the key map);
+ *      the C largest stay, in candidate order (the cache's first), the others are folded into S and z. Among
+ *      equal errors the later candidate leaves first.
+ *
+ * Returns the cache's rows after the step. Hedgehog maps only (the model's default; other maps decode through
+ * global_cache_attention in PyTorch).
+ */
+
+long global_decode_work_floats(int D, int Dv, int F, int W, int NS, int C) {
+    return 2L * D + 2L * F + (W + NS + C) + F + (long)(C + W) * (F + 2) + Dv;
+}
+
+int global_decode(int B, int H, int G, int D, int Dv, int F, int W, int NS, int C, long seen, int cached, float scale,
+                  float eps, const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                  const float *wq, const float *bq, const float *wk, const float *bk, const float *wfac,
+                  float *ring_k, float *ring_v, float *ring_fk, float *S, float *z, float *sink_k, float *sink_v,
+                  float *cache_k, float *cache_v, long *cache_pos, float *pend_k, float *pend_v, float *pend_fk,
+                  float *out, float *work) {
+    const int R = H / G, P = F / 2;
+    const long t = seen, slot = t % W, leaving = t - W;
+    const int n = t + 1 < W ? (int)(t + 1) : W;                       /* ring rows after this step */
+    const long past = t + 1 - W;
+    const int ns = past > 0 ? (past < NS ? (int)past : NS) : 0;       /* sinks out of the ring */
+    const long d0 = (t - NS + 1) / W - 1, d1 = (t - NS + 2) / W - 1;  /* decided blocks for queries t, t + 1 */
+    const long decided = t - NS + 1 >= 0 && d0 > 0 ? d0 : 0, first = NS + decided * W;
+    const int npend = t - W - first + 1 > 0 ? (int)(t - W - first + 1) : 0;
+    const int decide = t - NS + 2 >= 0 && d1 > decided;
+    const int to_sink = leaving >= 0 && leaving < NS;
+    const int to_pend = leaving >= NS && (leaving - NS + 1) % W != 0;
+    const int g = cached, cand = cached + W, drop = cand > C ? cand - C : 0;
+    float *qr = work, *kr = qr + D, *fq = kr + D, *fk = fq + F, *logits = fk + F, *proj = logits + W + NS + C;
+    float *cfk = proj + F, *err = cfk + (long)(C + W) * F, *lose = err + C + W, *rec = lose + C + W;
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < H; h++) {
+            const int gh = h / R;
+            const long bh = (long)b * H + h;
+            const float *qx = q + bh * D, *kx = k + ((long)b * G + gh) * D, *vx = v + ((long)b * G + gh) * Dv;
+            float *rk = ring_k + bh * W * D, *rv = ring_v + bh * W * Dv, *rf = ring_fk + bh * W * F;
+            float *Sh = S + bh * F * Dv, *zh = z + bh * F, *o = out + bh * Dv;
+            float *sk = sink_k + bh * NS * D, *sv = sink_v + bh * NS * Dv;
+            float *ck = cache_k + bh * C * D, *cv = cache_v + bh * C * Dv;
+            long *cp = cache_pos + bh * C;
+            float *pk = pend_k + bh * W * D, *pv = pend_v + bh * W * Dv, *pf = pend_fk + bh * W * F;
+            const float *wkh = wk + (long)h * D * P, *bkh = bk ? bk + (long)h * P : NULL;
+            if (to_sink) {
+                memcpy(sk + leaving * D, rk + slot * D, sizeof(float) * D);
+                memcpy(sv + leaving * Dv, rv + slot * Dv, sizeof(float) * Dv);
+            } else if (to_pend) {
+                const long i = (leaving - NS) % W;
+                memcpy(pk + i * D, rk + slot * D, sizeof(float) * D);
+                memcpy(pv + i * Dv, rv + slot * Dv, sizeof(float) * Dv);
+                memcpy(pf + i * F, rf + slot * F, sizeof(float) * F);
+            }
+            rope(qx, cos, sin, D, qr);
+            rope(kx, cos, sin, D, kr);
+            hedgehog(qr, wq + (long)h * D * P, bq ? bq + (long)h * P : NULL, D, P, proj, fq);
+            hedgehog(kr, wkh, bkh, D, P, proj, fk);
+            if (t < NS) memset(fk, 0, sizeof(float) * F); /* a sink never joins S */
+            memcpy(rk + slot * D, kr, sizeof(float) * D);
+            memcpy(rv + slot * Dv, vx, sizeof(float) * Dv);
+            memcpy(rf + slot * F, fk, sizeof(float) * F);
+            const float wf = 1.0f / (1.0f + expf(-wfac[h])), lf = 1.0f - wf;
+            /* the linear part: fq^T S, fq.z, and the pending keys one by one */
+            for (int e = 0; e < Dv; e++) o[e] = 0.0f;
+            float lin_den = 0.0f;
+            for (int f = 0; f < F; f++) {
+                const float c = fq[f], *row = Sh + (long)f * Dv;
+                for (int e = 0; e < Dv; e++) o[e] += c * row[e];
+                lin_den += c * zh[f];
+            }
+            for (int j = 0; j < npend; j++) {
+                const float *fj = pf + (long)j * F, *vj = pv + (long)j * Dv;
+                float a = 0.0f;
+                for (int f = 0; f < F; f++) a += fq[f] * fj[f];
+                for (int e = 0; e < Dv; e++) o[e] += a * vj[e];
+                lin_den += a;
+            }
+            for (int e = 0; e < Dv; e++) o[e] *= lf;
+            float den = lf * lin_den;
+            /* the exact part: the ring's n rows, the sinks' ns, the cache's g */
+            const int rows = n + ns + g;
+            float m = -1e30f; /* finite: built with -ffast-math */
+            for (int j = 0; j < rows; j++) {
+                const float *kj = j < n ? rk + (long)j * D : j < n + ns ? sk + (long)(j - n) * D
+                                                                        : ck + (long)(j - n - ns) * D;
+                float s = 0.0f;
+                for (int i = 0; i < D; i++) s += qr[i] * kj[i];
+                logits[j] = s * scale;
+                m = logits[j] > m ? logits[j] : m;
+            }
+            float sum = 0.0f;
+            for (int j = 0; j < rows; j++) {
+                const float a = expf(logits[j] - m);
+                sum += a;
+                const float aw = a * wf;
+                const float *vj = j < n ? rv + (long)j * Dv : j < n + ns ? sv + (long)(j - n) * Dv
+                                                                         : cv + (long)(j - n - ns) * Dv;
+                for (int e = 0; e < Dv; e++) o[e] += aw * vj[e];
+            }
+            den += wf * sum;
+            const float inv = 1.0f / (den + eps);
+            for (int e = 0; e < Dv; e++) o[e] *= inv;
+            if (!decide) continue;
+            /* the decision: candidates 0 .. g - 1 the cache, g .. g + W - 2 the pending keys, g + W - 1 the
+             * ring's oldest key (slot (t + 1) % W, position t + 1 - W) */
+            const long last = (t + 1) % W;
+            for (int i = 0; i < cand; i++) {
+                float *fi = cfk + (long)i * F;
+                const float *vi;
+                if (i < g) {
+                    hedgehog(ck + (long)i * D, wkh, bkh, D, P, proj, fi);
+                    vi = cv + (long)i * Dv;
+                } else if (i < cand - 1) {
+                    memcpy(fi, pf + (long)(i - g) * F, sizeof(float) * F);
+                    vi = pv + (long)(i - g) * Dv;
+                } else {
+                    memcpy(fi, rf + last * F, sizeof(float) * F);
+                    vi = rv + last * Dv;
+                }
+                float dz = 0.0f;
+                for (int e = 0; e < Dv; e++) rec[e] = 0.0f;
+                for (int f = 0; f < F; f++) {
+                    const float c = fi[f], *row = Sh + (long)f * Dv;
+                    for (int e = 0; e < Dv; e++) rec[e] += c * row[e];
+                    dz += c * zh[f];
+                }
+                const float id = 1.0f / (dz + eps);
+                float e2 = 0.0f;
+                for (int e = 0; e < Dv; e++) {
+                    const float r = vi[e] - rec[e] * id;
+                    e2 += r * r;
+                }
+                err[i] = e2; /* the squared norm orders the candidates as the norm does */
+                lose[i] = 0.0f;
+            }
+            for (int d = 0; d < drop; d++) { /* the smallest errors leave; among equal ones the later candidate */
+                int worst = -1;
+                for (int i = 0; i < cand; i++)
+                    if (lose[i] == 0.0f && (worst < 0 || err[i] <= err[worst])) worst = i;
+                lose[worst] = 1.0f;
+            }
+            int w = 0; /* compact the cache in place: winners in candidate order */
+            for (int i = 0; i < cand; i++) {
+                const float *ki, *vi;
+                long pos;
+                if (i < g) {
+                    ki = ck + (long)i * D, vi = cv + (long)i * Dv, pos = cp[i];
+                } else if (i < cand - 1) {
+                    ki = pk + (long)(i - g) * D, vi = pv + (long)(i - g) * Dv, pos = first + (i - g);
+                } else {
+                    ki = rk + last * D, vi = rv + last * Dv, pos = t + 1 - W;
+                }
+                if (lose[i] != 0.0f) { /* folded into S, z */
+                    const float *fi = cfk + (long)i * F;
+                    for (int f = 0; f < F; f++) {
+                        float *row = Sh + (long)f * Dv;
+                        const float a = fi[f];
+                        for (int e = 0; e < Dv; e++) row[e] += a * vi[e];
+                        zh[f] += a;
+                    }
+                } else {
+                    if (ki != ck + (long)w * D) {
+                        memmove(ck + (long)w * D, ki, sizeof(float) * D);
+                        memmove(cv + (long)w * Dv, vi, sizeof(float) * Dv);
+                    }
+                    cp[w++] = pos;
+                }
+            }
+        }
+    }
+    return decide ? cand - drop : cached;
+}
