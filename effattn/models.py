@@ -33,6 +33,9 @@ class ModelSpec:
     # bytes one decoder layer keeps for the backward pass beyond what a softmax layer keeps, for a batch of
     # B sequences of T tokens: layer_activation_bytes(config, B, T) (the fine-tune's memory plan); None: none
     layer_activation_bytes: Callable[[dict, int, int], int] | None = None
+    # FLOPs per token one decoder layer's training step (forward and backward) costs beyond what the fine-tune's time
+    # plan counts for a softmax layer, for sequences of T tokens: layer_train_flops(config, T); None: none
+    layer_train_flops: Callable[[dict, int], float] | None = None
 
     def bundle(self) -> str:
         """The modules as one self-contained Python module (effattn's own imports dropped)."""

@@ -562,6 +562,13 @@ def test_the_fine_tunes_plan_counts_the_hybrids_activations_and_the_cpus_best_ra
     cached = plan("student.convert.feature_map=elu", "student.convert.global_cache=5")
     assert cached["memory_bytes_per_process"]["activations"] - activations["elu"] == \
         layers * 4 * 2 * 64 * 6 * GLOBAL_ACTIVATION_COLUMNS * (5 + 8 + 4)
+    # and trains slower than the plan counts a layer: its time adds layer_train_flops per token and layer
+    from effattn.convert.linear import GLOBAL_TRAIN_FLOPS, GLOBAL_TRAIN_FLOPS_PER_KEY
+
+    added = cached["est_seconds"]["training"] - elu["est_seconds"]["training"]
+    per_token = layers * 6 * (GLOBAL_TRAIN_FLOPS + GLOBAL_TRAIN_FLOPS_PER_KEY * 5)
+    assert added == pytest.approx(2 * 2 * 64 * per_token / (7e9 * finetune_plan.EFFICIENCY))
+    assert cached["est_seconds"]["evaluation"] == elu["est_seconds"]["evaluation"]
     checkpointed = plan("student.convert.feature_map=taylor", "distributed.activation_checkpointing=true")
     assert activations["taylor"] - checkpointed["memory_bytes_per_process"]["activations"] > extra["taylor"] / 2
     # a budget the plain run exceeds and the checkpointed one fits: the refusal names the setting

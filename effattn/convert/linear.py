@@ -243,6 +243,12 @@ ACTIVATION_FEATURES, ACTIVATION_HEAD_DIMS = 3, 18
 # (window 64, 4 sinks): the attention saved 143 MB without the cache, 227 MB with G 64, 349 MB with G 256; this
 # count adds 88 MB and 215 MB.
 GLOBAL_ACTIVATION_COLUMNS = 9
+# The global cache's kernel trains in runs of queries (the window's length) of small PyTorch operations, slower than
+# the fine-tune's time plan counts a layer: per token, layer and query head it adds about GLOBAL_TRAIN_FLOPS +
+# GLOBAL_TRAIN_FLOPS_PER_KEY x G at the plan's rate. Fitted on heal-linear steps (2,048-token sequences) of SmolLM2
+# (9 heads, head_dim 64, window 64, 4 sinks) on 2 cores at 122 GFLOP/s effective: medians of steps 3-6 22.65 s
+# without the cache, 34.65 s with G 64, 37.45 s with G 256 (BENCHMARKS, "A global cache").
+GLOBAL_TRAIN_FLOPS, GLOBAL_TRAIN_FLOPS_PER_KEY = 2.44e6, 3.2e3
 
 
 def layer_activation_bytes(config: dict, batch: int, seq_len: int) -> int:
@@ -261,6 +267,14 @@ def layer_activation_bytes(config: dict, batch: int, seq_len: int) -> int:
         sinks = config.get("linear_sinks", LINEAR_DEFAULTS["linear_sinks"])
         per_head += GLOBAL_ACTIVATION_COLUMNS * (capacity + window + sinks)
     return 4 * batch * seq_len * heads * per_head
+
+
+def layer_train_flops(config: dict, seq_len: int) -> float:
+    """FLOPs per token one effattn_linear decoder layer's training step costs beyond a softmax layer's count
+    (ModelSpec.layer_train_flops: the fine-tune's time plan): the global cache's kernel; 0 without the cache."""
+    capacity = int(config.get("linear_global_cache") or 0)
+    return config["num_attention_heads"] * (GLOBAL_TRAIN_FLOPS + GLOBAL_TRAIN_FLOPS_PER_KEY * capacity) if capacity \
+        else 0.0
 
 
 def _linear_classes():
@@ -359,7 +373,7 @@ class LinearConversion:
         modules=("kernels/rope.py", "attention/exact.py", "kernels/linear/naive.py", "kernels/linear/recurrent.py",
                  "kernels/linear/chunk.py", "kernels/linear/global_cache.py", "kernels/linear/decode.py",
                  "kernels/linear/features.py", "attention/wrapped.py", "attention/linear.py"),
-        layer_activation_bytes=layer_activation_bytes)
+        layer_activation_bytes=layer_activation_bytes, layer_train_flops=layer_train_flops)
     Options = LinearOptions
     memory_options = ("calib_tokens",)
     # the constant cache pays off at long context

@@ -155,6 +155,9 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
                      also=also)
     attention = 4 * layers * T * hidden  # scores and weighted sum per token, causal half of 2 x 2 x T x d x heads
     flops_token = (4 * compute + 2 * trainable_compute + 3 * attention) + (2 * teacher_compute + attention)
+    # an effattn model's attention may cost more to train than that count (ModelSpec.layer_train_flops)
+    extra_flops = getattr(MODEL_SPECS.get(config.get("model_type")), "layer_train_flops", None)
+    flops_token += layers * extra_flops(config, T) if extra_flops else 0.0
     step_flops = flops_token * B * T * accum
     evals = (steps // recipe.eval.every if recipe.eval.every else 0) + 1
     eval_flops = (evals + (1 if teacher_spec else 0)) * len(recipe.eval.corpora) * recipe.eval.tokens * 2 * compute
