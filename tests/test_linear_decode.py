@@ -137,18 +137,26 @@ def test_the_model_decodes_through_the_compiled_step(tiny, tmp_path, monkeypatch
     chunked kernel): the full forward's logits, and the PyTorch step's (EFFATTN_NATIVE=0)."""
     model = load32(tiny, tmp_path, "lin", linear_window=window, linear_sinks=sinks, linear_feature_map=MAPS[fmap],
                   linear_chunk_size=16)
+    decodes_as_its_forward_and_pytorch(model, monkeypatch, LinearDecodeState)
+
+
+def decodes_as_its_forward_and_pytorch(model, monkeypatch, compiled: type) -> None:
+    """Token by token, prefill + decode, and a chunk after decoded tokens: the compiled step's states (of type
+    `compiled`; a layer with exact heads holds one as its SplitState's `linear`) give the full forward's logits and
+    the PyTorch path's (EFFATTN_NATIVE=0), whose cache counts the same bytes."""
+    unwrap = lambda state: getattr(state, "linear", state)  # noqa: E731
     with torch.no_grad():
         full = model(input_ids=IDS).logits
     cases = {"token by token": [1] * 40, "prefill + decode": [13] + [1] * 27,
              "decode, then a chunk, then decode": [9] + [1] * 12 + [7] + [1] * 12}  # fmt: skip
     for name, pieces in cases.items():
         fast, cache = pieces_logits(model, pieces)
-        assert all(isinstance(s, LinearDecodeState) for s in cache.states.values()), name
+        assert all(isinstance(unwrap(s), compiled) for s in cache.states.values()), name
         torch.testing.assert_close(fast, full, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
         monkeypatch.setenv("EFFATTN_NATIVE", "0")
         slow, slow_cache = pieces_logits(model, pieces)
         monkeypatch.delenv("EFFATTN_NATIVE")
-        assert not any(isinstance(s, LinearDecodeState) for s in slow_cache.states.values())
+        assert not any(isinstance(unwrap(s), compiled) for s in slow_cache.states.values())
         torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
         assert cache.nbytes() == slow_cache.nbytes()  # the same state, counted alike
 
@@ -234,17 +242,4 @@ def test_the_model_decodes_with_its_global_cache_through_the_compiled_step(tiny,
     too; the states count the same bytes."""
     model = load32(tiny, tmp_path, "lin", linear_window=4, linear_sinks=sinks, linear_global_cache=3,
                    linear_feature_map=MAPS["hedgehog"], linear_exact_heads=exact, linear_chunk_size=16)
-    with torch.no_grad():
-        full = model(input_ids=IDS).logits
-    cases = {"token by token": [1] * 40, "prefill + decode": [13] + [1] * 27,
-             "decode, then a chunk, then decode": [9] + [1] * 12 + [7] + [1] * 12}  # fmt: skip
-    for name, pieces in cases.items():
-        fast, cache = pieces_logits(model, pieces)
-        states = [s.linear if exact else s for s in cache.states.values()]
-        assert all(isinstance(s, GlobalDecodeState) for s in states if s is not None), name
-        torch.testing.assert_close(fast, full, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
-        monkeypatch.setenv("EFFATTN_NATIVE", "0")
-        slow, slow_cache = pieces_logits(model, pieces)
-        monkeypatch.delenv("EFFATTN_NATIVE")
-        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-        assert cache.nbytes() == slow_cache.nbytes()
+    decodes_as_its_forward_and_pytorch(model, monkeypatch, GlobalDecodeState)
