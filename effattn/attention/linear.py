@@ -296,8 +296,8 @@ class LinearAttention(AdoptedAttention):
 
     def _decode(self, q, k, v, position_embeddings, state, hedgehog: bool, rows: torch.Tensor | None) -> tuple:
         """One token of the query heads `rows` (all by default) through the compiled step
-        (kernels/linear/decode.py), the state kept in the step's ring layout; returns ([B, 1, len(rows), D], the
-        advanced state). ``hedgehog``: the maps are Hedgehog's, which the step computes itself."""
+        (kernels/linear/decode.py), the state kept in the step's ring layout (with a global cache, its
+        `GlobalDecodeState`); returns ([B, 1, len(rows), D], the advanced state). ``hedgehog``: the maps are Hedgehog's, which the step computes itself."""
         pick = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731  per-head parameters
         cos, sin = (x[0, 0].to(q.dtype) for x in position_embeddings)  # [D]: this position's row
         settings = dict(scale=self.scaling, eps=float(self.config.linear_eps))
