@@ -59,6 +59,32 @@ static void hedgehog(const float *x, const float *w, const float *b, int D, int 
     }
 }
 
+/* The exact part of a step: softmax over up to three segments of keys (the ring, the sinks out of it, a global cache:
+ * keys k[i] (rows x D), values v[i] (rows x Dv), n[i] rows), weighted by wf: adds wf sum_j a_j v_j to o and returns
+ * wf sum_j a_j, a_j = exp(scale q.k_j - m), m the largest logit. logits: scratch of sum n[i] floats. */
+static float exact_read(const float *qr, int D, int Dv, float scale, float wf, const float *const k[3],
+                        const float *const v[3], const int n[3], float *logits, float *o) {
+    float m = -1e30f; /* finite: built with -ffast-math */
+    int j = 0;
+    for (int seg = 0; seg < 3; seg++)
+        for (int r = 0; r < n[seg]; r++, j++) {
+            const float *kj = k[seg] + (long)r * D;
+            float s = 0.0f;
+            for (int i = 0; i < D; i++) s += qr[i] * kj[i];
+            logits[j] = s * scale;
+            m = logits[j] > m ? logits[j] : m;
+        }
+    float sum = 0.0f;
+    j = 0;
+    for (int seg = 0; seg < 3; seg++)
+        for (int r = 0; r < n[seg]; r++, j++) {
+            const float a = expf(logits[j] - m), aw = a * wf, *vj = v[seg] + (long)r * Dv;
+            sum += a;
+            for (int e = 0; e < Dv; e++) o[e] += aw * vj[e];
+        }
+    return wf * sum;
+}
+
 /* Floats of scratch that linear_decode needs (rows: W + NS, the most softmax terms a step has). */
 long linear_decode_work_floats(int D, int F, int rows) { return 2L * D + 2L * F + rows + F; }
 
@@ -132,22 +158,9 @@ void linear_decode(int B, int H, int G, int D, int Dv, int F, int W, int NS, lon
                 memcpy(rk + slot * D, kr, sizeof(float) * D);
                 memcpy(rv + slot * Dv, vx, sizeof(float) * Dv);
                 memcpy(rf + slot * F, fk, sizeof(float) * F);
-                float m = -1e30f; /* finite: built with -ffast-math */
-                for (int j = 0; j < n + ns; j++) { /* the ring's n rows, then the sinks' ns */
-                    const float *kj = j < n ? rk + (long)j * D : sk + (long)(j - n) * D;
-                    float s = 0.0f;
-                    for (int i = 0; i < D; i++) s += qr[i] * kj[i];
-                    logits[j] = s * scale;
-                    m = logits[j] > m ? logits[j] : m;
-                }
-                float sum = 0.0f;
-                for (int j = 0; j < n + ns; j++) {
-                    const float a = expf(logits[j] - m);
-                    sum += a;
-                    const float aw = a * wf, *vj = j < n ? rv + (long)j * Dv : sv + (long)(j - n) * Dv;
-                    for (int e = 0; e < Dv; e++) o[e] += aw * vj[e];
-                }
-                den += wf * sum;
+                const float *ks[3] = {rk, sk, NULL}, *vs[3] = {rv, sv, NULL}; /* the ring's n rows, the sinks' ns */
+                const int ns3[3] = {n, ns, 0};
+                den += exact_read(qr, D, Dv, scale, wf, ks, vs, ns3, logits, o);
             }
             const float inv = 1.0f / (den + eps);
             for (int e = 0; e < Dv; e++) o[e] *= inv;
@@ -252,26 +265,9 @@ int global_decode(int B, int H, int G, int D, int Dv, int F, int W, int NS, int 
             for (int e = 0; e < Dv; e++) o[e] *= lf;
             float den = lf * lin_den;
             /* the exact part: the ring's n rows, the sinks' ns, the cache's g */
-            const int rows = n + ns + g;
-            float m = -1e30f; /* finite: built with -ffast-math */
-            for (int j = 0; j < rows; j++) {
-                const float *kj = j < n ? rk + (long)j * D : j < n + ns ? sk + (long)(j - n) * D
-                                                                        : ck + (long)(j - n - ns) * D;
-                float s = 0.0f;
-                for (int i = 0; i < D; i++) s += qr[i] * kj[i];
-                logits[j] = s * scale;
-                m = logits[j] > m ? logits[j] : m;
-            }
-            float sum = 0.0f;
-            for (int j = 0; j < rows; j++) {
-                const float a = expf(logits[j] - m);
-                sum += a;
-                const float aw = a * wf;
-                const float *vj = j < n ? rv + (long)j * Dv : j < n + ns ? sv + (long)(j - n) * Dv
-                                                                         : cv + (long)(j - n - ns) * Dv;
-                for (int e = 0; e < Dv; e++) o[e] += aw * vj[e];
-            }
-            den += wf * sum;
+            const float *ks[3] = {rk, sk, ck}, *vs[3] = {rv, sv, cv};
+            const int ns3[3] = {n, ns, g};
+            den += exact_read(qr, D, Dv, scale, wf, ks, vs, ns3, logits, o);
             const float inv = 1.0f / (den + eps);
             for (int e = 0; e < Dv; e++) o[e] *= inv;
             if (!decide) continue;
