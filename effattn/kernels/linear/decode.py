@@ -120,15 +120,13 @@ def decode_step(state: LinearDecodeState, q: Tensor, k: Tensor, v: Tensor, cos: 
 @dataclass
 class GlobalDecodeState:
     """A :class:`GlobalCacheState` in the layout of ``native.c``'s ``global_decode`` (read its comment); updated in
-    place. ``seen``, ``window``, ``sinks``, ``capacity`` as there; ``cached`` rows of the cache are filled (the same
-    for every head). ``decided_blocks(seen, window, sinks)`` blocks are decided, the first undecided far key is at
-    ``first()``."""
+    place. ``seen``, ``window``, ``sinks``, ``capacity`` as there. ``decided_blocks(seen, window, sinks)`` blocks are
+    decided, the first undecided far key is at ``first()``, and the cache's first ``cached`` rows are filled."""
 
     seen: int
     window: int
     sinks: int
     capacity: int
-    cached: int
     ring_k: Tensor  # (B, H, W, D) rotated keys, position p in slot p % W
     ring_v: Tensor  # (B, H, W, Dv)
     ring_fk: Tensor  # (B, H, W, F)
@@ -143,6 +141,11 @@ class GlobalDecodeState:
     pend_v: Tensor  # (B, H, W, Dv)
     pend_fk: Tensor  # (B, H, W, F)
     work: Tensor  # the step's scratch
+
+    @property
+    def cached(self) -> int:
+        """Rows of the cache in use (the same for every head): each decision adds a block of W, at most capacity."""
+        return min(self.capacity, decided_blocks(self.seen, self.window, self.sinks) * self.window)
 
     def first(self) -> int:
         """The first undecided far key's position."""
@@ -200,7 +203,7 @@ def from_global_state(state: GlobalCacheState) -> GlobalDecodeState:
         return torch.zeros(B, H, *shape, dtype=dtype, device=device)
 
     decode = GlobalDecodeState(
-        seen=seen, window=W, sinks=NS, capacity=C, cached=state.cache_k.shape[1], ring_k=zeros(W, D),
+        seen=seen, window=W, sinks=NS, capacity=C, ring_k=zeros(W, D),
         ring_v=zeros(W, Dv), ring_fk=zeros(W, F), S=state.S.detach().clone().contiguous(),
         z=state.z.detach().clone().contiguous(), sink_k=zeros(NS, D), sink_v=zeros(NS, Dv), cache_k=zeros(C, D),
         cache_v=zeros(C, Dv), cache_pos=torch.zeros(B, H, C, dtype=torch.long, device=device), pend_k=zeros(W, D),

@@ -189,7 +189,7 @@ void linear_decode(int B, int H, int G, int D, int Dv, int F, int W, int NS, lon
  *      the C largest stay, in candidate order (the cache's first), the others are folded into S and z. Among
  *      equal errors the later candidate leaves first.
  *
- * Returns the cache's rows after the step. Hedgehog maps only (the model's default; other maps decode through
+ * The cache holds min(C, decided * W) rows. Hedgehog maps only (the model's default; other maps decode through
  * global_cache_attention in PyTorch).
  */
 
@@ -197,7 +197,7 @@ long global_decode_work_floats(int D, int Dv, int F, int W, int NS, int C) {
     return 2L * D + 2L * F + (W + NS + C) + F + (long)(C + W) * (F + 2) + Dv;
 }
 
-int global_decode(int B, int H, int G, int D, int Dv, int F, int W, int NS, int C, long seen, int cached, float scale,
+void global_decode(int B, int H, int G, int D, int Dv, int F, int W, int NS, int C, long seen, float scale,
                   float eps, const float *q, const float *k, const float *v, const float *cos, const float *sin,
                   const float *wq, const float *bq, const float *wk, const float *bk, const float *wfac,
                   float *ring_k, float *ring_v, float *ring_fk, float *S, float *z, float *sink_k, float *sink_v,
@@ -214,7 +214,8 @@ int global_decode(int B, int H, int G, int D, int Dv, int F, int W, int NS, int 
     const int decide = t - NS + 2 >= 0 && d1 > decided;
     const int to_sink = leaving >= 0 && leaving < NS;
     const int to_pend = leaving >= NS && (leaving - NS + 1) % W != 0;
-    const int g = cached, cand = cached + W, drop = cand > C ? cand - C : 0;
+    const int g = decided * W < C ? (int)(decided * W) : C; /* the cache's rows: each decision adds W, keeps C */
+    const int cand = g + W, drop = cand > C ? cand - C : 0;
     float *qr = work, *kr = qr + D, *fq = kr + D, *fk = fq + F, *logits = fk + F, *proj = logits + W + NS + C;
     float *cfk = proj + F, *err = cfk + (long)(C + W) * F, *lose = err + C + W, *rec = lose + C + W;
     for (int b = 0; b < B; b++) {
@@ -338,5 +339,4 @@ int global_decode(int B, int H, int G, int D, int Dv, int F, int W, int NS, int 
             }
         }
     }
-    return decide ? cand - drop : cached;
 }

@@ -24,7 +24,7 @@ _lib = None  # the loaded library, False once it failed
 _why_not = ""
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _ARGTYPES = [_I] * 8 + [_L, _F, _F, _I] + [_P] * 21
-_GLOBAL_ARGTYPES = [_I] * 9 + [_L, _I, _F, _F] + [_P] * 25
+_GLOBAL_ARGTYPES = [_I] * 9 + [_L, _F, _F] + [_P] * 25
 
 
 def why_unavailable() -> str:
@@ -42,7 +42,7 @@ def available() -> bool:
             _lib = load_library(SOURCE, "linear_native")
             _lib.linear_decode.argtypes, _lib.linear_decode.restype = _ARGTYPES, None
             _lib.linear_decode_work_floats.argtypes, _lib.linear_decode_work_floats.restype = [_I] * 3, _L
-            _lib.global_decode.argtypes, _lib.global_decode.restype = _GLOBAL_ARGTYPES, _I
+            _lib.global_decode.argtypes, _lib.global_decode.restype = _GLOBAL_ARGTYPES, None
             _lib.global_decode_work_floats.argtypes, _lib.global_decode_work_floats.restype = [_I] * 6, _L
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             _lib, _why_not = False, str(error)
@@ -94,7 +94,7 @@ def decode_step(state, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
 
 def global_decode_step(state, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, window_factors: Tensor, *,
                        scale: float, eps: float, hedgehog: tuple) -> Tensor:  # fmt: skip
-    """Advance ``state`` (decode.py's GlobalDecodeState, in place, ``seen`` and ``cached`` included) by one position
+    """Advance ``state`` (decode.py's GlobalDecodeState, in place, ``seen`` included) by one position
     through ``native.c``'s ``global_decode``: q [B, 1, H, D], k and v [B, 1, G, D] before RoPE (cos, sin [D]: its
     RoPE row), ``hedgehog`` = (Wq, bq, Wk, bk) the maps' weights [H, D, P] and biases [H, P] or None. Returns
     out [B, 1, H, Dv]."""
@@ -104,7 +104,7 @@ def global_decode_step(state, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin:
     q, k, v, cos, sin, window_factors = (x.contiguous() for x in (q, k, v, cos, sin, window_factors))
     wq, bq, wk, bk = (None if x is None else x.detach().contiguous() for x in hedgehog)
     out = q.new_empty(B, 1, H, Dv)
-    state.cached = _lib.global_decode(B, H, G, D, Dv, F, W, NS, C, state.seen, state.cached, scale, eps, *map(_ptr, (
+    _lib.global_decode(B, H, G, D, Dv, F, W, NS, C, state.seen, scale, eps, *map(_ptr, (
         q, k, v, cos, sin, wq, bq, wk, bk, window_factors.detach(), state.ring_k, state.ring_v, state.ring_fk, state.S,
         state.z, state.sink_k, state.sink_v, state.cache_k, state.cache_v, state.cache_pos, state.pend_k, state.pend_v,
         state.pend_fk, out, state.work)))  # fmt: skip
