@@ -121,6 +121,9 @@ def test_the_output_loads_with_remote_code_and_decodes_as_the_full_forward(tiny,
     (["--refine-steps", "0", "--calib-tokens", "1024"], ["--calib-tokens set attention transfer", "--refine-steps 0"]),
     (["--calib-seq-len", "64", "--window", "64"], ["must be longer than the window"]),
     (["--codebook-size", "8"], ["--codebook-size does not apply to linear"]),
+    (["--calib-positions", "1000"], ["--calib-positions 1000 is shorter than a calibration sequence",
+                                     "--calib-positions 0"]),
+    (["--refine-steps", "0", "--calib-positions", "0"], ["--calib-positions set attention transfer"]),
     (["--feature-map", "elu", "--window", "0", "--refine-steps", "5"], ["attention transfer has nothing to train"]),
     (["--refine-device", "gpu"], ["--refine-device = 'gpu': must be auto, cpu, cuda or cuda:N"]),
     (["--refine-steps", "0", "--refine-device", "cpu"], ["--refine-device set attention transfer", "--refine-steps 0"]),
@@ -613,3 +616,124 @@ def test_a_global_cache_is_planned_fitted_without_it_and_decodes_as_the_full_for
     got, cache = decode_in_pieces(model, IDS, [13] + [1] * (IDS.shape[1] - 13))
     assert all(state.cache_k.shape[1] == 3 and state.cache_fk is None for state in cache.states.values())
     torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-9)
+
+
+# --- calibration sequences at positions spread over the trained length (`--calib-positions`) ---------------------
+
+
+def test_calibration_sequences_start_evenly_over_the_positions_asked_for():
+    from effattn.attention.layerwise import LayerFactory
+    from effattn.convert.calibrate import CalibSettings, rows_of, starts
+    from effattn.families import family_for
+
+    assert starts(CalibSettings(seq_len=64, positions=4096), 8).tolist() == [0, 576, 1152, 1728, 2304, 2880, 3456, 4032]
+    assert starts(CalibSettings(seq_len=64, positions=100), 3).tolist() == [0, 18, 36]  # the last ends at 100
+    for positions, rows in ((0, 4), (64, 4), (4096, 1)):  # no room, or one sequence: all from position 0
+        assert starts(CalibSettings(seq_len=64, positions=positions), rows).tolist() == [0] * rows
+    config = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 8, "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 64,
+              "max_position_embeddings": 4096, "rope_theta": 10000.0}
+    factory = LayerFactory(config, family_for(config))
+    first = torch.tensor([0, 7, 1000])
+    cos, sin = factory.rope(16, first)
+    whole_cos, whole_sin = factory.rope(1016)
+    assert cos.shape == (3, 16, 8)
+    for i, s in enumerate(first.tolist()):  # each row: the model's own table at its positions
+        torch.testing.assert_close(cos[i], whole_cos[0, s:s + 16], rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin[i], whole_sin[0, s:s + 16], rtol=0, atol=1e-6)
+    assert factory.rope(16, torch.zeros(3, dtype=torch.long))[0].shape == (1, 16, 8)  # all at 0: one table
+    assert rows_of((cos, sin), slice(1, 3))[0].shape == (2, 16, 8)
+    one = factory.rope(16)
+    assert rows_of(one, slice(1, 3))[0] is one[0]  # one table serves every sequence
+
+
+@pytest.mark.parametrize("fmap,extra", [("hedgehog", {}), ("elu", {"linear_exact_heads": [[0, 1]]}),
+                                        ("performer", {"linear_global_cache": 3})])
+def test_a_batch_read_at_its_own_positions_is_each_sequence_alone(tiny, fmap, extra):
+    """Per-sequence RoPE tables [B, T, d] through LinearAttention (the hybrid, exact heads, a global cache), the
+    hybrid's sums (`mix_predictor`) and the exact heads' scores: each sequence as if it ran alone at its positions."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from effattn.attention.linear import EffattnLinearConfig, LinearAttention, linear_config_from
+    from effattn.convert.exact_heads import head_errors
+    from effattn.convert.linear import mix_predictor
+    from effattn.convert.refine import attention_out
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64)
+    cfg = EffattnLinearConfig(**linear_config_from(base.config.to_dict(), linear_window=4, linear_sinks=1,
+                                                   linear_feature_map={"name": fmap}) | extra)
+    x = torch.randn(3, 24, base.config.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    positions = torch.tensor([0, 500, 3000])[:, None] + torch.arange(24)
+    cos, sin = base.model.rotary_emb(x, positions)  # [3, 24, 8]
+    layer = copy.deepcopy(base.model.layers[0])
+    layer.self_attn = LinearAttention(layer.self_attn, cfg, 0).double()
+    with torch.no_grad():
+        batch = attention_out(layer, x, cos, sin)
+        alone = torch.cat([attention_out(layer, x[i:i + 1], cos[i:i + 1], sin[i:i + 1]) for i in range(3)])
+        torch.testing.assert_close(batch, alone, rtol=1e-12, atol=1e-12)
+        at_zero = attention_out(layer, x, cos[:1], sin[:1])
+        assert (batch[1:] - at_zero[1:]).abs().max() > 1e-6  # the positions matter to the maps
+        torch.testing.assert_close(batch[0], at_zero[0], rtol=0, atol=0)
+        if not extra:  # the hybrid's four sums, a batch at a time
+            predict = mix_predictor(layer, x, cos, sin, batch=2)
+            torch.testing.assert_close(predict(torch.arange(3)), batch, rtol=1e-12, atol=1e-12)
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        taken: list[torch.Tensor] = []
+        hook = attn.o_proj.register_forward_pre_hook(lambda _, a: taken.append(a[0]))
+        attn(h, position_embeddings=(cos, sin))
+        hook.remove()
+        scores = head_errors(attn, h, taken[0], cos, sin)
+        each = sum(head_errors(attn, h[i:i + 1], taken[0][i:i + 1], cos[i:i + 1], sin[i:i + 1]) for i in range(3))
+        torch.testing.assert_close(scores, each, rtol=1e-12, atol=1e-12)
+
+
+def test_the_transfer_reads_each_calibration_sequence_at_its_spread_positions(tiny, tmp_path, capsys, monkeypatch):
+    """By default the calibration sequences start evenly over the model's trained length (max_position_embeddings,
+    4,096 here): refinement gets one RoPE table per sequence, at its positions, and the activations reach the next
+    layer through the fitted layer at the same positions; --calib-positions 0 reads all from 0."""
+    import effattn.convert.layers as layers
+    from effattn.convert.calibrate import CalibSettings, starts
+
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    seen: list[dict] = []
+    real = layers.refine_layer
+
+    def spy(converted, original, x, cos, sin, settings, **kw):
+        result = real(converted, original, x, cos, sin, settings, **kw)
+        with torch.no_grad():  # what the next layer should receive: each sequence alone through the fitted layer
+            nxt = torch.cat([converted(x[i:i + 1], position_embeddings=(cos[i:i + 1] if len(cos) > 1 else cos,
+                                                                        sin[i:i + 1] if len(sin) > 1 else sin))
+                             for i in range(len(x))])
+        seen.append({"x": x.clone(), "cos": cos.clone(), "next": nxt})
+        return result
+
+    monkeypatch.setattr(layers, "refine_layer", spy)
+    out = convert(src, tmp_path / "lin", to="linear", options=FAST, measure=False).out
+    first = starts(CalibSettings(seq_len=64, positions=4096), 8)
+    assert first.tolist() == [0, 576, 1152, 1728, 2304, 2880, 3456, 4032]
+    from transformers import AutoModelForCausalLM
+
+    rotary = AutoModelForCausalLM.from_pretrained(src).model.rotary_emb
+    want, _ = rotary(torch.zeros(1), first[:, None] + torch.arange(64))
+    assert len(seen) == 2 and seen[0]["cos"].shape == (8, 64, 8)
+    torch.testing.assert_close(seen[0]["cos"], want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(seen[1]["x"], seen[0]["next"], rtol=1e-5, atol=1e-5)
+    assert json.loads((out / "effattn.json").read_text())["conversion"]["calib_positions"] == 4096
+
+    seen.clear()
+    out = convert(src, tmp_path / "zero", to="linear", options=FAST | {"calib_positions": 0}, measure=False).out
+    assert seen[0]["cos"].shape == (1, 64, 8)
+    assert json.loads((out / "effattn.json").read_text())["conversion"]["calib_positions"] == 0
+
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--window", "8", "--calib-tokens", "512",
+                                "--calib-seq-len", "64", "--dry-run", "--json", "--no-eval")
+    assert code == 0, err
+    line = json.loads(stdout)["summary"]["attention transfer"]
+    assert "in blocks of 64 at positions spread over 4,096 (starting at 0, 576, 1,152, 1,728, ...)" in line
+    code, stdout, err = run_cli(capsys, "convert", src, "--to", "linear", "--calib-positions", "0", "--dry-run",
+                                "--json", "--no-eval")
+    assert "spread" not in json.loads(stdout)["summary"]["attention transfer"]

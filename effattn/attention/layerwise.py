@@ -65,9 +65,12 @@ class LayerFactory:
             self._rotary = type(skeleton.model.rotary_emb)(config=config)
         return self._rotary
 
-    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, T, d] for positions 0..T-1, exactly as the model's rotary embedding makes them."""
+    def rope(self, length: int, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, T, d] for positions 0..T-1, exactly as the model's rotary embedding makes them; with
+        `starts` [N], [N, T, d] for positions starts[i]..starts[i]+T-1 (all 0: still one row)."""
         positions = torch.arange(length)[None]
+        if starts is not None and bool(starts.any()):
+            positions = starts[:, None] + positions
         return self._rotary_embedding()(torch.zeros(1, dtype=torch.float32), positions)
 
     def inv_freq(self) -> torch.Tensor:

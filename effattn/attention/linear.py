@@ -188,7 +188,7 @@ class LinearAttention(AdoptedAttention):
             G = k.shape[2]
             linear = [g for g in range(G) if g not in exact]
             rows_e, rows_l = head_rows(exact, self.groups, q.device), head_rows(linear, self.groups, q.device)
-            cos, sin = (x[0].to(q.dtype) for x in position_embeddings)  # [T, D]
+            cos, sin = (x.to(q.dtype) for x in position_embeddings)  # [B or 1, T, D]
             out_e, exact_state = full_attention(q[:, :, rows_e], k[:, :, exact], v[:, :, exact], cos, sin, self.scaling,
                                                 state.exact if state is not None else None)
             if linear:
@@ -247,7 +247,7 @@ class LinearAttention(AdoptedAttention):
     def _kernel_inputs(self, q, k, v, position_embeddings, rows: torch.Tensor | None = None) -> tuple:
         """The kernels' inputs from the projections (q [B, T, len(rows), D], k and v their KV heads): q and k
         rotated, k and v repeated to the query heads, and the feature maps of both: (q, k, v, fq, fk)."""
-        cos, sin = (x[0].to(q.dtype)[:, None] for x in position_embeddings)  # [T, 1, D]: one layout per batch
+        cos, sin = (x.to(q.dtype)[:, :, None] for x in position_embeddings)  # [B or 1, T, 1, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = repeat_heads(k, self.groups), repeat_heads(v, self.groups)  # [B, T, H, D] each
         return (q, k, v, *self._features(q, k, rows))  # fq, fk: [B, T, H, F] each

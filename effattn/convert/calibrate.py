@@ -32,6 +32,11 @@ class CalibSettings:
     # held-out text: 0.1 generalises better than 0.01 or 0.001 (less overfitting of the calibration set).
     ridge: float = 0.1
     text_chars: int = 0  # the calibration text's length, once validated (memory estimate of tokenizing it)
+    # The context the sequences' positions spread over (`starts`): 0 (or at most seq_len) reads every sequence
+    # at positions 0..seq_len-1. The original attention does not depend on where a sequence starts (RoPE is
+    # relative); a conversion whose new parameters see rotated queries and keys (linear attention's feature
+    # maps) does, and learns only the rotations of the positions it is fitted at.
+    positions: int = 0
 
     def validate(self, folder=None) -> CalibSettings:
         """Check everything the calibration will need before any work: the text (not an evaluation
@@ -84,6 +89,22 @@ def _tokenizer(folder):
 
 def calibration_tokens(folder, settings: CalibSettings) -> torch.Tensor:
     return token_blocks(_tokenizer(folder), load_texts(settings.corpus), settings.seq_len, settings.tokens)
+
+
+def starts(settings: CalibSettings, rows: int) -> torch.Tensor:
+    """The first position of each of `rows` calibration sequences: evenly spread so that the first starts at 0
+    and the last ends at `settings.positions` (all 0 when that is no longer than a sequence, or for one row)."""
+    room = settings.positions - settings.seq_len
+    if room <= 0 or rows == 1:
+        return torch.zeros(rows, dtype=torch.long)
+    return torch.linspace(0, room, rows).round().long()
+
+
+def rows_of(rope: tuple[torch.Tensor, torch.Tensor], rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables (cos, sin) of the sequences `rows` (a slice or an index): tables of one row [1, T, d] serve
+    every sequence; per-sequence tables [N, T, d] (`CalibSettings.positions`) are indexed."""
+    cos, sin = rope
+    return (cos, sin) if cos.shape[0] == 1 else (cos[rows], sin[rows])
 
 
 def batches(x: torch.Tensor, size: int):

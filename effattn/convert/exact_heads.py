@@ -23,7 +23,7 @@ def head_errors(attn, h: torch.Tensor, converted: torch.Tensor, cos: torch.Tenso
     from ..attention.exact import full_attention
 
     q, k, v = attn.project(h)
-    exact, _ = full_attention(q, k, v, cos[0].to(q.dtype), sin[0].to(q.dtype), attn.scaling)
+    exact, _ = full_attention(q, k, v, cos.to(q.dtype), sin.to(q.dtype), attn.scaling)
     G = k.shape[2]
     per_query_head = lambda t: t.double().pow(2).sum((0, 1, 3))  # noqa: E731  (H,)
     err = per_query_head(converted.reshape(exact.shape) - exact).view(G, -1).sum(1)
@@ -31,22 +31,23 @@ def head_errors(attn, h: torch.Tensor, converted: torch.Tensor, cos: torch.Tenso
     return torch.stack((err, norm))
 
 
-def scoring_hooks(module: torch.nn.Module, attn, cos: torch.Tensor, sin: torch.Tensor,
-                  errors: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+def scoring_hooks(module: torch.nn.Module, attn, errors: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
     """(before, after) for a LayerOutput: while the activations go through the decoder layer `module` (after
-    refinement, which runs it too), add each KV head's `head_errors` to `errors` [2, G]."""
+    refinement, which runs it too), add each KV head's `head_errors` to `errors` [2, G], at the RoPE tables
+    each batch passes through (its `position_embeddings`)."""
     taken: dict[str, torch.Tensor] = {}
     hooks: list = []
 
     def take_input(_, args, kwargs):
         taken["x"] = args[0] if args else kwargs["hidden_states"]
+        taken["rope"] = kwargs["position_embeddings"]
 
     def take_output(_, args):
         taken["converted"] = args[0]
 
     def score(*_):
         h = module.input_layernorm(taken["x"])
-        errors.add_(head_errors(attn, h, taken.pop("converted"), cos, sin))
+        errors.add_(head_errors(attn, h, taken.pop("converted"), *taken["rope"]))
 
     def before():
         hooks.extend([module.register_forward_pre_hook(take_input, with_kwargs=True),

@@ -15,7 +15,9 @@ tensors outside the layers (embeddings, final norm, head) are copied at the end.
 
 On a calibrated run (calib given) the layer function also receives the layer's calibration inputs
 x [N, T, D] (from the converted layers below: each layer is fitted to what the converted model
-really feeds it), RoPE tables cos/sin [1, T, d] and the original layer as a module. Without
+really feeds it), RoPE tables cos/sin [1, T, d] (or [N, T, d], one per sequence, where the calibration spreads
+the sequences' positions: `CalibSettings.positions`; `calibrate.rows_of` picks a batch's) and the original
+layer as a module. Without
 calibration the walk streams weights only (x, original, cos and sin are None).
 
 Peak memory: one layer's weights (a few copies) plus the calibration activations, whatever the
@@ -35,7 +37,7 @@ from ..families import Family
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
 from .base import layer_bytes, passthrough
-from .calibrate import CalibSettings, batches, calibration_tokens
+from .calibrate import CalibSettings, batches, calibration_tokens, rows_of, starts
 from .refine import RefineSettings, refine_layer
 
 
@@ -73,7 +75,7 @@ class LayerInput:
     factory: LayerFactory  # builds decoder layers as modules, and RoPE tables
     calib: CalibSettings | None
     x: torch.Tensor | None = None  # (N, T, D) calibration inputs of this layer
-    cos: torch.Tensor | None = None  # (1, T, d)
+    cos: torch.Tensor | None = None  # (1, T, d), or (N, T, d): one table per sequence (calibrate.rows_of)
     sin: torch.Tensor | None = None
     original: torch.nn.Module | None = None  # the original layer, float32 (calibrated runs)
 
@@ -109,7 +111,7 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
     x = cos = sin = None
     if calib is not None:
         ids = calibration_tokens(ckpt.folder, calib)  # (N, T)
-        cos, sin = factory.rope(ids.shape[1])
+        cos, sin = factory.rope(ids.shape[1], starts(calib, len(ids)))  # [1 or N, T, d] (CalibSettings.positions)
         x = ckpt.get(family.embed).float()[ids]  # (N, T, D): the converted model's hidden states
         description += f" ({ids.numel():,} calibration tokens)"
     kv_heads = original_kv_heads or ckpt.config.get("num_key_value_heads") or ckpt.config["num_attention_heads"]
@@ -143,11 +145,11 @@ def run_layers(ckpt: Checkpoint, family: Family, writer: SafetensorsWriter, conv
         if x is not None and "x" in carried and out.before is None:
             x = carried["x"]  # the converted layer's output on x, after its steps: the last error pass of refine_layer
         elif x is not None:  # (a conversion whose hooks score heads while the activations pass propagates again)
-            x = torch.cat([out.module(x[sl], position_embeddings=new_rope, **out.forward_kwargs)
+            x = torch.cat([out.module(x[sl], position_embeddings=rows_of(new_rope, sl), **out.forward_kwargs)
                            for sl in batches(x, calib.batch_size)])
         if x0 is not None:
             x0 = carried["x0"] if "x0" in carried else torch.cat(
-                [original(x0[sl], position_embeddings=(cos, sin)) for sl in batches(x0, calib.batch_size)])
+                [original(x0[sl], position_embeddings=rows_of((cos, sin), sl)) for sl in batches(x0, calib.batch_size)])
         if out.after is not None:
             out.after()
         if progress:

@@ -70,7 +70,7 @@ from ..io.writer import SafetensorsWriter, TensorSpec
 from ..models import ModelSpec
 from ..resources import Dims, compute_seconds
 from .base import Plan, kv_bytes_per_token, out_dtype, read_time, same_specs
-from .calibrate import CALIB_HELP, CalibSettings
+from .calibrate import CALIB_HELP, CalibSettings, batches, rows_of, starts
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .exact_heads import choose, scoring_hooks
 from .refine import LearningRate, RefineOptions, Steps, Target, attention_out, refine_flops, relative_error
@@ -128,7 +128,7 @@ def mix_predictor(module: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, s
     `initial_mix`'s grid then cost an o_proj each (refine.refine_layer's `prepare`)."""
     attn = module.self_attn
     with torch.no_grad():
-        chunks = [attn.parts(module.input_layernorm(x[i : i + batch]), (cos, sin)) for i in range(0, len(x), batch)]
+        chunks = [attn.parts(module.input_layernorm(x[sl]), rows_of((cos, sin), sl)) for sl in batches(x, batch)]
         parts = type(chunks[0])(*(torch.cat(p) for p in zip(*chunks)))
 
     def predict(rows: torch.Tensor) -> torch.Tensor:
@@ -197,6 +197,10 @@ class LinearOptions(RefineOptions):
     calib_tokens: int = Field(8192, ge=1, description="calibration tokens (attention transfer)")
     calib_seq_len: int = Field(2048, ge=2, description="calibration sequence length: the length the maps learn to "
                                                        "weigh far keys at (longer than the window)")
+    calib_positions: int | None = Field(None, ge=0, description="the context the calibration sequences' positions "
+                                        "spread over, evenly from 0 to its end: the maps read rotated queries and keys, "
+                                        "and learn only the positions they are fitted at (default: the model's trained "
+                                        "length, max_position_embeddings; 0: every sequence at positions from 0)")
     # LoLCATs' attention transfer uses lr 1e-2 (Adam). Measured on SmolLM2 layer 5 (hedgehog, window 64,
     # 4,096 calibration tokens in 512-token sequences, 2 busy cores): relative error 0.99 untrained -> 0.26
     # after 20 steps, 0.17 after 40, 0.16 after 40 at lr 3e-2. With 2,048-token sequences and 40 steps the
@@ -214,6 +218,16 @@ class LinearOptions(RefineOptions):
         if isinstance(v, str) and v.lower() == "linformer":
             raise ValueError(LINFORMER)
         return v
+
+
+def spread_words(calib: CalibSettings) -> str:
+    """' at positions spread over 8,192 (starting at 0, 2,048, ...)' for the plan's attention transfer line, or
+    '' where every sequence starts at 0."""
+    first = starts(calib, calib.tokens // calib.seq_len).tolist()
+    if not any(first):
+        return ""
+    shown = ", ".join(f"{p:,}" for p in first[:4]) + (", ..." if len(first) > 4 else "")
+    return f" at positions spread over {calib.positions:,} (starting at {shown})"
 
 
 def _decode_line(feature_map: str, global_cache: int) -> str:
@@ -462,7 +476,7 @@ class LinearConversion:
         learned = any(n != "window_factors" and n.endswith(("weight", "bias")) for n in tensors)
         steps = opts.refine_steps
         if not learned and not opts.window:  # nothing to fit: no map parameters, and no window to mix with
-            given = opts.given() & {"calib", "calib_tokens", "calib_seq_len", *RefineOptions.REFINE_FIELDS}
+            given = opts.given() & {"calib", "calib_tokens", "calib_seq_len", "calib_positions", *RefineOptions.REFINE_FIELDS}
             if given and steps:
                 flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
                 raise EffattnError(f"{flags}: --feature-map {spec['name']} has no parameters and --window 0 no "
@@ -476,8 +490,13 @@ class LinearConversion:
                                f"and {why}", "drop --exact-heads, or run attention transfer (--refine-steps N, "
                                "a map with parameters or a window)")
         if steps:
+            positions = opts.calib_positions if opts.calib_positions is not None else trained
+            if 0 < positions < opts.calib_seq_len:
+                raise EffattnError(f"--calib-positions {positions} is shorter than a calibration sequence "
+                                   f"(--calib-seq-len {opts.calib_seq_len})",
+                                   f"use --calib-positions 0 (every sequence from position 0) or at least {opts.calib_seq_len}")
             calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens, seq_len=opts.calib_seq_len,
-                                  batch_size=2).validate(ckpt.folder)
+                                  batch_size=2, positions=positions).validate(ckpt.folder)
             if calib.seq_len <= opts.window:
                 raise EffattnError(f"calibration sequences ({calib.seq_len} tokens) must be longer than the window "
                                    f"({opts.window}) for attention transfer to see far keys",
@@ -485,7 +504,7 @@ class LinearConversion:
             refine = opts.refine_settings()
             state |= {"calib": calib, "refine": refine}
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
-                         **refine.record()}
+                         "calib_positions": calib.positions, **refine.record()}
             dims, N, T = Dims.of(config), calib.tokens, calib.seq_len
             map_flops = (2 * shape.head_dim * fdim if spec["name"] in ("hedgehog", "performer") else fdim)
 
@@ -514,13 +533,14 @@ class LinearConversion:
             est_peak = calibrated_bytes(ckpt, family, calib, refine) + FEATURE_COPIES * calib.batch_size * T * shape.heads * fdim * 4
             summary.append(("attention transfer", f"{refine.steps_words} on "
                                                   f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}"
+                                                  f"{spread_words(calib)}"
                                                   f", fitting the {refine.target} output; trains "
                                                   f"{trainable:,} parameters per layer " + ("(maps + mix)" if learned else "(the mix: the map has none)")))
         elif opts.refine_steps:
             settings["refine_steps"] = 0
             summary.append(("attention transfer", f"none: {spec['name']} has no parameters and window 0 no mix to fit"))
         else:
-            given = opts.given() & ({"calib", "calib_tokens", "calib_seq_len", *RefineOptions.REFINE_FIELDS} - {"refine_steps"})
+            given = opts.given() & ({"calib", "calib_tokens", "calib_seq_len", "calib_positions", *RefineOptions.REFINE_FIELDS} - {"refine_steps"})
             if given:
                 flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
                 raise EffattnError(f"{flags} set attention transfer, which --refine-steps 0 turns off",
@@ -566,13 +586,14 @@ class LinearConversion:
             prepare = None
             if cfg.linear_window and trainable == ["window_factors"]:  # a map without parameters: the mix's scale
                 # sets window_factors in place: `own` (the state dict's views) and what is written see it
-                logit, err = initial_mix(module.float(), layer.original, layer.x[:1], layer.cos, layer.sin)
+                first = rows_of((layer.cos, layer.sin), slice(0, 1))  # one calibration sequence
+                logit, err = initial_mix(module.float(), layer.original, layer.x[:1], *first)
                 mixes.append({"layer": layer.index, "logit": logit, "error": round(err, 6)})
                 note += f", mix from logit {logit:g} (error {err:.3f})"
                 prepare = mix_predictor  # only the mix trains: the kernel runs once per sequence, not per step
             before = after = None
             if st["exact_heads"]:  # score each head's hybrid output (what o_proj receives) while the activations pass
-                before, after = scoring_hooks(module, attn, layer.cos, layer.sin, errors[layer.index])
+                before, after = scoring_hooks(module, attn, errors[layer.index])
             return LayerOutput(dict(layer.tensors) | {base + n: t.detach().clone() for n, t in own.items()},
                                module=module.requires_grad_(False).eval(), trainable=trainable, note=note,
                                before=before, after=after, prepare=prepare)

@@ -27,6 +27,7 @@ import torch
 from pydantic import AfterValidator, Field
 
 from ..resources import DEVICE_NAME, check_device
+from .calibrate import rows_of
 from .options import ConversionOptions
 
 Target = Literal["attention", "stream"]
@@ -175,7 +176,8 @@ def layer_out(layer: torch.nn.Module, x: torch.Tensor, cos, sin, **kwargs) -> to
 
 
 def _map(fn, x: torch.Tensor, batch: int) -> torch.Tensor:
-    return torch.cat([fn(x[i : i + batch]) for i in range(0, len(x), batch)])
+    """fn(x[rows], rows) over slices of `batch` rows, concatenated."""
+    return torch.cat([fn(x[i : i + batch], slice(i, i + batch)) for i in range(0, len(x), batch)])
 
 
 def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
@@ -216,16 +218,16 @@ def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch
     batch = settings.batch_size
     with torch.no_grad():
         if settings.target == "stream":
-            targets = _map(lambda xb: layer_out(original, xb, cos, sin), x0, batch)  # (N, T, D)
+            targets = _map(lambda xb, sl: layer_out(original, xb, *rows_of((cos, sin), sl)), x0, batch)  # (N, T, D)
             scale = (targets - x0).pow(2).sum()
         else:
-            targets = _map(lambda xb: attention_out(original, xb, cos, sin), x, batch)  # (N, T, D)
+            targets = _map(lambda xb, sl: attention_out(original, xb, *rows_of((cos, sin), sl)), x, batch)  # (N, T, D)
             scale = targets.pow(2).sum()
     forward = layer_out if settings.target == "stream" else attention_out
     fast = prepare(converted, x, ccos, csin) if prepare is not None and settings.target == "attention" else None
 
     def predict(rows: torch.Tensor) -> torch.Tensor:  # the converted layer's output on x[rows]
-        return fast(rows) if fast is not None else forward(converted, x[rows], ccos, csin, **kwargs)
+        return fast(rows) if fast is not None else forward(converted, x[rows], *rows_of((ccos, csin), rows), **kwargs)
 
     energy = scale / targets[..., 0].numel()  # per position: the loss below is a mean over positions
 

@@ -445,7 +445,7 @@ class VQConversion(_ReRoPEBase):
         tensors = dict(layer.tensors) | {base + name: buf.float() for name, buf in attn.named_buffers()}
         before = after = None
         if st["exact_heads"]:  # score each head's VQ output (what o_proj receives) while the activations pass
-            before, after = scoring_hooks(module, attn, cos, sin, errors[layer.index])
+            before, after = scoring_hooks(module, attn, errors[layer.index])
         # Refinement (--refine-steps, run_layers) trains q/k/v/o through this module in eval mode (no EMA
         # step) and keeps the codebook fitted above on the unrefined keys. With key means (the default)
         # the codebook only partitions the far keys and each code is scored at the mean of the keys it
