@@ -628,3 +628,55 @@ def test_effattn_models_give_their_final_states_for_chunked_logits(tiny, tmp_pat
         full = model(input_ids=ids, use_cache=False).logits
     assert last.shape[1] == 1 and hidden.shape[:2] == ids.shape
     torch.testing.assert_close(finals.head(hidden), full, rtol=0, atol=0)
+
+
+# -- data.positions: blocks read at positions spread over a context ------------------------------------------------
+
+def test_block_starts_cover_the_room_evenly_and_depend_on_the_sample_alone():
+    from effattn.finetune.data import block_start
+
+    starts = [block_start(k, 6144, seed=0) for k in range(64)]
+    assert all(0 <= s <= 6144 for s in starts) and len(set(starts)) == 64
+    # any 16 consecutive micro-batches leave no gap wider than a quarter of the room (low discrepancy)
+    for first in (0, 17, 40):
+        window = sorted(block_start(k, 6144, seed=0) for k in range(first, first + 16))
+        assert max(b - a for a, b in zip([0] + window, window + [6144])) < 6144 / 4
+    assert [block_start(k, 6144, seed=0) for k in range(64)] == starts  # a function of the sample's number
+    assert block_start(5, 6144, seed=1) == block_start(6, 6144, seed=0) and block_start(3, 0, seed=0) == 0
+
+
+def test_a_heal_with_data_positions_reads_teacher_and_student_at_the_same_spread_positions(heal, monkeypatch):
+    """Every micro-batch of a linear-attention student's heal goes through both models at positions from
+    `block_start(its first sample)`: the student at positions its maps were fitted for, the teacher alike."""
+    from effattn.finetune.data import block_start
+
+    student = convert(heal.src, heal.root / "lin", to="linear", measure=False,
+                      options={"window": 4, "projection_dim": 8, "refine_steps": 0}).out
+    seen: dict[str, list[int]] = {"student": [], "teacher": []}
+    real_step = loop.optimizer_step
+
+    def spy(accelerator, model, teacher, *args, **kwargs):
+        def take(who, kw):  # no position_ids: from 0
+            seen[who].append(int(kw["position_ids"][0, 0]) if kw.get("position_ids") is not None else 0)
+
+        hooks = [m.register_forward_pre_hook(lambda _, a, kw, who=who: take(who, kw), with_kwargs=True)
+                 for who, m in (("student", model), ("teacher", teacher))]
+        try:
+            return real_step(accelerator, model, teacher, *args, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    monkeypatch.setattr(loop, "optimizer_step", spy)
+    result = finetune(heal(f"student.model={student}", "student.convert=null", "train.params=lora",
+                           "data.positions=4096", "train.grad_accum=2", "eval.every=0", "checkpoint.every=0",
+                           "train.max_steps=3"))
+    # micro-batches of 2 samples, 2 per step: first samples 0, 2, 4, ...; room 4096 - 32
+    want = [block_start(k, 4096 - 32, seed=0) for k in range(0, 12, 2)]
+    assert seen["student"] == seen["teacher"] == want and len(set(want)) == 6 and want[0] == 0
+    assert all(math.isfinite(x) for x in train_losses(result.out))
+
+
+def test_data_positions_shorter_than_a_block_is_refused(heal, capsys):
+    with pytest.raises(EffattnError, match=r"data.positions \(16\) is shorter than a block"):
+        heal("data.positions=16")

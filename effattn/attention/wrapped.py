@@ -131,7 +131,7 @@ class WrappedCausalLM(PreTrainedModel, GenerationMixin):
         body = self.model
         x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         past = cache.get_seq_length() if cache is not None else 0
-        position_ids = self.check_positions(position_ids, past, x.shape[1], x.device)
+        position_ids = self.check_positions(position_ids, past, x.shape[1], x.device, cached=cache is not None)
         cos, sin = body.rotary_emb(x, position_ids)
         extra = layer_kwargs(x) if layer_kwargs is not None else {}
         for layer in body.layers:
@@ -140,11 +140,12 @@ class WrappedCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     @staticmethod
-    def check_positions(position_ids, past: int, length: int, device):
-        """Positions past..past+length-1 (given ones must start where the cache ends)."""
+    def check_positions(position_ids, past: int, length: int, device, cached: bool = True):
+        """Positions past..past+length-1 (given ones must start where the cache ends; a forward without a cache,
+        as in training, may read a sequence at any positions)."""
         if position_ids is None:
             return torch.arange(past, past + length, device=device)[None]
-        if int(position_ids[0, 0]) != past:
+        if cached and int(position_ids[0, 0]) != past:
             raise ValueError(f"position_ids start at {int(position_ids[0, 0])} but the cache holds {past} positions")
         return position_ids
 

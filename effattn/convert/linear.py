@@ -24,8 +24,10 @@ the grid's points and refinement's steps each cost an o_proj (refine.refine_laye
 calibration: the maps and the mix keep their initial values.
 
 Defaults (SmolLM2-135M, 30 layers, on 2 CPU cores): Adam at lr 1e-2 as LoLCATs' attention transfer,
-40 steps per layer of 2 x 2,048 calibration tokens drawn from 8,192 tokens of `calib` (also the targets
-and the recorded losses). The sequence length is the lever measured (BENCHMARKS.md, "Linear
+40 steps per layer of 2 x 2,048 calibration tokens drawn from 16,384 tokens of `calib` (also the targets
+and the recorded losses), its eight sequences at positions spread over the model's trained length
+(`--calib-positions`: the maps read rotated queries and keys, and a model fitted at positions 0-2,047 alone
+broke down beyond them, 146 against the original's 20.0 on wiki at 8,192 tokens). The sequence length is the lever measured (BENCHMARKS.md, "Linear
 attention"): fitted on 512-token sequences (20 steps) the maps gave 3.01x / 3.22x the original's
 perplexity at 2,048 tokens, on 2,048-token sequences (40 steps) 1.90x / 2.05x (both without sinks): the
 far part must learn the weight of thousands of keys, not hundreds. With the sinks the default conversion
@@ -194,7 +196,10 @@ class LinearOptions(RefineOptions):
                                                   "the calibration text (after attention transfer) keep their original "
                                                   "attention, with a cache that grows on those heads (0: none)")
     calib: str = Field(DEFAULT_CALIB, description=CALIB_HELP + " (attention transfer)")
-    calib_tokens: int = Field(8192, ge=1, description="calibration tokens (attention transfer)")
+    # 16,384 since the sequences spread over the trained length (2026-12-06): the maps then see each stretch of
+    # positions twice; on wiki (a training corpus, for diagnosis) 28.91 at 2,048 and 38.05 at 8,192 tokens against
+    # 30.39 and 41.05 with 8,192 tokens (and 27.13 and 146.27 with every sequence at 0), in the same time
+    calib_tokens: int = Field(16384, ge=1, description="calibration tokens (attention transfer)")
     calib_seq_len: int = Field(2048, ge=2, description="calibration sequence length: the length the maps learn to "
                                                        "weigh far keys at (longer than the window)")
     calib_positions: int | None = Field(None, ge=0, description="the context the calibration sequences' positions "

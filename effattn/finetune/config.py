@@ -56,6 +56,19 @@ class Data(_Section):
                                                     "(EOS where it has none), spread evenly over the blocks: 0 (the "
                                                     "default) starts every block mid-text, 1 every block after BOS; a "
                                                     "block so marked keeps its length and loses its last token")
+    positions: int = Field(0, ge=0, description="the context the blocks' positions spread over: each micro-batch "
+                                                "reads its blocks from a start position drawn evenly from 0 to "
+                                                "positions - seq_len (teacher and student alike), so that a model "
+                                                "whose new parameters see rotated queries and keys (linear "
+                                                "attention's maps) keeps every position it was converted for; 0 (the "
+                                                "default): every block from position 0")
+
+    @model_validator(mode="after")
+    def _positions_hold_a_block(self):
+        if 0 < self.positions < self.seq_len:
+            raise ValueError(f"data.positions ({self.positions}) is shorter than a block (data.seq_len "
+                             f"{self.seq_len}): use 0 (every block from position 0) or at least {self.seq_len}")
+        return self
 
     @field_validator("sources", mode="before")
     @classmethod

@@ -11,7 +11,8 @@ Everything is tokenized once at the start; documents are joined with the EOS tok
 blocks of `seq_len` tokens. The order is an endless stream: sample k is block `perm_e[k mod N]` of
 epoch e = k // N, where perm_e is a permutation drawn from (seed, e). Micro-batches are slices of
 that stream, so the data position is one number, the samples consumed so far, and process r of W
-takes the r-th of W consecutive slices (every process sees different data).
+takes the r-th of W consecutive slices (every process sees different data). With `data.positions`, each
+micro-batch is read at positions from `block_start(first sample)` on instead of from 0.
 """
 
 from __future__ import annotations
@@ -145,6 +146,19 @@ def training_blocks(tokenizer, texts: dict[str, list[str]], seq_len: int, bos: f
         marked = torch.floor((i + 1) * bos) > torch.floor(i * bos)
         out[marked] = with_prefix(out[marked][:, :-1], prefix_token(tokenizer))
     return out
+
+
+GOLDEN = 0.6180339887498949  # the golden ratio's fraction: k * GOLDEN mod 1 covers [0, 1) evenly for k = 0, 1, 2, ...
+
+
+def block_start(sample: int, room: int, seed: int) -> int:
+    """The first position of the micro-batch whose first sample is `sample` (BlockStream's numbering), for blocks
+    placed anywhere in [0, room] (`data.positions` - seq_len): a low-discrepancy sequence over the samples, so that
+    any stretch of steps covers the positions evenly, and a resumed run reads the same positions (a function of
+    the sample's number alone)."""
+    if room <= 0:
+        return 0
+    return int(((sample + seed) * GOLDEN) % 1.0 * (room + 1))
 
 
 class BlockStream:

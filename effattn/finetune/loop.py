@@ -55,7 +55,7 @@ from ..io.writer import finish_interrupted_swap, write_json, write_text
 from ..killpoints import kill_point
 from . import distributed
 from .config import Optimizer, Recipe, Schedule, Student
-from .data import BlockStream, check_disjoint, read_sources, training_blocks
+from .data import BlockStream, block_start, check_disjoint, read_sources, training_blocks
 from .heldout import evaluate_student, held_out_sets, score_teacher
 from .losses import AttentionOutputs, FinalHidden, heal_loss
 from .params import conversion_modules, count_params, native, select_trainable
@@ -174,47 +174,52 @@ def sync_conversion_buffers(modules: list[torch.nn.Module], accelerator) -> None
 
 
 @torch.no_grad()
-def teacher_forward(teacher, ids: torch.Tensor, *, logits: bool) -> torch.Tensor | None:
+def teacher_forward(teacher, ids: torch.Tensor, *, logits: bool, positions: torch.Tensor | None = None) -> torch.Tensor | None:
     """The teacher's logits [B, T, V], or (logits=False: only its attention outputs or final states are
     needed, which hooks collect) a pass through its decoder alone, skipping the vocabulary projection.
     A sharded (FSDP) teacher runs whole, projecting only the last position: its sharding hooks sit on
     the model, so its decoder cannot run alone."""
     if teacher is None:
         return None
+    at = {} if positions is None else {"position_ids": positions}
     if logits:
-        return teacher(input_ids=ids, use_cache=False).logits
+        return teacher(input_ids=ids, use_cache=False, **at).logits
     if distributed.is_sharded(teacher):
-        teacher(input_ids=ids, use_cache=False, logits_to_keep=1)
+        teacher(input_ids=ids, use_cache=False, logits_to_keep=1, **at)
     else:
-        teacher.get_decoder()(input_ids=ids, use_cache=False)
+        teacher.get_decoder()(input_ids=ids, use_cache=False, **at)
     return None
 
 
 def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.Tensor],
                    recipe: Recipe, hooks: tuple[AttentionOutputs, AttentionOutputs] | None = None,
-                   finals: tuple[FinalHidden, FinalHidden | None] | None = None,
+                   finals: tuple[FinalHidden, FinalHidden | None] | None = None, starts: list[int] | None = None,
                    ) -> tuple[dict[str, torch.Tensor], float | None]:
     """One optimizer step over micro-batches [B, T] of this process: forward, loss, backward,
     (gradients all-reduced on the last one), clip, update. Returns the loss terms averaged over the
     micro-batches, and the gradient norm before clipping. hooks: (student, teacher) attention-output
     hooks, for loss.attn_out; finals: (student, teacher) final-norm hooks, for loss.chunk_tokens (the
-    models then project only their last position, through the wrapper so DDP sees the forward)."""
+    models then project only their last position, through the wrapper so DDP sees the forward).
+    starts: each micro-batch's first position (`data.positions`; default 0)."""
     sums: dict[str, torch.Tensor] = {}
     grad_norm = None
-    for ids in batches:
+    for i, ids in enumerate(batches):
         ids = ids.to(accelerator.device)
+        positions = None if not starts or not starts[i] else \
+            torch.arange(starts[i], starts[i] + ids.shape[1], device=ids.device)[None]  # (1, T): every row's
+        at = {} if positions is None else {"position_ids": positions}
         with accelerator.accumulate(model):  # no all-reduce until the last micro-batch; loss / grad_accum
             with accelerator.autocast():
                 chunked = None
                 if finals is not None:
-                    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+                    model(input_ids=ids, use_cache=False, logits_to_keep=1, **at)
                     logits = teacher_logits = None
-                    teacher_forward(teacher, ids, logits=False)  # its decoder alone; the final-norm hook keeps its states
+                    teacher_forward(teacher, ids, logits=False, positions=positions)  # its decoder alone; the final-norm hook keeps its states
                     teacher_hidden = finals[1].take() if finals[1] is not None else None
                     chunked = (finals[0].take(), finals[0].head, teacher_hidden, finals[1] and finals[1].head)
                 else:
-                    logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
-                    teacher_logits = teacher_forward(teacher, ids, logits=recipe.loss.kl > 0)
+                    logits = model(input_ids=ids, use_cache=False, **at).logits  # (B, T, V)
+                    teacher_logits = teacher_forward(teacher, ids, logits=recipe.loss.kl > 0, positions=positions)
                 attention = None if hooks is None else (hooks[0].take(), hooks[1].take())
                 terms = heal_loss(recipe.loss, logits, teacher_logits, ids, model, attention, chunked)
                 distributed.release(teacher)  # a sharded teacher's gathered root (embeddings, head): no backward frees it
@@ -368,6 +373,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     # -- data -------------------------------------------------------------------------------------
     say(f"tokenizing {', '.join(recipe.data.sources)} ...")
     stream = BlockStream(training_blocks(tokenizer, texts, recipe.data.seq_len, recipe.data.bos), recipe.train.seed)
+    room = recipe.data.positions - recipe.data.seq_len  # data.positions: where the micro-batches may start
     del texts
     held_out = held_out_sets(tokenizer, recipe.eval) if evaluates else []
     if evaluates and teacher is not None:
@@ -441,9 +447,11 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     session_t0, session_tokens = time.perf_counter(), 0
     while step < steps:
         t0 = time.perf_counter()
-        batches = [stream.take(samples + (micro * world + rank) * B, B) for micro in range(accum)]  # accum x (B, T)
+        firsts = [samples + (micro * world + rank) * B for micro in range(accum)]  # each micro-batch's first sample
+        batches = [stream.take(k, B) for k in firsts]  # accum x (B, T)
+        starts = [block_start(k, room, recipe.train.seed) for k in firsts]
         sums, grad_norm = optimizer_step(accelerator, model, teacher if use_teacher else None, optimizer, batches,
-                                         recipe, hooks, finals)
+                                         recipe, hooks, finals, starts)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         sync_conversion_buffers(conv_modules, accelerator)
