@@ -668,9 +668,11 @@ def test_a_heal_with_data_positions_reads_teacher_and_student_at_the_same_spread
                 h.remove()
 
     monkeypatch.setattr(loop, "optimizer_step", spy)
+    said: list[str] = []
     result = finetune(heal(f"student.model={student}", "student.convert=null", "train.params=lora",
                            "data.positions=4096", "train.grad_accum=2", "eval.every=0", "checkpoint.every=0",
-                           "train.max_steps=3"))
+                           "train.max_steps=3"), log=said.append)
+    assert any("blocks at positions spread over 4,096" in line for line in said), said
     # micro-batches of 2 samples, 2 per step: first samples 0, 2, 4, ...; room 4096 - 32
     want = [block_start(k, 4096 - 32, seed=0) for k in range(0, 12, 2)]
     assert seen["student"] == seen["teacher"] == want and len(set(want)) == 6 and want[0] == 0

@@ -425,7 +425,8 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
         accelerator.wait_for_everyone()
     resumed_from = step if start.checkpoint is not None else None
     say(f"training {trainable:,} of {total:,} parameters for {steps} steps of "
-        f"{tokens_per_step(recipe, world):,} tokens on {world} process(es)")
+        f"{tokens_per_step(recipe, world):,} tokens on {world} process(es)"
+        + (f", blocks at positions spread over {recipe.data.positions:,}" if room > 0 else ""))
 
     def state_now() -> dict[str, Any]:
         return {"step": step, "samples": samples, "tokens": tokens, "seconds": seconds, "processes": world,
