@@ -481,11 +481,12 @@ def test_exact_heads_in_the_plan_and_its_refusals(tiny, tmp_path, capsys):
     # the exact heads' share of the constant part (2 of 6 KV heads) goes, their growing cache comes
     assert plan["kv_bytes_per_token"][1] == pytest.approx(plain * 4 / 6 + exact)
     # scoring the heads costs a share of one attention pass per layer on the calibration tokens
-    from effattn.convert.linear import EXACT_SCORING_SHARE
+    from effattn.convert.linear import EXACT_SCORING_SHARE, LinearOptions
     from effattn.resources import Dims, compute_seconds
 
     config = json.loads((src / "config.json").read_text())
-    extra = 2 * EXACT_SCORING_SHARE * Dims.of(config).attention_flops(8192, 2048)
+    defaults = LinearOptions()
+    extra = 2 * EXACT_SCORING_SHARE * Dims.of(config).attention_flops(defaults.calib_tokens, defaults.calib_seq_len)
     assert plan["est_seconds"] - json.loads(stdout)["est_seconds"] == pytest.approx(compute_seconds(extra), rel=1e-6)
     for args, needles in ((["--exact-heads", "7"], ["--exact-heads 7 is more than the model's 6 KV heads"]),
                           (["--exact-heads", "1", "--refine-steps", "0"], ["--refine-steps 0 turns it off"]),
