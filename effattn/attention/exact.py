@@ -69,9 +69,9 @@ def full_attention(q, k, v, cos, sin, scale: float, state: FullState | None = No
     """The original attention of a RoPE model: q (B, T, H, D), pre-RoPE k, v (B, T, G, D) at absolute
     positions state.seen .. (cos, sin (T, D), or (B, T, D) for sequences at their own positions), causal
     over the cached keys and these. Returns the output (B, T, H, D) and the state holding every key and
-    value (detached, like `VQState`; without autograd `state` itself, advanced in place). `effattn.attention.functional.causal_attention` with a
-    cache; written here because this module is bundled as remote code with the kernels only
-    (functional.py is not)."""
+    value (detached, like `VQState`; without autograd `state` itself, advanced in place).
+    `effattn.attention.functional.causal_attention` with a cache; written here because this module is bundled
+    as remote code with the kernels only (functional.py is not)."""
     B, T, H, D = q.shape
     G = k.shape[2]
     cos, sin = (t[:, None] if t.dim() == 2 else t[:, :, None] for t in (cos, sin))  # (T, 1, D) or (B, T, 1, D)

@@ -27,11 +27,11 @@ Defaults (SmolLM2-135M, 30 layers, on 2 CPU cores): Adam at lr 1e-2 as LoLCATs' 
 40 steps per layer of 2 x 2,048 calibration tokens drawn from 16,384 tokens of `calib` (also the targets
 and the recorded losses), its eight sequences at positions spread over the model's trained length
 (`--calib-positions`: the maps read rotated queries and keys, and a model fitted at positions 0-2,047 alone
-broke down beyond them, 146 against the original's 20.0 on wiki at 8,192 tokens). The sequence length is the lever measured (BENCHMARKS.md, "Linear
-attention"): fitted on 512-token sequences (20 steps) the maps gave 3.01x / 3.22x the original's
-perplexity at 2,048 tokens, on 2,048-token sequences (40 steps) 1.90x / 2.05x (both without sinks): the
-far part must learn the weight of thousands of keys, not hundreds. With the sinks the default conversion
-took 330 s on 2 idle cores (321 s without them; the plan said 603 s).
+broke down beyond them, 146 against the original's 20.0 on wiki at 8,192 tokens). The sequence length is
+the lever measured (BENCHMARKS.md, "Linear attention"): fitted on 512-token sequences (20 steps) the maps
+gave 3.01x / 3.22x the original's perplexity at 2,048 tokens, on 2,048-token sequences (40 steps) 1.90x /
+2.05x (both without sinks): the far part must learn the weight of thousands of keys, not hundreds. With
+the sinks the default conversion took 330 s on 2 idle cores (321 s without them; the plan said 603 s).
 
 Attention sinks (`--sinks`, default 4 with a window): the first positions of a sequence stay under exact
 softmax for every later query (StreamingLLM, Xiao et al. 2023). The heads of a pretrained LLM put much of
@@ -481,7 +481,8 @@ class LinearConversion:
         learned = any(n != "window_factors" and n.endswith(("weight", "bias")) for n in tensors)
         steps = opts.refine_steps
         if not learned and not opts.window:  # nothing to fit: no map parameters, and no window to mix with
-            given = opts.given() & {"calib", "calib_tokens", "calib_seq_len", "calib_positions", *RefineOptions.REFINE_FIELDS}
+            given = opts.given() & {"calib", "calib_tokens", "calib_seq_len", "calib_positions",
+                                    *RefineOptions.REFINE_FIELDS}
             if given and steps:
                 flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
                 raise EffattnError(f"{flags}: --feature-map {spec['name']} has no parameters and --window 0 no "
@@ -499,7 +500,8 @@ class LinearConversion:
             if 0 < positions < opts.calib_seq_len:
                 raise EffattnError(f"--calib-positions {positions} is shorter than a calibration sequence "
                                    f"(--calib-seq-len {opts.calib_seq_len})",
-                                   f"use --calib-positions 0 (every sequence from position 0) or at least {opts.calib_seq_len}")
+                                   "use --calib-positions 0 (every sequence from position 0) or at least "
+                                   f"{opts.calib_seq_len}")
             calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens, seq_len=opts.calib_seq_len,
                                   batch_size=2, positions=positions).validate(ckpt.folder)
             if calib.seq_len <= opts.window:
@@ -545,7 +547,8 @@ class LinearConversion:
             settings["refine_steps"] = 0
             summary.append(("attention transfer", f"none: {spec['name']} has no parameters and window 0 no mix to fit"))
         else:
-            given = opts.given() & ({"calib", "calib_tokens", "calib_seq_len", "calib_positions", *RefineOptions.REFINE_FIELDS} - {"refine_steps"})
+            given = opts.given() & ({"calib", "calib_tokens", "calib_seq_len", "calib_positions",
+                                     *RefineOptions.REFINE_FIELDS} - {"refine_steps"})
             if given:
                 flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
                 raise EffattnError(f"{flags} set attention transfer, which --refine-steps 0 turns off",

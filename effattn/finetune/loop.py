@@ -174,7 +174,8 @@ def sync_conversion_buffers(modules: list[torch.nn.Module], accelerator) -> None
 
 
 @torch.no_grad()
-def teacher_forward(teacher, ids: torch.Tensor, *, logits: bool, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+def teacher_forward(teacher, ids: torch.Tensor, *, logits: bool,
+                    positions: torch.Tensor | None = None) -> torch.Tensor | None:
     """The teacher's logits [B, T, V], or (logits=False: only its attention outputs or final states are
     needed, which hooks collect) a pass through its decoder alone, skipping the vocabulary projection.
     A sharded (FSDP) teacher runs whole, projecting only the last position: its sharding hooks sit on
@@ -214,7 +215,8 @@ def optimizer_step(accelerator, model, teacher, optimizer, batches: list[torch.T
                 if finals is not None:
                     model(input_ids=ids, use_cache=False, logits_to_keep=1, **at)
                     logits = teacher_logits = None
-                    teacher_forward(teacher, ids, logits=False, positions=positions)  # its decoder alone; the final-norm hook keeps its states
+                    # its decoder alone; the final-norm hook keeps its states
+                    teacher_forward(teacher, ids, logits=False, positions=positions)
                     teacher_hidden = finals[1].take() if finals[1] is not None else None
                     chunked = (finals[0].take(), finals[0].head, teacher_hidden, finals[1] and finals[1].head)
                 else:
