@@ -27,7 +27,7 @@ import torch
 from pydantic import AfterValidator, Field
 
 from ..resources import DEVICE_NAME, check_device
-from .calibrate import rows_of
+from .calibrate import batches, rows_of
 from .options import ConversionOptions
 
 Target = Literal["attention", "stream"]
@@ -177,7 +177,7 @@ def layer_out(layer: torch.nn.Module, x: torch.Tensor, cos, sin, **kwargs) -> to
 
 def _map(fn, x: torch.Tensor, batch: int) -> torch.Tensor:
     """fn(x[rows], rows) over slices of `batch` rows, concatenated."""
-    return torch.cat([fn(x[i : i + batch], slice(i, i + batch)) for i in range(0, len(x), batch)])
+    return torch.cat([fn(x[sl], sl) for sl in batches(x, batch)])
 
 
 def refine_layer(converted: torch.nn.Module, original: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor,
