@@ -261,6 +261,29 @@ def test_sinks_with_full_layers_and_ranking(tiny, tmp_path):
     assert held[full_layer] == 50 and all(n == 2 + 8 - 1 for i, n in held.items() if i != full_layer)
 
 
+def test_a_sequence_read_at_other_positions_is_a_stream_from_its_own_start(tiny, tmp_path):
+    """A heal reads blocks at positions spread over the text (`data.positions`); the sinks model takes such a
+    block, without a cache, as the stream that starts there: its first tokens are the sinks, and its logits are
+    those of the same tokens at positions 0.. (RoPE scores depend on distances alone)."""
+    src = tiny("llama", layers=2)
+    for name, options in (("windowed", {}), ("one full layer", {"full_layer_ids": "1"})):
+        out = convert(src, tmp_path / name, to="swa", options={"window": WINDOW, "sinks": 3} | options,
+                      measure=False).out
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+        assert any(layer.self_attn.window is None for layer in model.model.layers) == bool(options)
+        ids = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(6))
+        with torch.no_grad():
+            at_zero = model(input_ids=ids, use_cache=False).logits
+            shifted = model(input_ids=ids, position_ids=torch.arange(1000, 1040)[None], use_cache=False).logits
+            assert (at_zero[:, 3 + WINDOW:] - model(input_ids=ids[:, 1:], use_cache=False).logits[:, 2 + WINDOW:]
+                    ).abs().max() > 1e-3  # which tokens are the sinks changes the logits
+            with pytest.raises(ValueError, match="cache holds"):  # a cached forward still continues its cache
+                model(input_ids=ids[:, :5], position_ids=torch.arange(1000, 1005)[None], use_cache=True)
+        torch.testing.assert_close(shifted, at_zero, rtol=0, atol=1e-9)
+
+
 def test_the_sinks_model_loads_with_remote_code_alone(tiny, tmp_path):
     from .remote import remote_logits
 
@@ -320,9 +343,10 @@ def test_the_heal_sinks_recipe_distils_a_sinks_student_that_stays_a_sinks_model(
     out = tmp_path / "out"
     code, _, err = run_cli(capsys, "finetune", "heal-sinks", "-o", out, f"student.model={tiny('llama', layers=2)}",
                            "student.convert.window=16", f"data.sources=[{tmp_path / 'train.txt'}]",
-                           "data.seq_len=64", "train.max_steps=2", f"eval.corpora=[{tmp_path / 'held.txt'}]",
-                           "eval.seq_len=64", "eval.tokens=128", "eval.every=2", "checkpoint.every=2")
-    assert code in (0, None), err
+                           "data.seq_len=64", "data.positions=1024", "train.max_steps=2",
+                           f"eval.corpora=[{tmp_path / 'held.txt'}]", "eval.seq_len=64", "eval.tokens=128",
+                           "eval.every=2", "checkpoint.every=2")
+    assert code in (0, None), err  # blocks at spread positions: the sinks student reads each as its own stream
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "effattn_sinks" and config["attention_window"] == 16 and config["sink_tokens"] == 4
     assert (out / "modeling_effattn_sinks.py").exists()

@@ -122,7 +122,11 @@ class EffattnSinksForCausalLM(WrappedCausalLM):
         body = self.model
         x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         past = cache.seen if cache is not None else 0
-        position_ids = self.check_positions(position_ids, past, x.shape[1], x.device)
+        position_ids = self.check_positions(position_ids, past, x.shape[1], x.device, cached=cache is not None)
+        # without a cache (training) a sequence may be read at any place in the text (a heal's spread
+        # positions). Every score here depends on distances alone, so it is the stream from its own start:
+        # its first tokens are the sinks, as when a stream is decoded.
+        position_ids = position_ids - position_ids[:, :1] + past
 
         # one RoPE table per forward for every layer: windowed layers rotate at distances within the
         # chunk, its window and the sinks; full layers at the text's positions
