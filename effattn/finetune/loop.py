@@ -53,6 +53,7 @@ from ..io.checkpoint import read_config
 from ..io.verify import meta_model
 from ..io.writer import finish_interrupted_swap, write_json, write_text
 from ..killpoints import kill_point
+from ..resources import release_free_heap
 from . import distributed
 from .config import Optimizer, Recipe, Schedule, Student
 from .data import BlockStream, block_start, check_disjoint, read_sources, training_blocks
@@ -375,6 +376,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     # -- data -------------------------------------------------------------------------------------
     say(f"tokenizing {', '.join(recipe.data.sources)} ...")
     stream = BlockStream(training_blocks(tokenizer, texts, recipe.data.seq_len, recipe.data.bos), recipe.train.seed)
+    release_free_heap()  # the tokenizer's freed pieces, which the training steps' tensors would not reuse
     room = recipe.data.positions - recipe.data.seq_len  # data.positions: where the micro-batches may start
     del texts
     held_out = held_out_sets(tokenizer, recipe.eval) if evaluates else []
