@@ -262,6 +262,12 @@ ACTIVATION_FEATURES, ACTIVATION_HEAD_DIMS = 3, 18
 # (window 64, 4 sinks): the attention saved 143 MB without the cache, 227 MB with G 64, 349 MB with G 256; this
 # count adds 88 MB and 215 MB.
 GLOBAL_ACTIVATION_COLUMNS = 9
+# The resident memory grows by more than the saved tensors without the cache: in 3-step heal-linear runs of the default
+# SmolLM2 transfer (2,048 tokens, hedgehog, window 64) the forward added 287 MiB a layer in two runs of three (185 in the
+# third; peaks 12.1-12.8 GiB, and 9.6) where the tensors saved are 210 MiB: the heap's slack between the kernel's
+# chunks. With G 64 or 256 the growth matched the count (the G 256 heal grew 420 MiB a layer against 415 counted), so
+# this slack, ACTIVATION_SLACK_HEAD_DIMS x head_dim floats per token and query head, is counted without the cache only.
+ACTIVATION_SLACK_HEAD_DIMS = 17
 # The global cache's kernel trains in runs of queries (the window's length) of small PyTorch operations, slower than
 # the fine-tune's time plan counts a layer: per token, layer and query head it adds about GLOBAL_TRAIN_FLOPS +
 # GLOBAL_TRAIN_FLOPS_PER_KEY x G at the plan's rate. Fitted on heal-linear steps (2,048-token sequences) of SmolLM2
@@ -285,6 +291,8 @@ def layer_activation_bytes(config: dict, batch: int, seq_len: int) -> int:
         window = config.get("linear_window", LINEAR_DEFAULTS["linear_window"])
         sinks = config.get("linear_sinks", LINEAR_DEFAULTS["linear_sinks"])
         per_head += GLOBAL_ACTIVATION_COLUMNS * (capacity + window + sinks)
+    else:
+        per_head += ACTIVATION_SLACK_HEAD_DIMS * head_dim
     return 4 * batch * seq_len * heads * per_head
 
 
