@@ -376,9 +376,9 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     # -- data -------------------------------------------------------------------------------------
     say(f"tokenizing {', '.join(recipe.data.sources)} ...")
     stream = BlockStream(training_blocks(tokenizer, texts, recipe.data.seq_len, recipe.data.bos), recipe.train.seed)
-    release_free_heap()  # the tokenizer's freed pieces, which the training steps' tensors would not reuse
     room = recipe.data.positions - recipe.data.seq_len  # data.positions: where the micro-batches may start
     del texts
+    release_free_heap()  # the tokenizer's freed pieces, which the training steps' tensors would not reuse
     held_out = held_out_sets(tokenizer, recipe.eval) if evaluates else []
     if evaluates and teacher is not None:
         score_teacher(teacher, held_out, recipe.eval.batch_size, accelerator.autocast)
