@@ -299,11 +299,14 @@ def test_the_run_trains_on_the_blocks_data_bos_asks_for(heal, monkeypatch):
     import effattn.finetune.loop as loop
     from effattn.io.load import load_tokenizer
 
-    seen = []
+    seen, released = [], []
     real = loop.training_blocks
     monkeypatch.setattr(loop, "training_blocks", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    # the tokenizer's freed heap goes back to the system once, after the text is tokenized
+    monkeypatch.setattr(loop, "release_free_heap", lambda: released.append(len(seen)) or 0)
     finetune(heal("data.bos=1.0", "train.max_steps=1", "eval.every=0", "checkpoint.every=0"))
     assert len(seen) == 1 and (seen[0][:, 0] == load_tokenizer(heal.src).bos_token_id).all()
+    assert released == [1]
 
 
 def test_max_tokens_rounds_up_to_whole_steps(heal):
