@@ -17,14 +17,14 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 
 
 def nll(model, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """−log p of every next token of ids [1, T], the block read at positions offset..offset+T-1: [T - 1]."""
-    pos = torch.arange(offset, offset + ids.shape[1])[None]
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    return -F.log_softmax(logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    from effattn.evaluate import log_probs
+
+    logp = log_probs(model, ids, positions=torch.arange(offset, offset + ids.shape[1])[None])
+    return -logp[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
 
 
 def main() -> None:

@@ -68,11 +68,14 @@ class EvalReport:
         return asdict(self)
 
 
-def log_probs(model, ids: torch.Tensor, autocast=nullcontext) -> torch.Tensor:
-    """Next-token log-probabilities [B, T, V] (float32) of `model` on ids [B, T] (moved to its device)."""
-    ids = ids.to(next(model.parameters()).device)
+def log_probs(model, ids: torch.Tensor, autocast=nullcontext,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token log-probabilities [B, T, V] (float32) of `model` on ids [B, T] (moved to its device), read at
+    `positions` [1, T] (default 0..T-1)."""
+    device = next(model.parameters()).device
+    at = {} if positions is None else {"position_ids": positions.to(device)}
     with autocast():
-        logits = model(input_ids=ids, use_cache=False).logits
+        logits = model(input_ids=ids.to(device), use_cache=False, **at).logits
     return F.log_softmax(logits.float(), dim=-1)
 
 
