@@ -263,7 +263,7 @@ ACTIVATION_FEATURES, ACTIVATION_HEAD_DIMS = 3, 18
 # count adds 88 MB and 215 MB.
 GLOBAL_ACTIVATION_COLUMNS = 9
 # The resident memory grows by more than the saved tensors without the cache: in 3-step heal-linear runs of the default
-# SmolLM2 transfer (2,048 tokens, hedgehog, window 64) the forward added 287 MiB a layer in two runs of three (185 in the
+# SmolLM2 transfer (2,048 tokens, hedgehog, window 64) the forward added 287 MiB a layer in two runs of three (186 in the
 # third; peaks 12.1-12.8 GiB, and 9.6) where the tensors saved are 210 MiB: the heap's slack between the kernel's
 # chunks. With the cache the plan already matched (G 64: 12.7 GiB measured and planned; G 256: its forward grew 420 MiB
 # a layer against 415 counted), so this slack, ACTIVATION_SLACK_HEAD_DIMS x head_dim floats per token and query head,
