@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -24,13 +25,14 @@ def _logits(model) -> torch.Tensor:
         return model(input_ids=IDS).logits
 
 
-def test_spliced_layers_give_the_converted_and_the_original_logits(tiny, tmp_path):
-    src = tiny("llama", heads=6, kv_heads=3)
-    out = convert(src, tmp_path / "mqa", to="mqa", options={"method": "mean"}, measure=False).out
+@pytest.mark.parametrize("heads,old_kv,new_kv", [(6, 3, 1), (8, 4, 2)])
+def test_spliced_layers_give_the_converted_and_the_original_logits(tiny, tmp_path, heads, old_kv, new_kv):
+    src = tiny("llama", heads=heads, kv_heads=old_kv)
+    out = convert(src, tmp_path / "gqa", to="gqa", options={"kv_heads": new_kv, "method": "mean"}, measure=False).out
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64).eval()
     conv = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
     original = gqa_layer_splice.attention_weights(ref)
-    converted = gqa_layer_splice.attention_weights(conv, 3)
+    converted = gqa_layer_splice.attention_weights(conv, old_kv // new_kv)
     want_ref, want_conv = _logits(ref), _logits(conv)
     layers = set(range(len(ref.model.layers)))
     gqa_layer_splice.splice(ref, original, converted, layers)
