@@ -5,9 +5,8 @@ and the original's attention spliced alone into the converted model.
                                           [--tokens 4096] [--out FILE.json]
 
 CONVERTED is a folder written by `effattn convert MODEL --to gqa/mqa` from the reference. Its KV heads are
-repeated to the reference's count (each converted KV head copied to the old heads it replaced, which changes no
-logit: repeating KV heads is what GQA attention does anyway), so either layer's attention fits the other
-model. For every layer l, perplexity (blocks of 512 tokens, spread over each corpus) of:
+expanded to the reference's count as `effattn convert --to gqa` expands heads (`gqa.mix_heads`: each copied to
+the heads its queries read, which changes no logit), so either layer's attention fits the other model. For every layer l, perplexity (blocks of 512 tokens, spread over each corpus) of:
 - `only{l}`: the reference with layer l's attention converted: what layer l costs on the original's inputs;
 - `allbut{l}`: the converted model with layer l's attention restored: what keeping layer l would give back.
 and `none` (the reference) and `all` (the converted model). The sum of the `only` log-ratios against the `all`
@@ -26,6 +25,7 @@ import math
 
 import torch
 
+from effattn.convert.gqa import mean_mixing, mix_heads
 from effattn.data.corpora import load_text, token_blocks
 from effattn.evaluate import corpus_scores
 from effattn.io.load import load_model
@@ -33,14 +33,16 @@ from effattn.io.load import load_model
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def attention_weights(model, repeat: int = 1) -> list[dict[str, torch.Tensor]]:
-    """Each layer's q/k/v/o weights (copies), the k/v rows repeated `repeat` times per KV head."""
-    d = model.config.head_dim
+def attention_weights(model, kv_heads: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Each layer's q/k/v/o weights (copies), the k/v heads expanded to `kv_heads` (a multiple of the model's) the
+    way `effattn convert --to gqa` expands them: each head copied to the heads its queries read before."""
+    config = model.config
+    mix = mean_mixing(config.num_attention_heads, config.num_key_value_heads, kv_heads or config.num_key_value_heads)
     out = []
     for layer in model.model.layers:
         w = {n: getattr(layer.self_attn, n).weight.detach().clone() for n in PROJECTIONS}
         for n in ("k_proj", "v_proj"):
-            w[n] = w[n].view(-1, d, w[n].shape[-1]).repeat_interleave(repeat, dim=0).flatten(0, 1)
+            w[n] = mix_heads(w[n], mix, config.head_dim)
         out.append(w)
     return out
 
@@ -69,7 +71,7 @@ def main() -> None:
     old_kv, new_kv = ref.config.num_key_value_heads, conv.config.num_key_value_heads
     if old_kv % new_kv:
         raise SystemExit(f"{args.converted} has {new_kv} KV heads, not a divisor of the reference's {old_kv}")
-    original, converted = attention_weights(ref), attention_weights(conv, old_kv // new_kv)
+    original, converted = attention_weights(ref), attention_weights(conv, old_kv)
     del conv
     blocks = {c: token_blocks(tok, load_text(c), 512, args.tokens, spread=True) for c in args.corpora.split(",")}
     layers = len(ref.model.layers)

@@ -1,4 +1,4 @@
-"""benchmarks/gqa_layer_splice.py: a converted model's attention, its KV heads repeated, fits the original's shape
+"""benchmarks/gqa_layer_splice.py: a converted model's attention, its KV heads expanded, fits the original's shape
 and gives the converted model's logits; the original's weights come back exactly."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_spliced_layers_give_the_converted_and_the_original_logits(tiny, tmp_pat
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64).eval()
     conv = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
     original = gqa_layer_splice.attention_weights(ref)
-    converted = gqa_layer_splice.attention_weights(conv, old_kv // new_kv)
+    converted = gqa_layer_splice.attention_weights(conv, old_kv)
     want_ref, want_conv = _logits(ref), _logits(conv)
     layers = set(range(len(ref.model.layers)))
     gqa_layer_splice.splice(ref, original, converted, layers)
