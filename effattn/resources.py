@@ -3,7 +3,7 @@
 Estimates are built from counts (floating-point operations, bytes read and written, bytes held) and
 two things measured here, once per process:
 
-  * `matmul_flops()`: float32 matrix-multiply throughput of torch on this machine's threads (a
+  * `matmul_flops()`: float32 (or bfloat16) matrix-multiply throughput of torch on this machine's threads (a
     ~0.3 s probe, or the best earlier probe on this machine: estimates are for an idle machine, as
     the BENCHMARKS table measures them; a loaded one is slower). Model work runs at a fraction of it; the fractions below were measured on the built-in model
     (BENCHMARKS.md, "estimates") and are used for every model.
@@ -60,15 +60,18 @@ def device_flops(dtype: torch.dtype = torch.float32, windows: int = 3, seconds: 
     return best
 
 
-@functools.lru_cache(maxsize=1)
-def matmul_flops() -> float:
-    """This CPU's float32 matmul throughput (FLOP/s) when idle: the best of this process's probe and the
-    best earlier probe on this machine (same CPU and thread count, kept in the cache folder), so that a
-    probe that happened to share the cores with another job does not halve every estimate."""
+@functools.lru_cache(maxsize=4)
+def matmul_flops(dtype: torch.dtype = torch.float32) -> float:
+    """This CPU's matmul throughput (FLOP/s) in `dtype` when idle: the best of this process's probe and the
+    best earlier probe on this machine (same CPU, thread count and dtype, kept in the cache folder), so that a
+    probe that happened to share the cores with another job does not halve every estimate. bfloat16 is probed
+    apart: a CPU with bf16 instructions multiplies ~3.5x faster in it (AMD EPYC, avx512_bf16), one without
+    them slower than in float32."""
     from .io.cache import read_machine_record, write_machine_record
 
-    live = device_flops(torch.float32, device="cpu")
+    live = device_flops(dtype, device="cpu")
     key = f"{_cpu_model()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
+    key += "" if dtype == torch.float32 else f", {str(dtype).removeprefix('torch.')}"
     known = read_machine_record("matmul-flops.json")
     best = max(live, float(known.get(key, 0.0)))
     if best > float(known.get(key, 0.0)):

@@ -45,6 +45,11 @@ from ..resources import MEMORY_MARGIN, check_memory, device_flops, matmul_flops,
 # and 18.5 min for heal-linear (36 of 2,048; measured 11.6-17.4 min), 0.70 and 0.63-0.94 of it; 0.6 makes them 15.7
 # and 13.9 min. (0.45 was fitted against live probes under load, 41-68 GFLOP/s.) A rough, machine-dependent factor.
 EFFICIENCY = 0.6
+# bf16 on the CPU (autocast): priced at the bfloat16 probe, of which less is reached, since what is not a matmul does
+# not speed up with it. extend-context-gpu's shape (1 x 16,384 tokens, activation checkpointing) on the built-in
+# model, 8 steps: 36.9 min measured (2 cores, AMD EPYC, bf16 probe 1,008 GFLOP/s, fp32 238); priced at 60% of the
+# fp32 probe the plan said 95 min, at 31% of the bf16 probe it says 37 (BENCHMARKS.md, "A heal at 16K on the CPU").
+CPU_BF16_EFFICIENCY = 0.31
 RUNTIME_BYTES = 2**29  # Python, torch, tokenizer, tokenized text: ~0.5 GiB measured
 LOGIT_COPIES = 6  # student logits, their log-softmax and gradient, teacher logits and log-softmax, the KL terms
 
@@ -161,13 +166,15 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     step_flops = flops_token * B * T * accum
     evals = (steps // recipe.eval.every if recipe.eval.every else 0) + 1
     eval_flops = (evals + (1 if teacher_spec else 0)) * len(recipe.eval.corpora) * recipe.eval.tokens * 2 * compute
-    dtype = torch.bfloat16 if recipe.train.precision == "bf16" and torch.cuda.is_available() else torch.float32
+    dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
     if not estimate_time:  # the run checks memory only: no speed probe
         return {"memory_bytes_per_process": memory, "strategy": strategy}
     # a GPU's probe as it runs; the CPU's best probe on this machine (resources.matmul_flops), as the conversions'
     # estimates use: a probe that shares the cores with another job measured 69 GFLOP/s where the cores give 203, and
     # the heal-linear estimate said 55 min for 11.6-17.4 measured
-    flops = (device_flops(dtype) if torch.cuda.is_available() else matmul_flops()) * EFFICIENCY
+    cpu_bf16 = dtype == torch.bfloat16 and not torch.cuda.is_available()
+    efficiency = CPU_BF16_EFFICIENCY if cpu_bf16 else EFFICIENCY
+    flops = (device_flops(dtype) if torch.cuda.is_available() else matmul_flops(dtype)) * efficiency
     return {
         "recipe": recipe.to_dict(),
         "student": {"model": student.model, "conversion": conversion, "params": total, "trainable": trainable,
@@ -181,7 +188,8 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         "tokens": steps * per_step,
         "memory_bytes_per_process": memory,
         "est_seconds": {"training": steps * step_flops / flops, "evaluation": eval_flops / flops},
-        "est_basis": f"{flops / 1e9:,.0f} GFLOP/s effective ({EFFICIENCY:.0%} of measured matmul speed)",
+        "est_basis": f"{flops / 1e9:,.0f} GFLOP/s effective ({efficiency:.0%} of measured "
+                     f"{'bf16 ' if dtype == torch.bfloat16 else ''}matmul speed)",
     }
 
 
