@@ -6,9 +6,9 @@
 The first `--span` tokens (32,768 by default) of each held-out corpus are written to a text file once
 and evaluated with `--corpus FILE --max-tokens SPAN`: at 8K that is four blocks, at 16K two, at 32K one,
 so the perplexities of different contexts are over the same tokens (each block starts cold, so longer
-blocks also give each token more context). The variants are those of bench_passkey.py. Each run is a
-fresh process under `/usr/bin/time` (wall seconds, peak resident set); results are appended to
-benchmarks/results/long-ppl.json with the load average.
+blocks also give each token more context). The variants are those of bench_passkey.py, or NAME=PATH for a
+model already made. Each run is a fresh process under `/usr/bin/time` (wall seconds, peak resident set);
+results are appended to benchmarks/results/long-ppl.json with the load average.
 """
 
 from __future__ import annotations
@@ -62,12 +62,13 @@ def main() -> None:
                     f"--batch-size 1 --no-speed --json", f"{variant} at {context}")
                 report = json.loads(stdout)
                 ppl = next(iter(report["model"]["perplexity"].values()))
-                entry = {"variant": variant, "model": model, "corpus": corpus, "context": context, "span": args.span,
-                         "perplexity": ppl, "tokens": next(iter(report["tokens"].values())), "wall_s": wall, "peak_rss_mib": peak,
+                entry = {"variant": variant.partition("=")[0], "model": model, "corpus": corpus, "context": context,
+                         "span": args.span, "perplexity": ppl, "tokens": next(iter(report["tokens"].values())),
+                         "wall_s": wall, "peak_rss_mib": peak,
                          "load_before": load, "load_after": os.getloadavg()[0], "machine": machine()}
                 results.append(entry)
                 RESULTS.write_text(json.dumps(results, indent=1))
-                print(f"{variant} {corpus} @ {context}: ppl {ppl:.3f} | {wall:.0f} s, "
+                print(f"{variant.partition('=')[0]} {corpus} @ {context}: ppl {ppl:.3f} | {wall:.0f} s, "
                       f"{peak:,.0f} MiB, load {load:.2f}", flush=True)
 
 
