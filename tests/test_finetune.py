@@ -245,7 +245,7 @@ def test_tiny_heal_lowers_the_loss_and_writes_a_native_checkpoint(heal, capsys):
 
 
 def test_a_bf16_fine_tune_on_the_cpu_is_priced_at_the_bf16_matmul_probe(heal, monkeypatch):
-    """Under bf16 autocast the CPU multiplies in bfloat16 (~3.5x float32 where it has the instructions, slower where
+    """Under bf16 autocast the CPU multiplies in bfloat16 (~4x float32 where it has the instructions, slower where
     it has not): the plan prices it at the bfloat16 probe times CPU_BF16_EFFICIENCY, fp32 at the float32 probe."""
     import effattn.finetune.plan as finetune_plan
 
