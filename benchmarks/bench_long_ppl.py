@@ -52,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     for variant in args.variants.split(","):
-        model = model_of(variant)
+        model, name = model_of(variant), variant.partition("=")[0]
         for context in [int(c) for c in args.contexts.split(",")]:
             for corpus in args.corpora.split(","):
                 text = span_file(corpus, args.span)
@@ -62,13 +62,13 @@ def main() -> None:
                     f"--batch-size 1 --no-speed --json", f"{variant} at {context}")
                 report = json.loads(stdout)
                 ppl = next(iter(report["model"]["perplexity"].values()))
-                entry = {"variant": variant.partition("=")[0], "model": model, "corpus": corpus, "context": context,
+                entry = {"variant": name, "model": model, "corpus": corpus, "context": context,
                          "span": args.span, "perplexity": ppl, "tokens": next(iter(report["tokens"].values())),
                          "wall_s": wall, "peak_rss_mib": peak,
                          "load_before": load, "load_after": os.getloadavg()[0], "machine": machine()}
                 results.append(entry)
                 RESULTS.write_text(json.dumps(results, indent=1))
-                print(f"{variant.partition('=')[0]} {corpus} @ {context}: ppl {ppl:.3f} | {wall:.0f} s, "
+                print(f"{name} {corpus} @ {context}: ppl {ppl:.3f} | {wall:.0f} s, "
                       f"{peak:,.0f} MiB, load {load:.2f}", flush=True)
 
 

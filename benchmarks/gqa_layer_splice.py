@@ -6,7 +6,8 @@ and the original's attention spliced alone into the converted model.
 
 CONVERTED is a folder written by `effattn convert MODEL --to gqa/mqa` from the reference. Its KV heads are
 expanded to the reference's count as `effattn convert --to gqa` expands heads (`gqa.mix_heads`: each copied to
-the heads its queries read, which changes no logit), so either layer's attention fits the other model. For every layer l, perplexity (blocks of 512 tokens, spread over each corpus) of:
+the heads its queries read, which changes no logit), so either layer's attention fits the other model. For every
+layer l, perplexity (blocks of 512 tokens, spread over each corpus) of:
 - `only{l}`: the reference with layer l's attention converted: what layer l costs on the original's inputs;
 - `allbut{l}`: the converted model with layer l's attention restored: what keeping layer l would give back.
 and `none` (the reference) and `all` (the converted model). The sum of the `only` log-ratios against the `all`
