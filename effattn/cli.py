@@ -651,5 +651,20 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
+def entry() -> None:
+    """The console script and `python -m effattn.cli` (torchrun's way in): main(), then, in a process that
+    ran a process group, an exit that skips the interpreter's finalization (see `exit_without_finalizing`)."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code
+    if isinstance(code, int):
+        from .finetune.loop import exit_without_finalizing
+
+        exit_without_finalizing(code)  # returns where no process group ran
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

@@ -6,7 +6,7 @@ Each process writes REPORT_DIR/rank{N}.json with a hash of its final state dict 
 buffers), so the test can check that every process ends with the same model (under fsdp only the
 main process holds the whole final model: the others report none).
 At exit, after the run's own exit hooks, it writes REPORT_DIR/rank{N}-exit.json: whether the process
-group was still alive then.
+group was still alive then. It ends as the CLI does, without the interpreter's finalization.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from aux_model import register  # noqa: E402
 
 from effattn.finetune import finetune, load_recipe  # noqa: E402
+from effattn.finetune.loop import exit_without_finalizing  # noqa: E402
 
 
 def state_hash(model) -> str:
@@ -46,3 +47,4 @@ if __name__ == "__main__":
     result = finetune(load_recipe(recipe, sys.argv[3:]))
     (report / f"rank{rank}.json").write_text(json.dumps({
         "hash": state_hash(result.model) if result.model is not None else None, "wrote": result.out is not None, "steps": result.steps}))
+    exit_without_finalizing(0)  # as the CLI does: a gloo thread can abort a finalizing interpreter

@@ -569,6 +569,56 @@ print("group alive after the run:", dist.is_initialized(), flush=True)
     assert done.stdout.splitlines() == ["group alive after the run: True", "group alive at exit: False"]
 
 
+EXIT_SCRIPT = """
+import atexit, sys, torch, torch.distributed as dist
+from effattn.finetune.loop import exit_without_finalizing, release_process_group_at_exit
+
+
+class Finalized:
+    def __del__(self):
+        print("finalized", flush=True)
+
+
+alive = Finalized()  # its __del__ runs when the interpreter tears the module down
+atexit.register(lambda: print("hook, group alive:", dist.is_initialized(), flush=True))  # runs after the run's
+if sys.argv[1] == "group":
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+    dist.barrier()
+    release_process_group_at_exit()
+print("run done", end="")  # unflushed: the exit must flush it
+exit_without_finalizing(3)
+sys.exit(4)
+"""
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["process-group", "no-group"])
+def test_an_entry_point_that_ran_a_process_group_exits_without_finalizing(tmp_path, group):
+    """A gloo worker thread can hold the last reference to a finished collective while the interpreter
+    finalizes; freeing its tensors then aborts the process (SIGABRT). So the CLI and the torchrun worker end
+    a process that ran a group with exit_without_finalizing: exit hooks run (the group is destroyed before
+    the later hooks), output is flushed, finalization (the module's __del__) never runs, the code is kept.
+    In a process that ran no group it does nothing and the program goes on."""
+    args = ["group", str(tmp_path / "store")] if group else ["none"]
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, *args], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.stderr == "" or "Warning" in done.stderr, done.stderr[-2000:]
+    if group:
+        assert done.returncode == 3
+        assert done.stdout.splitlines() == ["run donehook, group alive: False"]
+    else:
+        assert done.returncode == 4
+        assert done.stdout.splitlines() == ["run donehook, group alive: False", "finalized"]
+
+
+def test_the_cli_entry_keeps_exit_codes_where_no_process_group_ran(tmp_path):
+    """`python -m effattn.cli` goes through entry(): a bad argument still exits 2 with one line, a good one 0."""
+    bad = subprocess.run([sys.executable, "-m", "effattn.cli", "inspect", str(tmp_path / "missing")],
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error:"), bad.stderr[-2000:]
+    good = subprocess.run([sys.executable, "-m", "effattn.cli", "--help"], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0 and good.stdout.strip(), good.stderr[-2000:]
+
 def test_output_cannot_overwrite_the_student(heal):
     student = converted_student(heal)
     with pytest.raises(EffattnError, match="is also student.model"):

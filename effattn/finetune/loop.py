@@ -32,6 +32,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -280,18 +281,51 @@ def release_process_group_at_exit() -> None:
     A process that exits with a gloo group alive tears the group's worker threads down during
     interpreter finalization, and that can abort the process ("terminate called without an active
     exception", SIGABRT: pytorch/pytorch#190489) after every byte was written, so torchrun reports a
-    finished run as failed. Registered after a successful run only: every process has passed the
+    finished run as failed. Destroying the group first makes that rarer, not impossible: entry points
+    also skip finalization (`exit_without_finalizing`). Registered after a successful run only: every process has passed the
     run's last barrier, so nothing is in flight (destroying a group while another process is inside
     a collective can hang, as torchtitan found). At exit rather than now, so that a program may call
     `finetune` again in the same process group. Registered once however often it is called."""
+    global _group_released_at_exit
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         atexit.unregister(_destroy_process_group)
         atexit.register(_destroy_process_group)
+        _group_released_at_exit = True
+
+
+_group_released_at_exit = False
 
 
 def _destroy_process_group() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def exit_without_finalizing(code: int) -> None:
+    """End a process that ran a process group (a torchrun worker) with `code`: the exit hooks run (they
+    destroy the group and flush), the interpreter's finalization does not. Returns, doing nothing, in a
+    process that ran none. For entry points only (the CLI, a worker script): a library call must not end
+    its caller's process.
+
+    Destroying the group is not enough. Its gloo worker threads live on, and one of them can still hold the
+    last reference to a finished collective (the final barrier keeps the all-gathers queued before it)
+    when the interpreter finalizes. Releasing that work's tensors needs the GIL; a thread asking for the
+    GIL during finalization is ended by pthread_exit, whose unwinding through a noexcept destructor calls
+    std::terminate. The process aborts (SIGABRT, "terminate called without an active exception") after
+    every byte was written, and torchrun reports the finished run as failed. A core dump of one such
+    abort shows ~AsyncBarrierWork -> ~AsyncAllgatherCoalescedWork -> decref_pyobject -> take_gil ->
+    PyThread_exit_thread -> std::terminate on a ProcessGroupGloo thread, the main thread in Py_FinalizeEx.
+    Measured on 2 loaded cores: 2 aborts in 64 resumed FSDP runs of tests/test_distributed.py's recipe
+    (pytorch/pytorch#179291 is the same race)."""
+    if not _group_released_at_exit:
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to lose
+            pass
+    os._exit(code)
 
 
 def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Callable[[str], None] | None,
