@@ -34,6 +34,12 @@ from .families import AttentionShape
 # Fractions of the matmul probe's rate that real work reaches on the CPU (measured; see module doc).
 FORWARD_EFFICIENCY = 0.45  # a transformers forward pass, float32, batches of 512-token blocks
 LAYERWISE_EFFICIENCY = 0.55  # the layer-wise runner: one decoder layer at a time, plus statistics
+# 16-bit work on the CPU reaches this share of the float32 fraction, of the 16-bit probe (`cpu_flops`). Measured on
+# 2 idle cores (AMD EPYC, avx512_bf16; bf16 probe 932-1,008 GFLOP/s, fp32 233-238): a bf16 fine-tune at 16K tokens
+# reached 0.31 of the bf16 probe where float32 fine-tunes reach 0.60 of theirs (0.52). Checked on bfloat16 passkey
+# grids of the built-in model: 2 prompts at 8,192 tokens took 44.8 s of work, priced 42 s; 2 at 2,048 and 2 at 4,096
+# took 16.8 s, priced 24 s (BENCHMARKS.md, "Dry-run estimates against measurements").
+HALF_EFFICIENCY = 0.52
 DISK_BYTES_PER_S = 2e9  # reading a cached checkpoint and writing through the page cache (measured ~2 GB/s)
 TOKENIZE_BYTES_PER_CHAR = 350  # peak memory of tokenizing a whole corpus at once (a byte-level tokenizer, the worst)
 MODEL_LOAD_SECONDS = 1.0  # transformers building a model from a local safetensors folder  # reading a checkpoint and writing safetensors (page cache, mmap)
@@ -192,8 +198,18 @@ class Dims(AttentionShape):
         return self.attention_flops(tokens, seq_len) + 6 * tokens * self.hidden * self.intermediate
 
 
-def compute_seconds(flops: float, efficiency: float = LAYERWISE_EFFICIENCY) -> float:
-    return flops / (matmul_flops() * efficiency)
+def cpu_flops(efficiency: float, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s that work reaching `efficiency` of the float32 probe in float32 (one of the fractions above) reaches
+    on this CPU in `dtype`. 16-bit work (bf16 autocast, a bfloat16 model) is priced at its own probe, of which it
+    reaches HALF_EFFICIENCY as large a fraction: what is not a matmul (norms, softmax, casts) does not speed up."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return matmul_flops(dtype) * efficiency * HALF_EFFICIENCY
+    return matmul_flops() * efficiency
+
+
+def compute_seconds(flops: float, efficiency: float = LAYERWISE_EFFICIENCY, dtype: torch.dtype = torch.float32) -> float:
+    """Seconds of `flops` of work on this CPU (idle) in `dtype`: see `cpu_flops`."""
+    return flops / cpu_flops(efficiency, dtype)
 
 
 COLD_READ_BYTES_PER_S = 1e9  # pages not in the page cache: this machine read an evicted 538 MB checkpoint in 0.5-1 s

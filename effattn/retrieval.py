@@ -220,9 +220,10 @@ def run_model(model, tokenizer, prompts: list[Prompt], settings: RetrievalSettin
 
 
 def estimate(config: dict[str, Any], params: int, settings: RetrievalSettings, *, models: int = 1,
-             weight_bytes: int = 4) -> tuple[float, int]:
-    """(seconds, peak bytes above the process's) of the grid on this machine: every prompt's prefill and
-    answer, per model; memory: the weights, the cache at the longest length, one chunk's activations."""
+             dtype: torch.dtype = torch.float32) -> tuple[float, int]:
+    """(seconds, peak bytes above the process's) of the grid on this machine with the weights in `dtype`: every
+    prompt's prefill and answer, per model; memory: the weights, the cache at the longest length, one chunk's
+    activations (the cache and activations counted in float32, an upper bound)."""
     from .convert.base import kv_bytes_per_token
     from .resources import FORWARD_EFFICIENCY, TOKENIZE_BYTES_PER_CHAR, Dims, compute_seconds
 
@@ -231,7 +232,7 @@ def estimate(config: dict[str, Any], params: int, settings: RetrievalSettings, *
     per_cell = settings.samples * len(settings.depths)
     for length in settings.lengths:
         flops = 2 * params * (length + settings.answer_tokens) + dims.layers * dims.scores_flops(length, length)
-        seconds += per_cell * compute_seconds(flops, FORWARD_EFFICIENCY)
+        seconds += per_cell * compute_seconds(flops, FORWARD_EFFICIENCY, dtype)
     longest, chunk = max(settings.lengths), min(settings.prefill_chunk, max(settings.lengths))
     layer = chunk * (12 * dims.hidden + 4 * dims.intermediate) * 4
     scores = dims.heads * chunk * (longest + settings.answer_tokens) * 4  # a chunk's queries against the cache
@@ -239,7 +240,7 @@ def estimate(config: dict[str, Any], params: int, settings: RetrievalSettings, *
     from .data.corpora import load_text
 
     tokenize = (len(REPEAT_TEXT) * 400 if settings.filler == REPEAT else len(load_text(settings.filler))) * TOKENIZE_BYTES_PER_CHAR
-    return models * seconds, models * params * weight_bytes + max(layer + scores + cache, tokenize)
+    return models * seconds, models * params * dtype.itemsize + max(layer + scores + cache, tokenize)
 
 
 def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None = None, *, dtype: str = "float32",
@@ -265,15 +266,15 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
         note = beyond_positions(ckpt.config, settings.lengths, ref.display, f"--lengths up to {max(settings.lengths):,}")
         if note:
             notes.append(note)
-    weight_bytes = (parse_dtype(dtype) or ckpts[0].dtype).itemsize
+    runs_in = parse_dtype(dtype) or ckpts[0].dtype
     seconds, work = estimate(ckpts[0].config, max(c.num_params for c in ckpts), settings, models=len(ckpts),
-                             weight_bytes=weight_bytes)
+                             dtype=runs_in)
     now = 0 if cuda else rss()  # on a GPU: the device's memory, weights, cache and activations
 
     def peak_at(longest: int) -> int:
         fewer = RetrievalSettings(**(asdict(settings) | {"lengths": tuple(n for n in settings.lengths if n <= longest) or (longest,)}))
         return now + estimate(ckpts[0].config, max(c.num_params for c in ckpts), fewer, models=len(ckpts),
-                              weight_bytes=weight_bytes)[1]
+                              dtype=runs_in)[1]
 
     check_memory(now + work, what=f"the {settings.task} grid up to {max(settings.lengths):,} tokens",
                  options=[("--lengths values of", max(settings.lengths), peak_at, 128, 1)], check=memory_check,

@@ -535,6 +535,7 @@ def test_the_fine_tunes_plan_counts_the_hybrids_activations_and_the_cpus_best_ra
     import yaml
 
     import effattn.finetune.plan as finetune_plan
+    import effattn.resources as resources
     from effattn.convert.linear import layer_activation_bytes
     from effattn.errors import EffattnError
     from effattn.finetune.config import load_recipe
@@ -545,7 +546,7 @@ def test_the_fine_tunes_plan_counts_the_hybrids_activations_and_the_cpus_best_ra
               "data": {"sources": [str(tmp_path / "train.txt")], "seq_len": 64},
               "train": {"max_steps": 2, "batch_size": 2, "params": "lora"}, "eval": {"every": 0, "corpora": []}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
-    monkeypatch.setattr(finetune_plan, "matmul_flops", lambda dtype: 7e9)
+    monkeypatch.setattr(resources, "matmul_flops", lambda dtype=torch.float32: 7e9)
     monkeypatch.setattr(finetune_plan, "device_flops", lambda *a, **k: pytest.fail("a live probe on the CPU"))
 
     def plan(*overrides, **kw):

@@ -246,19 +246,21 @@ def test_tiny_heal_lowers_the_loss_and_writes_a_native_checkpoint(heal, capsys):
 
 def test_a_bf16_fine_tune_on_the_cpu_is_priced_at_the_bf16_matmul_probe(heal, monkeypatch):
     """Under bf16 autocast the CPU multiplies in bfloat16 (~4x float32 where it has the instructions, slower where
-    it has not): the plan prices it at the bfloat16 probe times CPU_BF16_EFFICIENCY, fp32 at the float32 probe."""
+    it has not): the plan prices it at the bfloat16 probe times EFFICIENCY x HALF_EFFICIENCY (resources.cpu_flops,
+    which the conversions' and the retrieval grid's estimates use too), fp32 at the float32 probe."""
     import effattn.finetune.plan as finetune_plan
+    import effattn.resources as resources
 
     rates = {torch.float32: 2e11, torch.bfloat16: 1e12}
-    monkeypatch.setattr(finetune_plan, "matmul_flops", lambda dtype: rates[dtype])
+    monkeypatch.setattr(resources, "matmul_flops", lambda dtype=torch.float32: rates[dtype])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     fp32 = finetune_plan.plan_finetune(heal(), 1)
     bf16 = finetune_plan.plan_finetune(heal("train.precision=bf16"), 1)
     assert fp32["est_basis"] == f"{2e11 * finetune_plan.EFFICIENCY / 1e9:,.0f} GFLOP/s effective (60% of measured " \
         "matmul speed)"
-    assert bf16["est_basis"] == f"{1e12 * finetune_plan.CPU_BF16_EFFICIENCY / 1e9:,.0f} GFLOP/s effective (31% of " \
-        "measured bf16 matmul speed)"
-    ratio = (2e11 * finetune_plan.EFFICIENCY) / (1e12 * finetune_plan.CPU_BF16_EFFICIENCY)
+    half = finetune_plan.EFFICIENCY * resources.HALF_EFFICIENCY
+    assert bf16["est_basis"] == f"{1e12 * half / 1e9:,.0f} GFLOP/s effective ({half:.0%} of measured bf16 matmul speed)"
+    ratio = (2e11 * finetune_plan.EFFICIENCY) / (1e12 * half)
     for part in ("training", "evaluation"):  # the same work, priced at the two rates
         assert bf16["est_seconds"][part] == pytest.approx(fp32["est_seconds"][part] * ratio, rel=1e-9)
 
@@ -567,6 +569,7 @@ print("group alive after the run:", dist.is_initialized(), flush=True)
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["group alive after the run: True", "group alive at exit: False"]
+
 
 
 EXIT_SCRIPT = """

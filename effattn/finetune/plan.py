@@ -38,18 +38,17 @@ from .loop import TEACHER_DTYPE, resolve_teacher, tokens_per_step, total_steps
 from .params import count_params, select_trainable
 from ..io.verify import meta_model
 from ..models import MODEL_SPECS
-from ..resources import MEMORY_MARGIN, check_memory, device_flops, matmul_flops, memory_budget
+from ..resources import HALF_EFFICIENCY, MEMORY_MARGIN, check_memory, cpu_flops, device_flops, memory_budget
 
 # Achieved / best-measured-matmul FLOP/s of the CPU recipes on SmolLM2-135M, 2 idle cores (AMD EPYC, best probe 203
 # GFLOP/s): at 0.45 the plan said 20.9 min of training for heal-gqa (100 steps of 4 x 256 tokens; measured 14.7 min)
 # and 18.5 min for heal-linear (36 of 2,048; measured 11.6-17.4 min), 0.70 and 0.63-0.94 of it; 0.6 makes them 15.7
 # and 13.9 min. (0.45 was fitted against live probes under load, 41-68 GFLOP/s.) A rough, machine-dependent factor.
 EFFICIENCY = 0.6
-# bf16 on the CPU (autocast): priced at the bfloat16 probe, of which less is reached, since what is not a matmul does
-# not speed up with it. extend-context-gpu's shape (1 x 16,384 tokens, activation checkpointing) on the built-in
-# model, 8 steps: 36.9 min measured (2 cores, AMD EPYC, bf16 probe 1,008 GFLOP/s, fp32 238); priced at 60% of the
-# fp32 probe the plan said 95 min, at 31% of the bf16 probe it says 37 (BENCHMARKS.md, "A heal at 16K on the CPU").
-CPU_BF16_EFFICIENCY = 0.31
+# bf16 on the CPU (autocast) is priced at the bfloat16 probe (resources.cpu_flops), of which it reaches a smaller
+# share (resources.HALF_EFFICIENCY): extend-context-gpu's shape (1 x 16,384 tokens, activation checkpointing) on the
+# built-in model, 8 steps, measured 36.9 min (2 cores, AMD EPYC, bf16 probe 1,008 GFLOP/s, fp32 238); priced at 60% of
+# the fp32 probe the plan said 95 min, at 31% of the bf16 probe it says 37 (BENCHMARKS.md, "A heal at 16K on the CPU").
 RUNTIME_BYTES = 2**29  # Python, torch, tokenizer, tokenized text: ~0.5 GiB measured
 LOGIT_COPIES = 6  # student logits, their log-softmax and gradient, teacher logits and log-softmax, the KL terms
 
@@ -172,9 +171,9 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     # a GPU's probe as it runs; the CPU's best probe on this machine (resources.matmul_flops), as the conversions'
     # estimates use: a probe that shares the cores with another job measured 69 GFLOP/s where the cores give 203, and
     # the heal-linear estimate said 55 min for 11.6-17.4 measured
-    cpu_bf16 = dtype == torch.bfloat16 and not torch.cuda.is_available()
-    efficiency = CPU_BF16_EFFICIENCY if cpu_bf16 else EFFICIENCY
-    flops = (device_flops(dtype) if torch.cuda.is_available() else matmul_flops(dtype)) * efficiency
+    cpu_half = dtype != torch.float32 and not torch.cuda.is_available()
+    efficiency = EFFICIENCY * HALF_EFFICIENCY if cpu_half else EFFICIENCY
+    flops = device_flops(dtype) * EFFICIENCY if torch.cuda.is_available() else cpu_flops(EFFICIENCY, dtype)
     return {
         "recipe": recipe.to_dict(),
         "student": {"model": student.model, "conversion": conversion, "params": total, "trainable": trainable,
