@@ -573,7 +573,7 @@ print("group alive after the run:", dist.is_initialized(), flush=True)
 
 
 EXIT_SCRIPT = """
-import atexit, sys, torch, torch.distributed as dist
+import atexit, sys, threading, time, torch, torch.distributed as dist
 from effattn.finetune.loop import exit_without_finalizing, release_process_group_at_exit
 
 
@@ -588,6 +588,7 @@ if sys.argv[1] == "group":
     dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
     dist.barrier()
     release_process_group_at_exit()
+threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True))).start()  # waited for
 print("run done", end="")  # unflushed: the exit must flush it
 exit_without_finalizing(3)
 sys.exit(4)
@@ -599,7 +600,8 @@ def test_an_entry_point_that_ran_a_process_group_exits_without_finalizing(tmp_pa
     """A gloo worker thread can hold the last reference to a finished collective while the interpreter
     finalizes; freeing its tensors then aborts the process (SIGABRT). So the CLI and the torchrun worker end
     a process that ran a group with exit_without_finalizing: exit hooks run (the group is destroyed before
-    the later hooks), output is flushed, finalization (the module's __del__) never runs, the code is kept.
+    the later hooks), a non-daemon thread is waited for, output is flushed, finalization (the module's
+    __del__) never runs, the code is kept.
     In a process that ran no group it does nothing and the program goes on."""
     args = ["group", str(tmp_path / "store")] if group else ["none"]
     done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, *args], env=dict(os.environ, PYTHONPATH=str(REPO)),
@@ -607,10 +609,10 @@ def test_an_entry_point_that_ran_a_process_group_exits_without_finalizing(tmp_pa
     assert done.stderr == "" or "Warning" in done.stderr, done.stderr[-2000:]
     if group:
         assert done.returncode == 3
-        assert done.stdout.splitlines() == ["run donehook, group alive: False"]
+        assert done.stdout.splitlines() == ["run donethread done", "hook, group alive: False"]
     else:
         assert done.returncode == 4
-        assert done.stdout.splitlines() == ["run donehook, group alive: False", "finalized"]
+        assert done.stdout.splitlines() == ["run donethread done", "hook, group alive: False", "finalized"]
 
 
 def test_the_cli_entry_keeps_exit_codes_where_no_process_group_ran(tmp_path):

@@ -304,7 +304,7 @@ def _destroy_process_group() -> None:
 def exit_without_finalizing(code: int) -> None:
     """End a process that ran a process group (a torchrun worker) with `code`: the exit hooks run (they
     destroy the group and flush), the interpreter's finalization does not. Returns, doing nothing, in a
-    process that ran none. For entry points only (the CLI, a worker script): a library call must not end
+    process that ran none. Non-daemon threads are waited for first, as at a normal exit. For entry points only (the CLI, a worker script): a library call must not end
     its caller's process.
 
     Destroying the group is not enough. Its gloo worker threads live on, and one of them can still hold the
@@ -319,6 +319,9 @@ def exit_without_finalizing(code: int) -> None:
     (pytorch/pytorch#179291 is the same race)."""
     if not _group_released_at_exit:
         return
+    import threading
+
+    threading._shutdown()  # what the interpreter does first at exit: wait for non-daemon threads (an executor's work)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
