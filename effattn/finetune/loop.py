@@ -321,8 +321,13 @@ def exit_without_finalizing(code: int) -> None:
         return
     import threading
 
-    threading._shutdown()  # what the interpreter does first at exit: wait for non-daemon threads (an executor's work)
-    atexit._run_exitfuncs()
+    # what the interpreter does at exit before finalizing: wait for non-daemon threads (an executor's work), run the
+    # hooks; private CPython functions (3.11 checked), so a runtime without them exits through finalization
+    shutdown_threads, run_hooks = getattr(threading, "_shutdown", None), getattr(atexit, "_run_exitfuncs", None)
+    if shutdown_threads is None or run_hooks is None:
+        return
+    shutdown_threads()
+    run_hooks()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
