@@ -22,10 +22,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests import test_distributed  # noqa: E402
 from tests.test_finetune import write_heal_recipe  # noqa: E402
 
-RECIPE = ["train.max_steps=6", "train.grad_accum=2", "loss.ce=0.5", "loss.chunk_tokens=24",
-          "distributed.activation_checkpointing=true", "eval.every=3", "checkpoint.every=3", "distributed.strategy=fsdp"]
+RECIPE = [*test_distributed.RECIPE, "distributed.strategy=fsdp"]
 
 
 def cores() -> None:
@@ -55,7 +55,8 @@ def main() -> None:
             if bad:
                 fails += 1
                 (root / f"fail-{i}.log").write_text(done.stderr)
-            print(i, kill or "resume", done.returncode, f"{time.time() - start:.1f}s", "FAIL" if bad else "ok", flush=True)
+            print(i, kill or "resume", done.returncode, f"{time.time() - start:.1f}s", "FAIL" if bad else "ok",
+                  flush=True)
         shutil.rmtree(root / f"run-{i}", ignore_errors=True)
     print(f"{fails} failed of {pairs} resumed runs")
 

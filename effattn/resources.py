@@ -198,16 +198,24 @@ class Dims(AttentionShape):
         return self.attention_flops(tokens, seq_len) + 6 * tokens * self.hidden * self.intermediate
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def cpu_efficiency(efficiency: float, dtype: torch.dtype = torch.float32) -> float:
+    """The fraction of this CPU's matmul probe in `dtype` (float32's for other dtypes) that work reaching
+    `efficiency` of the float32 probe in float32 (one of the fractions above) reaches in `dtype`. 16-bit work (bf16
+    autocast, a bfloat16 model) reaches HALF_EFFICIENCY as large a fraction of its own probe: what is not a matmul
+    (norms, softmax, casts) does not speed up."""
+    return efficiency * HALF_EFFICIENCY if dtype in HALF_DTYPES else efficiency
+
+
 def cpu_flops(efficiency: float, dtype: torch.dtype = torch.float32) -> float:
-    """FLOP/s that work reaching `efficiency` of the float32 probe in float32 (one of the fractions above) reaches
-    on this CPU in `dtype`. 16-bit work (bf16 autocast, a bfloat16 model) is priced at its own probe, of which it
-    reaches HALF_EFFICIENCY as large a fraction: what is not a matmul (norms, softmax, casts) does not speed up."""
-    if dtype in (torch.bfloat16, torch.float16):
-        return matmul_flops(dtype) * efficiency * HALF_EFFICIENCY
-    return matmul_flops() * efficiency
+    """FLOP/s that work reaching `efficiency` in float32 reaches on this CPU in `dtype` (`cpu_efficiency`)."""
+    return matmul_flops(dtype if dtype in HALF_DTYPES else torch.float32) * cpu_efficiency(efficiency, dtype)
 
 
-def compute_seconds(flops: float, efficiency: float = LAYERWISE_EFFICIENCY, dtype: torch.dtype = torch.float32) -> float:
+def compute_seconds(flops: float, efficiency: float = LAYERWISE_EFFICIENCY,
+                    dtype: torch.dtype = torch.float32) -> float:
     """Seconds of `flops` of work on this CPU (idle) in `dtype`: see `cpu_flops`."""
     return flops / cpu_flops(efficiency, dtype)
 

@@ -282,10 +282,10 @@ def release_process_group_at_exit() -> None:
     interpreter finalization, and that can abort the process ("terminate called without an active
     exception", SIGABRT: pytorch/pytorch#190489) after every byte was written, so torchrun reports a
     finished run as failed. Destroying the group first makes that rarer, not impossible: entry points
-    also skip finalization (`exit_without_finalizing`). Registered after a successful run only: every process has passed the
-    run's last barrier, so nothing is in flight (destroying a group while another process is inside
-    a collective can hang, as torchtitan found). At exit rather than now, so that a program may call
-    `finetune` again in the same process group. Registered once however often it is called."""
+    also skip finalization (`exit_without_finalizing`). Registered after a successful run only: every
+    process has passed the run's last barrier, so nothing is in flight (destroying a group while another
+    process is inside a collective can hang, as torchtitan found). At exit rather than now, so that a
+    program may call `finetune` again in the same process group. Registered once however often it is called."""
     global _group_released_at_exit
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         atexit.unregister(_destroy_process_group)
@@ -304,8 +304,8 @@ def _destroy_process_group() -> None:
 def exit_without_finalizing(code: int) -> None:
     """End a process that ran a process group (a torchrun worker) with `code`: the exit hooks run (they
     destroy the group and flush), the interpreter's finalization does not. Returns, doing nothing, in a
-    process that ran none. Non-daemon threads are waited for first, as at a normal exit. For entry points only (the CLI, a worker script): a library call must not end
-    its caller's process.
+    process that ran none. Non-daemon threads are waited for first, as at a normal exit. For entry points
+    only (the CLI, a worker script): a library call must not end its caller's process.
 
     Destroying the group is not enough. Its gloo worker threads live on, and one of them can still hold the
     last reference to a finished collective (the final barrier keeps the all-gathers queued before it)

@@ -38,7 +38,7 @@ from .loop import TEACHER_DTYPE, resolve_teacher, tokens_per_step, total_steps
 from .params import count_params, select_trainable
 from ..io.verify import meta_model
 from ..models import MODEL_SPECS
-from ..resources import HALF_EFFICIENCY, MEMORY_MARGIN, check_memory, cpu_flops, device_flops, memory_budget
+from ..resources import MEMORY_MARGIN, check_memory, cpu_efficiency, cpu_flops, device_flops, memory_budget
 
 # Achieved / best-measured-matmul FLOP/s of the CPU recipes on SmolLM2-135M, 2 idle cores (AMD EPYC, best probe 203
 # GFLOP/s): at 0.45 the plan said 20.9 min of training for heal-gqa (100 steps of 4 x 256 tokens; measured 14.7 min)
@@ -171,9 +171,9 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     # a GPU's probe as it runs; the CPU's best probe on this machine (resources.matmul_flops), as the conversions'
     # estimates use: a probe that shares the cores with another job measured 69 GFLOP/s where the cores give 203, and
     # the heal-linear estimate said 55 min for 11.6-17.4 measured
-    cpu_half = dtype != torch.float32 and not torch.cuda.is_available()
-    efficiency = EFFICIENCY * HALF_EFFICIENCY if cpu_half else EFFICIENCY
-    flops = device_flops(dtype) * EFFICIENCY if torch.cuda.is_available() else cpu_flops(EFFICIENCY, dtype)
+    cuda = torch.cuda.is_available()
+    efficiency = EFFICIENCY if cuda else cpu_efficiency(EFFICIENCY, dtype)
+    flops = device_flops(dtype) * efficiency if cuda else cpu_flops(EFFICIENCY, dtype)
     return {
         "recipe": recipe.to_dict(),
         "student": {"model": student.model, "conversion": conversion, "params": total, "trainable": trainable,
