@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--task", default="passkey")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--seed", type=int, default=0, help="effattn eval --seed: another draw of keys and positions")
     args = parser.parse_args()
     path = ROOT / "benchmarks" / "results" / f"passkey{'-' + args.tag if args.tag else ''}.json"
     results = json.loads(path.read_text()) if path.exists() else []
@@ -67,10 +68,10 @@ def main() -> None:
         load = os.getloadavg()[0]
         stdout, wall, peak = timed_effattn(
             f"eval {model} --task {args.task} --lengths {args.lengths} --depths {args.depths} "
-            f"--samples {args.samples} --json", variant)
+            f"--samples {args.samples} --seed {args.seed} --json", variant)
         report = json.loads(stdout)
         entry = {"variant": variant.partition("=")[0], "model": model, "task": args.task, "lengths": args.lengths, "depths": args.depths,
-                 "samples": args.samples, "accuracy": report["accuracy"], "mean": report["mean"],
+                 "samples": args.samples, "seed": args.seed, "accuracy": report["accuracy"], "mean": report["mean"],
                  "wall_s": wall, "peak_rss_mib": peak, "load_before": load,
                  "load_after": os.getloadavg()[0], "machine": machine(), "outputs": report["samples"]}
         results.append(entry)
