@@ -245,6 +245,7 @@ def bench_attention(
     timeout_s: float = 3600.0,
     progress: Callable[[str], None] | None = None,
     memory_check: bool = True,
+    dry_run: bool = False,
 ) -> list[dict]:
     """Time one attention layer forward and measure its peak memory, per kind and length.
 
@@ -269,6 +270,8 @@ def bench_attention(
         timeout_s: limit per point.
         progress: called with a short description before each point.
         memory_check: refuse lengths whose estimated peak memory exceeds the machine's (default).
+        dry_run: check everything and return the points without measuring them: one dict per (kind, length)
+            with ``kind, length, est_peak_bytes`` (the point's process, ``point_peak_bytes``).
 
     Returns:
         One dict per (kind, length) with ``kind, length, time_s, time_min_s, cpu_time_s,
@@ -306,6 +309,8 @@ def bench_attention(
         omp_wait_policy=omp_wait_policy,
     )
     points = [(kind, n) for kind in kinds for n in lengths]
+    if dry_run:
+        return [{"kind": kind, "length": n, "est_peak_bytes": point_peak_bytes(kind, n, **settings)} for kind, n in points]
     results = []
     for i, (kind, n) in enumerate(points):
         if progress is not None:

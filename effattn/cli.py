@@ -290,6 +290,8 @@ def eval_(
                                                            "model runs effattn's absorbed latent attention unless "
                                                            "one is named (sdpa: transformers' path)"),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N: where the models run"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="check the models, corpora or prompts and the memory, "
+                                                          "show the time and memory estimate; load no weights"),
 ):
     """Perplexity, agreement and KL against a baseline, measured KV bytes/token, prefill/decode speed;
     or (--task passkey|needle) long-context retrieval accuracy over lengths x depths."""
@@ -304,7 +306,7 @@ def eval_(
         return _eval_retrieval(model, baseline, task=task, lengths=lengths, depths=depths, samples=samples, seed=seed,
                                filler=filler, plot=plot, dtype=dtype, tokenizer=tokenizer, as_json=as_json,
                                trust_remote_code=trust_remote_code, memory_check=memory_check,
-                               attn_implementation=attn_implementation, device=device)
+                               attn_implementation=attn_implementation, device=device, dry_run=dry_run)
     if plot is not None:
         raise EffattnError("--plot draws the passkey/needle heatmap", "add --task passkey, or drop --plot")
     corpora = tuple(c for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c)
@@ -321,13 +323,39 @@ def eval_(
                            "use e.g. --speed-context 16384")
     settings = EvalSettings(corpora=corpora, context=context, max_tokens=max_tokens, batch_size=batch_size, speed=speed,
                             speed_context=speed_context, bos=bos)
+    if dry_run:
+        return _print_eval_plan(evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                                         tokenizer=tokenizer, memory_check=memory_check, device=device,
+                                         attn_implementation=attn_implementation, dry_run=True), as_json)
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
         report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                           tokenizer=tokenizer, memory_check=memory_check, attn_implementation=attn_implementation,
-                          device=device, warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False))
+                          device=device, warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
+                          say=lambda line: err.print(escape(line), highlight=False))
     if as_json:
         return _print_json(report.to_dict())
     out.print(eval_table(report))
+
+
+def _print_eval_plan(plan, as_json: bool) -> None:
+    """`effattn eval --dry-run`'s output: what the run would measure, its estimates, its warnings."""
+    if as_json:
+        return _print_json({"dry_run": True, **plan.to_dict()})
+    from .resources import process_age
+
+    rows = [("task", plan.task), ("model", plan.model)] + ([("baseline", plan.baseline)] if plan.baseline else [])
+    rows += [("dtype", plan.dtype), ("device", plan.device)]
+    if "tokens" in plan.work:
+        rows += [(f"tokens scored · {corpus}", f"{n:,}") for corpus, n in plan.work["tokens"].items()]
+    else:
+        rows.append(("prompts", f"{plan.work['prompts']:,} (lengths {', '.join(f'{n:,}' for n in plan.work['lengths'])})"))
+    rows.append(("estimated time", "no estimate on a GPU" if plan.est_seconds is None else
+                 f"~{plan.est_seconds:,.0f} s (+ ~{process_age():,.0f} s to start, as this dry run did)"))
+    rows.append(("estimated peak memory", f"~{plan.est_peak_bytes / 2**20:,.0f} MiB"
+                 + (" of the GPU" if plan.device.startswith("cuda") else " (the process's resident set)")))
+    rows += [("warning", note) for note in plan.notes]
+    rows.append(("measured", "nothing (dry run)"))
+    out.print(_kv_table(rows, title="effattn eval --dry-run"))
 
 
 def _number_list(text: str, option: str, kind=int) -> tuple:
@@ -340,7 +368,8 @@ def _number_list(text: str, option: str, kind=int) -> tuple:
 
 
 def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, filler, plot, dtype, tokenizer,
-                    as_json, trust_remote_code, memory_check, attn_implementation=None, device="cpu") -> None:
+                    as_json, trust_remote_code, memory_check, attn_implementation=None, device="cpu",
+                    dry_run=False) -> None:
     from .bench import check_plot_path
     from .retrieval import RetrievalSettings, evaluate_retrieval, plot_heatmap
 
@@ -349,6 +378,11 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
                                  filler=filler).validate()
     if plot is not None:
         check_plot_path(plot)
+    if dry_run:
+        return _print_eval_plan(evaluate_retrieval(model, baseline, settings, dtype=dtype, tokenizer=tokenizer,
+                                                   trust_remote_code=trust_remote_code, memory_check=memory_check,
+                                                   attn_implementation=attn_implementation, device=device,
+                                                   dry_run=True), as_json)
     with progress_bar(not as_json) as progress:
         tasks: dict[str, object] = {}
 
@@ -415,6 +449,9 @@ def bench(
     plot: Optional[Path] = typer.Option(None, "--plot", help="also save time and memory curves of each kind here (PNG)"),
     as_json: bool = JsonOpt,
     memory_check: bool = MemoryCheckOpt,
+    dry_run: bool = typer.Option(False, "--dry-run", help="check the settings, the plot path and each point's "
+                                                          "memory; list the points with their estimated peak; "
+                                                          "measure nothing"),
 ):
     """Time and peak memory of one causal attention layer forward at each length: SDPA vs Transformer-VQ,
     sparse patterns and sliding windows (FlexAttention), linear attention.
@@ -437,6 +474,16 @@ def bench(
                     device=device, omp_wait_policy=omp_wait_policy, memory_check=memory_check)
     if plot is not None:
         check_plot_path(plot)  # before minutes of measurements
+    if dry_run:
+        from .bench import bench_attention
+
+        points = bench_attention(kinds, sizes, dry_run=True, **settings)
+        if as_json:
+            return _print_json({"dry_run": True, "points": points})
+        rows = [(f"{p['kind']} at {p['length']:,}", f"~{p['est_peak_bytes'] / 2**20:,.0f} MiB peak (its own process)")
+                for p in points]
+        out.print(_kv_table(rows + [("measured", "nothing (dry run)")], title="effattn bench --dry-run"))
+        return
     with err.status("benchmarking ...", spinner="dots") if not as_json else _null() as status:
         progress = None if status is None else (lambda text: status.update(f"benchmarking {text} ..."))
         report = run_report(kinds, sizes, progress=progress, **settings)

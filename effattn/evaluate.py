@@ -68,6 +68,23 @@ class EvalReport:
         return asdict(self)
 
 
+@dataclass
+class EvalPlan:
+    """What `effattn eval` will do, from the checks it makes before any weights load (`--dry-run` prints it)."""
+    task: str
+    model: str
+    baseline: str | None
+    dtype: str
+    device: str
+    est_peak_bytes: int  # the process's resident set at the peak (on a GPU: the device's memory)
+    est_seconds: float | None  # on this machine's CPU, idle (None on a GPU: no estimate)
+    work: dict[str, Any] = field(default_factory=dict)  # perplexity: tokens scored per corpus; retrieval: prompts
+    notes: list[str] = field(default_factory=list)  # warnings the run gives (lengths beyond the trained context)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def log_probs(model, ids: torch.Tensor, autocast=nullcontext,
               positions: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token log-probabilities [B, T, V] (float32) of `model` on ids [B, T] (moved to its device), read at
@@ -282,11 +299,18 @@ def _params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def check_vocabularies(mine: int | None, theirs: int | None) -> None:
+    """Refuse a baseline whose vocabulary differs from the model's (agreement and KL compare next-token
+    distributions); sizes a config does not give are not compared."""
+    if mine is not None and theirs is not None and mine != theirs:
+        raise EffattnError(f"model and baseline have different vocabularies ({mine} vs {theirs})",
+                           "compare a converted model with the model it came from")
+
+
 def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=None, baseline_name: str = "baseline") -> EvalReport:
     """Evaluate loaded models. The tokenizer is the model's (the baseline must share the vocabulary)."""
-    if baseline is not None and baseline.config.vocab_size != model.config.vocab_size:
-        raise EffattnError(f"model and baseline have different vocabularies ({model.config.vocab_size} vs "
-                           f"{baseline.config.vocab_size})", "compare a converted model with the model it came from")
+    if baseline is not None:
+        check_vocabularies(model.config.vocab_size, baseline.config.vocab_size)
     mine = ModelMeasure(name, _params(model))
     base = ModelMeasure(baseline_name, _params(baseline)) if baseline is not None else None
     report = EvalReport(settings=asdict(settings), model=mine, baseline=base)
@@ -356,6 +380,52 @@ def measure_peak_bytes(config: dict, params: int, baseline_params: int, *, conte
     return (params + baseline_params) * weight_bytes + max(forward, cache, text_chars * TOKENIZE_BYTES_PER_CHAR)
 
 
+def eval_seconds(configs: list[dict], params: list[int], settings: EvalSettings, tokens: dict[str, int], *,
+                 dtype: torch.dtype = torch.float32) -> float:
+    """Seconds `measure` takes on this CPU (idle) for models of these configs and sizes: each loads, scores
+    `tokens` (per corpus, in blocks of settings.context, one more token per block with BOS), measures its cache
+    over one block, and with settings.speed prefills and decodes settings.speed_repeats times at the context,
+    once more at settings.speed_context. Decode steps are priced at DECODE_EFFICIENCY (bound by memory)."""
+    from .resources import DECODE_EFFICIENCY, FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, Dims, compute_seconds
+
+    width = settings.context + int(settings.bos)
+    scored = sum(tokens.values()) * width // settings.context
+    seconds = 0.0
+    for config, n_params in zip(configs, params):
+        dims = Dims.of(config)
+
+        def forward(n: int, seq: int) -> float:  # n tokens in causal blocks of seq
+            return compute_seconds(2 * n_params * n + dims.layers * dims.scores_flops(n, seq), FORWARD_EFFICIENCY,
+                                   dtype)
+
+        def decode(after: int) -> float:  # decode_tokens greedy steps after `after` tokens
+            step = 2 * n_params + dims.layers * dims.scores_flops(1, 2 * after)
+            return settings.decode_tokens * compute_seconds(step, DECODE_EFFICIENCY)
+
+        seconds += MODEL_LOAD_SECONDS + forward(scored, width) + forward(settings.context, settings.context)
+        if settings.speed:
+            seconds += settings.speed_repeats * (forward(settings.context, settings.context) + decode(settings.context))
+            if settings.speed_context and settings.speed_context != settings.context:
+                seconds += forward(settings.speed_context, settings.speed_context) + decode(settings.speed_context)
+    return seconds
+
+
+def corpus_tokens(tokenizer, settings: EvalSettings) -> dict[str, int]:
+    """The tokens `measure` scores in each corpus (whole blocks, at most settings.max_tokens), from the
+    corpus's first tokens only; refuses a corpus shorter than one block, naming it."""
+    from .data.corpora import leading_tokens
+
+    tokens = {}
+    for corpus in settings.corpora:
+        have = len(leading_tokens(tokenizer, load_text(corpus), max(settings.max_tokens, settings.context)))
+        blocks = min(have // settings.context, max(1, settings.max_tokens // settings.context))
+        if blocks == 0:
+            raise EffattnError(f"corpus {corpus} has {have} tokens, fewer than one block of --context "
+                               f"{settings.context}", f"use a longer text or --context {max(2, have)} or less")
+        tokens[corpus] = blocks * settings.context
+    return tokens
+
+
 def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "float32",
                       trust_remote_code: bool = False, memory_check: bool = True, device: str = "cpu") -> int:
     """The estimated peak resident set of evaluating MODEL (and BASELINE) with `settings` (on a CUDA
@@ -392,46 +462,58 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
 def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
              dtype: str = "float32", trust_remote_code: bool = False, tokenizer=None,
              memory_check: bool = True, warn=None, attn_implementation: str | None = None,
-             device: str = "cpu") -> EvalReport:
+             device: str = "cpu", say=None, dry_run: bool = False) -> EvalReport | EvalPlan:
     """Load MODEL (and BASELINE) on `device` and measure them; the library entry point of `effattn eval`.
     The text is tokenized with MODEL's tokenizer, or `tokenizer`'s (a folder or MODEL argument) when
-    given. A run whose estimated memory exceeds the machine's (or the GPU's) is refused first
-    (`memory_check=False` runs it anyway)."""
-    from .io.load import load_model
+    given. Before any weights load, everything the run needs is checked: both checkpoints, the attention
+    kernel, the vocabularies, every corpus (at least one block), the BOS token, and the estimated memory: a
+    run that exceeds the machine's (or the GPU's) is refused (`memory_check=False` runs it anyway). `warn`
+    gets one-line notes (a context beyond the trained length), `say` the time and memory estimate.
+    `dry_run=True` returns that plan (EvalPlan) and loads no weights."""
+    from .families import beyond_positions
+    from .io.load import as_ref, check_loadable, load_model, load_tokenizer, parse_dtype
     from .resources import check_device
 
     settings = settings or EvalSettings()
-    check_device(device)
-    tok = None
-    if settings.bos:  # refused before any weights load; the tokenizer loaded here is the one measured with
-        from .io.load import load_tokenizer
-
-        tok = load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code)
+    cuda = check_device(device).startswith("cuda")
+    ref = as_ref(model, trust_remote_code=trust_remote_code)
+    base_ref = as_ref(baseline, trust_remote_code=trust_remote_code) if baseline is not None else None
+    ckpts = [check_loadable(ref, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)]
+    if base_ref is not None:
+        ckpts.append(check_loadable(base_ref, trust_remote_code=trust_remote_code))
+        check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))
+    tok = load_tokenizer(tokenizer or ref, trust_remote_code=trust_remote_code)  # the one measured with
+    if settings.bos:
         prefix_token(tok)
-    check_eval_memory(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
-                      memory_check=memory_check, device=device)
-    if warn is not None:
-        from .families import beyond_positions
-        from .io.checkpoint import Checkpoint
-        from .io.load import as_ref
-
-        ref = as_ref(model, trust_remote_code=trust_remote_code)
-        note = beyond_positions(Checkpoint(ref.path).config, [settings.context], ref.display,
-                                f"--context {settings.context:,}")
-        if note:
+    peak = check_eval_memory(ref, base_ref, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                             memory_check=memory_check, device=device)
+    tokens = corpus_tokens(tok, settings)  # after the memory check: tokenizing a corpus is part of the peak
+    lengths = [("--context", settings.context)]
+    lengths += [("--speed-context", settings.speed_context)] if settings.speed and settings.speed_context else []
+    notes = [note for flag, length in lengths
+             if (note := beyond_positions(ckpts[0].config, [length], ref.display, f"{flag} {length:,}"))]
+    runs_in = parse_dtype(dtype) or ckpts[0].dtype
+    seconds = None if cuda else eval_seconds([c.config for c in ckpts], [c.num_params for c in ckpts], settings,
+                                             tokens, dtype=runs_in)
+    plan = EvalPlan(task="perplexity", model=ref.display, baseline=base_ref.display if base_ref else None,
+                    dtype=str(runs_in).removeprefix("torch."), device=device, est_peak_bytes=peak,
+                    est_seconds=seconds, work={"tokens": tokens}, notes=notes)
+    if dry_run:
+        return plan
+    for note in notes:
+        if warn is not None:
             warn(note)
-        if settings.speed and settings.speed_context:
-            note = beyond_positions(Checkpoint(ref.path).config, [settings.speed_context], ref.display,
-                                    f"--speed-context {settings.speed_context:,}")
-            if note:
-                warn(note)
-    lm, loaded, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code,
-                                 tokenizer=(tokenizer or True) if tok is None else False,
-                                 attn_implementation=attn_implementation, device=device)
-    tok = loaded if tok is None else tok
-    base = base_ref = None
-    if baseline is not None:
-        base, _, base_ref = load_model(baseline, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
+    if say is not None:
+        when = f"~{seconds:,.0f} s" if seconds is not None and seconds < 120 else f"~{(seconds or 0) / 60:,.1f} min"
+        say(f"{sum(tokens.values()):,} tokens of {len(tokens)} {'corpus' if len(tokens) == 1 else 'corpora'}, "
+            f"{len(ckpts)} model{'s' * (len(ckpts) > 1)}: "
+            + ("" if cuda else f"estimated {when} on this machine (idle), ")
+            + f"~{peak / 2**30:,.1f} GiB {f'of {device} ' if cuda else ''}at the peak")
+    lm, _, ref = load_model(ref, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
+                            attn_implementation=attn_implementation, device=device)
+    base = None
+    if base_ref is not None:
+        base, _, base_ref = load_model(base_ref, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
                                        device=device)
     return measure(lm, tok, name=ref.display, settings=settings, baseline=base,
                    baseline_name=base_ref.display if base_ref else "baseline")

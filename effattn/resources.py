@@ -40,6 +40,11 @@ LAYERWISE_EFFICIENCY = 0.55  # the layer-wise runner: one decoder layer at a tim
 # grids of the built-in model: 2 prompts at 8,192 tokens took 44.8 s of work, priced 42 s; 2 at 2,048 and 2 at 4,096
 # took 16.8 s, priced 24 s (BENCHMARKS.md, "Dry-run estimates against measurements").
 HALF_EFFICIENCY = 0.52
+# One decode step (batch 1, one new token) reads every weight for a few FLOPs each: bound by memory, not by the
+# matmul probe. The built-in model decodes 23-26 tokens/s after 2,048 tokens in float32 on 2 idle cores (probe 233
+# GFLOP/s): 0.03 of the probe. bfloat16 weights decode about as fast (28.8 tokens/s after 512), so decode steps are
+# priced at the float32 probe whatever the dtype.
+DECODE_EFFICIENCY = 0.03
 DISK_BYTES_PER_S = 2e9  # reading a cached checkpoint and writing through the page cache (measured ~2 GB/s)
 TOKENIZE_BYTES_PER_CHAR = 350  # peak memory of tokenizing a whole corpus at once (a byte-level tokenizer, the worst)
 MODEL_LOAD_SECONDS = 1.0  # transformers building a model from a local safetensors folder  # reading a checkpoint and writing safetensors (page cache, mmap)

@@ -248,19 +248,23 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                        progress: Callable[[str, int, int], None] | None = None,
                        warn: Callable[[str], None] | None = None,
                        say: Callable[[str], None] | None = None,
-                       attn_implementation: str | None = None, device: str = "cpu") -> RetrievalReport:
+                       attn_implementation: str | None = None, device: str = "cpu",
+                       dry_run: bool = False) -> RetrievalReport | EvalPlan:
     """Run the retrieval grid on MODEL (and BASELINE, with MODEL's tokenizer and the same prompts).
     `progress(name, done, total)` is called after each prompt; before the work, `warn` gets one-line notes
-    (lengths beyond the trained context) and `say` the time and memory estimate."""
+    (lengths beyond the trained context) and `say` the time and memory estimate. Everything is checked before
+    any weights load (the checkpoints, the memory, every prompt built); `dry_run=True` returns that plan
+    (EvalPlan) and loads no weights."""
+    from .evaluate import EvalPlan
     from .families import beyond_positions
-    from .io.checkpoint import Checkpoint
-    from .io.load import as_ref, load_model, load_tokenizer, parse_dtype
+    from .io.load import as_ref, check_loadable, load_model, load_tokenizer, parse_dtype
     from .resources import check_device, check_memory, rss
 
     settings = (settings or RetrievalSettings()).validate()
     cuda = check_device(device).startswith("cuda")
     refs = [as_ref(m, trust_remote_code=trust_remote_code) for m in (model, baseline) if m is not None]
-    ckpts = [Checkpoint(r.path) for r in refs]
+    ckpts = [check_loadable(r, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation if i == 0
+                            else None) for i, r in enumerate(refs)]
     notes = []
     for ref, ckpt in zip(refs, ckpts):
         note = beyond_positions(ckpt.config, settings.lengths, ref.display, f"--lengths up to {max(settings.lengths):,}")
@@ -282,6 +286,11 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
 
     tok = load_tokenizer(tokenizer or refs[0], trust_remote_code=trust_remote_code)
     prompts = PromptBuilder(tok, settings).prompts()  # a bad length or filler is refused before the model loads
+    if dry_run:
+        return EvalPlan(task=settings.task, model=refs[0].display, baseline=refs[1].display if baseline else None,
+                        dtype=str(runs_in).removeprefix("torch."), device=device, est_peak_bytes=now + work,
+                        est_seconds=None if cuda else seconds,
+                        work={"prompts": len(prompts) * len(ckpts), "lengths": list(settings.lengths)}, notes=notes)
     for note in notes:
         if warn is not None:
             warn(note)

@@ -42,10 +42,10 @@ def make_model(path: Path, family: str = "llama", *, heads: int = 6, kv_heads: i
     import transformers
 
     cls_name, extra = FAMILY_CONFIGS[family]
-    config = getattr(transformers, cls_name)(
+    config = getattr(transformers, cls_name)(**(dict(
         vocab_size=258, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096,
-        tie_word_embeddings=tie, bos_token_id=256, eos_token_id=257, **(extra | overrides))
+        tie_word_embeddings=tie, bos_token_id=256, eos_token_id=257) | extra | overrides))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():

@@ -88,9 +88,29 @@ def test_bench_sparse_patterns_report_their_density(capsys):
     (["--omp-wait-policy", "lazy"], ["omp_wait_policy must be 'active' or 'passive'"]),
 ])
 def test_bench_bad_input_is_one_line(capsys, args, needles):
-    code, stdout, err = run_cli(capsys, "bench", *args)
-    assert_one_line_error(code, err, *needles)
-    assert stdout == ""
+    for dry in ([], ["--dry-run"]):
+        code, stdout, err = run_cli(capsys, "bench", *args, *dry)
+        assert_one_line_error(code, err, *needles)
+        assert stdout == ""
+
+
+def test_the_bench_dry_run_lists_the_points_and_measures_nothing(capsys, monkeypatch, tmp_path):
+    import effattn.bench as bench
+
+    monkeypatch.setattr(bench, "_run_point", lambda *a, **k: pytest.fail("a dry run measured a point"))
+    code, stdout, _ = run_cli(capsys, "bench", "--attention", "sdpa,vq", "--lengths", "1024,32768", "--dry-run",
+                              "--json", "--plot", tmp_path / "b.png")
+    points = json.loads(stdout)["points"]
+    assert code in (0, None) and [(p["kind"], p["length"]) for p in points] == [
+        ("sdpa", 1024), ("sdpa", 32768), ("vq", 1024), ("vq", 32768)]
+    settings = dict(heads=9, kv_heads=3, head_dim=64, codebook_size=512, dtype="float32")
+    assert all(p["est_peak_bytes"] == bench.point_peak_bytes(p["kind"], p["length"], **settings) for p in points)
+    assert list(tmp_path.iterdir()) == []  # the plot is checked, not drawn
+    monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", "2GB")  # each point's memory is checked as the run checks it
+    code, stdout, err = run_cli(capsys, "bench", "--attention", "sdpa", "--lengths", "1000000", "--dry-run")
+    assert_one_line_error(code, err, "bench of sdpa at length 1,000,000", "use --lengths values of")
+    code, stdout, _ = run_cli(capsys, "bench", "--attention", "sdpa", "--lengths", "1024", "--dry-run")
+    assert code in (0, None) and "effattn bench --dry-run" in stdout and "nothing (dry run)" in stdout
 
 
 def test_bench_plot_folder_must_exist(capsys, tmp_path):

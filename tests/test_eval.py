@@ -210,3 +210,90 @@ def test_a_fine_tunes_held_out_scores_with_bos_are_effattn_evals(tiny, corpus):
                                                    bos=True))
     assert mine["perplexity"] == pytest.approx(report.model.perplexity["corpus.txt"], rel=1e-6)
     assert mine["agreement"] == 1.0
+
+
+# -- the dry run: every check the run makes, before any weights load -------------------------------------------------
+
+def _no_weights(monkeypatch):
+    import effattn.io.load as load
+
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("a dry run loaded a model's weights"))
+
+
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]], ids=["run", "dry-run"])
+def test_the_eval_dry_run_refuses_what_the_run_refuses_before_loading(capsys, tiny, corpus, tmp_path, monkeypatch, dry):
+    from tests.test_cli_errors import assert_one_line_error
+
+    src = tiny("llama")
+    short = tmp_path / "short.txt"
+    short.write_text("a few words")  # 11 byte-level tokens
+    _no_weights(monkeypatch)
+    cases = [
+        (["--corpus", "shakespear"], "did you mean 'shakespeare'"),
+        (["--corpus", f"{corpus},{short}"], f"corpus {short} has 11 tokens, fewer than one block of --context 64"),
+        (["--corpus", str(corpus), "--attn-implementation", "flash"], "--attn-implementation 'flash'"),
+        (["--corpus", str(corpus), "--baseline", tmp_path / "nowhere"], "nowhere"),
+        (["--corpus", str(corpus), "--baseline", tiny("llama", vocab_size=300)], "different vocabularies (258 vs 300)"),
+        (["--task", "passkey", "--lengths", "300", "--filler", "nothing-here"], "nothing-here"),
+        (["--task", "passkey", "--lengths", "300", "--attn-implementation", "flash"], "--attn-implementation 'flash'"),
+    ]
+    for args, needle in cases:
+        code, out, err = run_cli(capsys, "eval", src, "--context", "64", "--no-speed", *args, *dry)
+        assert_one_line_error(code, err, needle)
+        assert code == 2 and not out
+    monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", "1MB")  # the memory check refuses too, naming the option that shrinks it
+    code, out, err = run_cli(capsys, "eval", src, "--corpus", str(corpus), "--context", "64", "--no-speed", *dry)
+    assert_one_line_error(code, err, "needs about", "--no-memory-check")
+
+
+def test_the_eval_dry_run_states_what_the_run_reads_and_loads_no_weights(capsys, tiny, corpus, monkeypatch):
+    src = tiny("llama", max_position_embeddings=128)
+    args = ["eval", src, "--baseline", src, "--corpus", str(corpus), "--context", "64", "--max-tokens", "200",
+            "--no-speed", "--json"]
+    code, out, err = run_cli(capsys, *args)
+    assert code in (0, None), err
+    report = json.loads(out)
+    with monkeypatch.context() as patch:
+        _no_weights(patch)
+        code, out, err = run_cli(capsys, *args, "--dry-run")
+        plan = json.loads(out)
+        assert code in (0, None) and plan["dry_run"] and plan["task"] == "perplexity"
+        # the blocks the run scores: 3 of 64 tokens, each predicting 63
+        assert plan["work"]["tokens"] == {str(corpus): 192} and report["tokens"] == {str(corpus): 3 * 63}
+        assert plan["baseline"] == plan["model"] and plan["est_seconds"] > 0 and plan["est_peak_bytes"] > 0
+        assert plan["notes"] == []
+        code, out, _ = run_cli(capsys, "eval", src, "--corpus", str(corpus), "--context", "256", "--dry-run")
+        assert code in (0, None) and "effattn eval --dry-run" in out and "beyond" in out and "nothing (dry run)" in out
+        code, out, _ = run_cli(capsys, "eval", src, "--task", "passkey", "--lengths", "512,1024", "--depths", "0,1",
+                               "--samples", "2", "--baseline", src, "--dry-run", "--json")
+        plan = json.loads(out)
+        assert code in (0, None) and plan["task"] == "passkey" and plan["work"] == {"prompts": 16, "lengths": [512, 1024]}
+        assert plan["est_seconds"] > 0 and len(plan["notes"]) == 2  # beyond both models' 128 positions
+    assert "tokens of 1 corpus" not in err  # the dry run says nothing of a run; the run says its estimate:
+    code, _, err = run_cli(capsys, *args[:-1])
+    assert code in (0, None) and "192 tokens of 1 corpus, 2 models: estimated ~" in err
+
+
+def test_the_eval_estimate_prices_each_models_forwards_and_decode_steps(monkeypatch):
+    """eval_seconds is the FLOPs of what `measure` runs, at the forward's and the decode step's efficiencies."""
+    import effattn.resources as resources
+    from effattn.evaluate import eval_seconds
+
+    monkeypatch.setattr(resources, "matmul_flops", lambda dtype=torch.float32: 1e9)
+    config = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 6,
+              "num_key_value_heads": 3, "head_dim": 8, "vocab_size": 258}
+    dims = resources.Dims.of(config)
+    p = 1000
+    quiet = EvalSettings(corpora=("a",), context=64, speed=False)
+    fwd = lambda n, seq: (2 * p * n + 2 * dims.scores_flops(n, seq)) / (1e9 * resources.FORWARD_EFFICIENCY)  # noqa: E731
+    assert eval_seconds([config], [p], quiet, {"a": 640}) == pytest.approx(
+        resources.MODEL_LOAD_SECONDS + fwd(640, 64) + fwd(64, 64))
+    assert eval_seconds([config] * 2, [p] * 2, quiet, {"a": 640}) == pytest.approx(
+        2 * eval_seconds([config], [p], quiet, {"a": 640}))
+    timed = EvalSettings(corpora=("a",), context=64, speed=True, speed_repeats=3, decode_tokens=32)
+    step = (2 * p + 2 * dims.scores_flops(1, 128)) / (1e9 * resources.DECODE_EFFICIENCY)
+    assert eval_seconds([config], [p], timed, {"a": 640}) - eval_seconds([config], [p], quiet, {"a": 640}) == \
+        pytest.approx(3 * (fwd(64, 64) + 32 * step))
+    # bfloat16 forwards at the bfloat16 probe's share; decode steps (bound by memory) at the float32 price
+    half = eval_seconds([config], [p], quiet, {"a": 640}, dtype=torch.bfloat16) - resources.MODEL_LOAD_SECONDS
+    assert half == pytest.approx((fwd(640, 64) + fwd(64, 64)) / resources.HALF_EFFICIENCY)

@@ -56,6 +56,31 @@ def load_tokenizer(source: str | Path | ModelRef, *, trust_remote_code: bool = F
 ATTN_IMPLEMENTATIONS = ("sdpa", "flex_attention", "eager")
 
 
+def check_loadable(model: str | Path | ModelRef, *, trust_remote_code: bool = False, allow_pickle: bool = False,
+                   attn_implementation: str | None = None) -> Checkpoint:
+    """The checks `load_model` makes before it reads any weights: the checkpoint's tensors against its config,
+    pickles, a checkpoint's own code, the attention kernel. Returns the checkpoint (headers and config only);
+    dry runs call it to refuse what the run would."""
+    import effattn.attention  # noqa: F401 - registers effattn's own model classes with transformers
+
+    ref = as_ref(model, trust_remote_code=trust_remote_code)
+    ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)  # validates weights and refuses pickles
+    verify_checkpoint(ckpt)
+    if ckpt.config.get("auto_map") and not trust_remote_code and not _registered(ckpt.config.get("model_type")):
+        raise EffattnError(f"{ref.display} needs its own modeling code (auto_map in config.json)",
+                           "pass --trust-remote-code if you trust it")
+    if attn_implementation is not None:
+        from ..models import model_spec
+
+        if model_spec(ckpt.config.get("model_type")) or ckpt.config.get("auto_map"):
+            raise EffattnError(f"--attn-implementation applies to native transformers models; {ref.display} runs its "
+                               "own attention", "drop --attn-implementation")
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise EffattnError(f"--attn-implementation {attn_implementation!r} is not one effattn runs",
+                               f"one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+    return ckpt
+
+
 def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", trust_remote_code: bool = False,
                allow_pickle: bool = False, device: str | torch.device = "cpu", tokenizer: str | Path | bool = True,
                attn_implementation: str | None = None):
@@ -67,26 +92,11 @@ def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", t
     unless a kernel is named: `sdpa` then gives transformers' own path, which re-expands the cache."""
     from transformers import AutoModelForCausalLM
 
-    import effattn.attention  # noqa: F401 - registers effattn's own model classes with transformers
-
     ref = as_ref(model, trust_remote_code=trust_remote_code)
-    ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)  # validates weights and refuses pickles
-    verify_checkpoint(ckpt)
-    if ckpt.config.get("auto_map") and not trust_remote_code and not _registered(ckpt.config.get("model_type")):
-        raise EffattnError(f"{ref.display} needs its own modeling code (auto_map in config.json)",
-                           "pass --trust-remote-code if you trust it")
+    ckpt = check_loadable(ref, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                          attn_implementation=attn_implementation)
     torch_dtype = parse_dtype(dtype) or ckpt.dtype
-    extra = {}
-    if attn_implementation is not None:
-        from ..models import model_spec
-
-        if model_spec(ckpt.config.get("model_type")) or ckpt.config.get("auto_map"):
-            raise EffattnError(f"--attn-implementation applies to native transformers models; {ref.display} runs its "
-                               "own attention", "drop --attn-implementation")
-        if attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise EffattnError(f"--attn-implementation {attn_implementation!r} is not one effattn runs",
-                               f"one of {', '.join(ATTN_IMPLEMENTATIONS)}")
-        extra["attn_implementation"] = attn_implementation
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
