@@ -346,7 +346,7 @@ def _print_eval_plan(plan, as_json: bool) -> None:
     rows = [("task", plan.task), ("model", plan.model)] + ([("baseline", plan.baseline)] if plan.baseline else [])
     rows += [("dtype", plan.dtype), ("device", plan.device)]
     if "tokens" in plan.work:
-        rows += [(f"tokens scored · {corpus}", f"{n:,}") for corpus, n in plan.work["tokens"].items()]
+        rows += [(f"tokens read · {corpus}", f"{n:,}") for corpus, n in plan.work["tokens"].items()]
     else:
         rows.append(("prompts", f"{plan.work['prompts']:,} (lengths {', '.join(f'{n:,}' for n in plan.work['lengths'])})"))
     rows.append(("estimated time", "no estimate on a GPU" if plan.est_seconds is None else

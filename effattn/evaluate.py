@@ -78,7 +78,7 @@ class EvalPlan:
     device: str
     est_peak_bytes: int  # the process's resident set at the peak (on a GPU: the device's memory)
     est_seconds: float | None  # on this machine's CPU, idle (None on a GPU: no estimate)
-    work: dict[str, Any] = field(default_factory=dict)  # perplexity: tokens scored per corpus; retrieval: prompts
+    work: dict[str, Any] = field(default_factory=dict)  # perplexity: tokens read per corpus (whole blocks); retrieval: prompts
     notes: list[str] = field(default_factory=list)  # warnings the run gives (lengths beyond the trained context)
 
     def to_dict(self) -> dict[str, Any]:
@@ -411,7 +411,7 @@ def eval_seconds(configs: list[dict], params: list[int], settings: EvalSettings,
 
 
 def corpus_tokens(tokenizer, settings: EvalSettings) -> dict[str, int]:
-    """The tokens `measure` scores in each corpus (whole blocks, at most settings.max_tokens), from the
+    """The tokens `measure` reads in each corpus (whole blocks, at most settings.max_tokens), from the
     corpus's first tokens only; refuses a corpus shorter than one block, naming it."""
     from .data.corpora import leading_tokens
 
@@ -504,11 +504,12 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
         if warn is not None:
             warn(note)
     if say is not None:
-        when = f"~{seconds:,.0f} s" if seconds is not None and seconds < 120 else f"~{(seconds or 0) / 60:,.1f} min"
+        when = "" if seconds is None else \
+            f"estimated ~{seconds:,.0f} s on this machine (idle), " if seconds < 120 else \
+            f"estimated ~{seconds / 60:,.1f} min on this machine (idle), "
         say(f"{sum(tokens.values()):,} tokens of {len(tokens)} {'corpus' if len(tokens) == 1 else 'corpora'}, "
-            f"{len(ckpts)} model{'s' * (len(ckpts) > 1)}: "
-            + ("" if cuda else f"estimated {when} on this machine (idle), ")
-            + f"~{peak / 2**30:,.1f} GiB {f'of {device} ' if cuda else ''}at the peak")
+            f"{len(ckpts)} model{'s' * (len(ckpts) > 1)}: {when}"
+            f"~{peak / 2**30:,.1f} GiB {f'of {device} ' if cuda else ''}at the peak")
     lm, _, ref = load_model(ref, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
                             attn_implementation=attn_implementation, device=device)
     base = None
