@@ -78,7 +78,7 @@ class EvalPlan:
     device: str
     est_peak_bytes: int  # the process's resident set at the peak (on a GPU: the device's memory)
     est_seconds: float | None  # on this machine's CPU, idle (None on a GPU: no estimate)
-    work: dict[str, Any] = field(default_factory=dict)  # perplexity: tokens read per corpus (whole blocks); retrieval: prompts
+    work: dict[str, Any] = field(default_factory=dict)  # perplexity: tokens read per corpus; retrieval: prompts
     notes: list[str] = field(default_factory=list)  # warnings the run gives (lengths beyond the trained context)
 
     def to_dict(self) -> dict[str, Any]:
