@@ -310,7 +310,8 @@ def bench_attention(
     )
     points = [(kind, n) for kind in kinds for n in lengths]
     if dry_run:
-        return [{"kind": kind, "length": n, "est_peak_bytes": point_peak_bytes(kind, n, **settings)} for kind, n in points]
+        return [{"kind": kind, "length": n, "est_peak_bytes": point_peak_bytes(kind, n, **settings)}
+                for kind, n in points]
     results = []
     for i, (kind, n) in enumerate(points):
         if progress is not None:

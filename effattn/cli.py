@@ -330,7 +330,8 @@ def eval_(
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
         report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                           tokenizer=tokenizer, memory_check=memory_check, attn_implementation=attn_implementation,
-                          device=device, warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
+                          device=device,
+                          warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
                           say=lambda line: err.print(escape(line), highlight=False))
     if as_json:
         return _print_json(report.to_dict())
@@ -348,7 +349,8 @@ def _print_eval_plan(plan, as_json: bool) -> None:
     if "tokens" in plan.work:
         rows += [(f"tokens read · {corpus}", f"{n:,}") for corpus, n in plan.work["tokens"].items()]
     else:
-        rows.append(("prompts", f"{plan.work['prompts']:,} (lengths {', '.join(f'{n:,}' for n in plan.work['lengths'])})"))
+        lengths = ", ".join(f"{n:,}" for n in plan.work["lengths"])
+        rows.append(("prompts", f"{plan.work['prompts']:,} (lengths {lengths})"))
     rows.append(("estimated time", "no estimate on a GPU" if plan.est_seconds is None else
                  f"~{plan.est_seconds:,.0f} s (+ ~{process_age():,.0f} s to start, as this dry run did)"))
     rows.append(("estimated peak memory", f"~{plan.est_peak_bytes / 2**20:,.0f} MiB"

@@ -267,7 +267,8 @@ def test_the_eval_dry_run_states_what_the_run_reads_and_loads_no_weights(capsys,
         code, out, _ = run_cli(capsys, "eval", src, "--task", "passkey", "--lengths", "512,1024", "--depths", "0,1",
                                "--samples", "2", "--baseline", src, "--dry-run", "--json")
         plan = json.loads(out)
-        assert code in (0, None) and plan["task"] == "passkey" and plan["work"] == {"prompts": 16, "lengths": [512, 1024]}
+        assert code in (0, None) and plan["task"] == "passkey"
+        assert plan["work"] == {"prompts": 16, "lengths": [512, 1024]}
         assert plan["est_seconds"] > 0 and len(plan["notes"]) == 2  # beyond both models' 128 positions
     assert "tokens of 1 corpus" not in err  # the dry run says nothing of a run; the run says its estimate:
     code, _, err = run_cli(capsys, *args[:-1])
@@ -285,7 +286,9 @@ def test_the_eval_estimate_prices_each_models_forwards_and_decode_steps(monkeypa
     dims = resources.Dims.of(config)
     p = 1000
     quiet = EvalSettings(corpora=("a",), context=64, speed=False)
-    fwd = lambda n, seq: (2 * p * n + 2 * dims.scores_flops(n, seq)) / (1e9 * resources.FORWARD_EFFICIENCY)  # noqa: E731
+    def fwd(n, seq):
+        return (2 * p * n + 2 * dims.scores_flops(n, seq)) / (1e9 * resources.FORWARD_EFFICIENCY)
+
     assert eval_seconds([config], [p], quiet, {"a": 640}) == pytest.approx(
         resources.MODEL_LOAD_SECONDS + fwd(640, 64) + fwd(64, 64))
     assert eval_seconds([config] * 2, [p] * 2, quiet, {"a": 640}) == pytest.approx(
