@@ -43,6 +43,13 @@ CASES = {
     "big8-vq": ("big8", "vq-init {model} --codebook-size 256 --calib-tokens 4096 --no-eval -o OUT"),
     "finetune-heal": ("llama", "finetune {recipe}"),
     "mqa-refined": ("llama", "convert {model} --to mqa --no-eval -o OUT"),  # the default since 2026-12-05 (stream steps)
+    # `effattn eval --dry-run` (since 2026-12-07): no effattn.json, so the ratio is against the wall time
+    "eval-default": ("llama", "eval {model} --baseline {model}"),
+    "eval-3-corpora": ("llama", "eval {model} --corpus shakespeare,britannica,python --no-speed"),
+    "eval-2048": ("llama", "eval {model} --baseline {model} --context 2048 --no-speed"),
+    "eval-speed-16k": ("llama", "eval {model} --corpus shakespeare --max-tokens 1024 --speed-context 16384"),
+    "eval-bf16": ("llama", "eval {model} --baseline {model} --no-speed --dtype bfloat16"),
+    "passkey-4k": ("llama", "eval {model} --task passkey --lengths 4096 --depths 0.5 --samples 2"),
 }
 
 RECIPE = """\
