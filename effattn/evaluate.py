@@ -354,7 +354,7 @@ def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=Non
 
 
 def measure_peak_bytes(config: dict, params: int, baseline_params: int, *, context: int, batch_size: int,
-                       text_chars: int, weight_bytes: int = 4) -> int:
+                       text_chars: int, weight_bytes: int = 4, cast_bytes: int = 0) -> int:
     """Memory `measure` holds above the process's at its peak: both models' weights, then the largest
     of its phases: tokenizing a corpus; a batch's forward (one decoder layer's activations, ~12 x hidden
     + 4 x intermediate values per token, the final hidden states of each model and a chunk of
@@ -363,7 +363,10 @@ def measure_peak_bytes(config: dict, params: int, baseline_params: int, *, conte
     run in chunks through the cache: one chunk's activations plus the block's cache. Assumes a memory-efficient
     attention (transformers' SDPA, or effattn's own kernels): no (context x context) score matrix.
     Peak resident set of `effattn eval llama --corpus shakespeare --batch-size 1 --no-speed` at contexts
-    1K, 4K, 16K: 1,144, 1,431, 2,587 MiB measured, 1,151, 1,278, 2,430 estimated (BENCHMARKS.md)."""
+    1K, 4K, 16K: 1,144, 1,431, 2,587 MiB measured, 1,151, 1,278, 2,430 estimated (BENCHMARKS.md).
+    `cast_bytes`: a model loaded in another dtype than its checkpoint's is read whole first (the checkpoint's
+    bytes, `load_cast_bytes`), beside the models already loaded: a bfloat16 evaluation of the float32 built-in
+    model peaked at 1,480 MiB while it loaded the baseline, against 1,211 MiB estimated without it."""
     from .convert.base import kv_bytes_per_token
     from .resources import TOKENIZE_BYTES_PER_CHAR, Dims
 
@@ -377,7 +380,15 @@ def measure_peak_bytes(config: dict, params: int, baseline_params: int, *, conte
     forward = batch_size * layer + chunked + models * batch_size * context * dims.hidden * 4 \
         + 2 * models * batch_size * min(context, LOGIT_CHUNK) * dims.vocab * 4
     cache = context * kv_bytes_per_token(config, torch.float32) + layer
-    return (params + baseline_params) * weight_bytes + max(forward, cache, text_chars * TOKENIZE_BYTES_PER_CHAR)
+    return (params + baseline_params) * weight_bytes + max(forward, cache, text_chars * TOKENIZE_BYTES_PER_CHAR,
+                                                           cast_bytes)
+
+
+def load_cast_bytes(ckpts, dtype: torch.dtype | None) -> int:
+    """What loading these checkpoints in `dtype` holds beyond the loaded weights, at its peak: transformers
+    reads a checkpoint stored in another dtype whole (its pages stay mapped) while it casts it. A checkpoint
+    loaded in its own dtype is mapped as the weights themselves: nothing beyond them."""
+    return max([c.nbytes for c in ckpts if dtype is not None and dtype != c.dtype], default=0)
 
 
 def eval_seconds(configs: list[dict], params: list[int], settings: EvalSettings, tokens: dict[str, int], *,
@@ -436,8 +447,10 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
     from .resources import check_memory, rss
 
     ckpt = Checkpoint(as_ref(model, trust_remote_code=trust_remote_code).path)
-    base = Checkpoint(as_ref(baseline, trust_remote_code=trust_remote_code).path).num_params if baseline is not None else 0
+    base_ckpt = Checkpoint(as_ref(baseline, trust_remote_code=trust_remote_code).path) if baseline is not None else None
+    base = base_ckpt.num_params if base_ckpt is not None else 0
     weight_bytes = (parse_dtype(dtype) or ckpt.dtype).itemsize
+    cast = load_cast_bytes([c for c in (ckpt, base_ckpt) if c is not None], parse_dtype(dtype))
     chars = max(len(load_text(c)) for c in settings.corpora)
     cuda = device.startswith("cuda")
     now = 0 if cuda else rss()  # on a GPU the text stays in the process: the device holds the rest
@@ -445,7 +458,7 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
     def peak(context=settings.context, batch_size=settings.batch_size) -> int:
         return now + measure_peak_bytes(ckpt.config, ckpt.num_params, base, context=context + int(settings.bos),
                                         batch_size=batch_size,
-                                        text_chars=chars, weight_bytes=weight_bytes)
+                                        text_chars=chars, weight_bytes=weight_bytes, cast_bytes=cast)
 
     options = [("--batch-size", settings.batch_size, lambda b: peak(batch_size=b), 1, 1)] if settings.batch_size > 1 else []
     options.append(("--context" if settings.batch_size == 1 else "--batch-size 1 --context", settings.context,

@@ -220,10 +220,11 @@ def run_model(model, tokenizer, prompts: list[Prompt], settings: RetrievalSettin
 
 
 def estimate(config: dict[str, Any], params: int, settings: RetrievalSettings, *, models: int = 1,
-             dtype: torch.dtype = torch.float32) -> tuple[float, int]:
+             dtype: torch.dtype = torch.float32, cast_bytes: int = 0) -> tuple[float, int]:
     """(seconds, peak bytes above the process's) of the grid on this machine with the weights in `dtype`: every
     prompt's prefill and answer, per model; memory: the weights, the cache at the longest length, one chunk's
-    activations (the cache and activations counted in float32, an upper bound)."""
+    activations (the cache and activations counted in float32, an upper bound), or loading a model stored in
+    another dtype (`cast_bytes`, evaluate.load_cast_bytes) if that is more."""
     from .convert.base import kv_bytes_per_token
     from .resources import FORWARD_EFFICIENCY, TOKENIZE_BYTES_PER_CHAR, Dims, compute_seconds
 
@@ -240,7 +241,7 @@ def estimate(config: dict[str, Any], params: int, settings: RetrievalSettings, *
     from .data.corpora import load_text
 
     tokenize = (len(REPEAT_TEXT) * 400 if settings.filler == REPEAT else len(load_text(settings.filler))) * TOKENIZE_BYTES_PER_CHAR
-    return models * seconds, models * params * dtype.itemsize + max(layer + scores + cache, tokenize)
+    return models * seconds, models * params * dtype.itemsize + max(layer + scores + cache, tokenize, cast_bytes)
 
 
 def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None = None, *, dtype: str = "float32",
@@ -255,7 +256,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     (lengths beyond the trained context) and `say` the time and memory estimate. Everything is checked before
     any weights load (the checkpoints, the memory, every prompt built); `dry_run=True` returns that plan
     (EvalPlan) and loads no weights."""
-    from .evaluate import EvalPlan
+    from .evaluate import EvalPlan, load_cast_bytes
     from .families import beyond_positions
     from .io.load import as_ref, check_loadable, load_model, load_tokenizer, parse_dtype
     from .resources import check_device, check_memory, rss
@@ -271,14 +272,15 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
         if note:
             notes.append(note)
     runs_in = parse_dtype(dtype) or ckpts[0].dtype
+    cast = load_cast_bytes(ckpts, parse_dtype(dtype))
     seconds, work = estimate(ckpts[0].config, max(c.num_params for c in ckpts), settings, models=len(ckpts),
-                             dtype=runs_in)
+                             dtype=runs_in, cast_bytes=cast)
     now = 0 if cuda else rss()  # on a GPU: the device's memory, weights, cache and activations
 
     def peak_at(longest: int) -> int:
         fewer = RetrievalSettings(**(asdict(settings) | {"lengths": tuple(n for n in settings.lengths if n <= longest) or (longest,)}))
         return now + estimate(ckpts[0].config, max(c.num_params for c in ckpts), fewer, models=len(ckpts),
-                              dtype=runs_in)[1]
+                              dtype=runs_in, cast_bytes=cast)[1]
 
     check_memory(now + work, what=f"the {settings.task} grid up to {max(settings.lengths):,} tokens",
                  options=[("--lengths values of", max(settings.lengths), peak_at, 128, 1)], check=memory_check,

@@ -300,3 +300,23 @@ def test_the_eval_estimate_prices_each_models_forwards_and_decode_steps(monkeypa
     # bfloat16 forwards at the bfloat16 probe's share; decode steps (bound by memory) at the float32 price
     half = eval_seconds([config], [p], quiet, {"a": 640}, dtype=torch.bfloat16) - resources.MODEL_LOAD_SECONDS
     assert half == pytest.approx((fwd(640, 64) + fwd(64, 64)) / resources.HALF_EFFICIENCY)
+
+
+def test_a_model_loaded_in_another_dtype_is_priced_with_its_checkpoint_read_whole(tiny):
+    """transformers reads a checkpoint stored in another dtype whole while it casts it: the memory estimate
+    counts those bytes beside the loaded weights (a bfloat16 eval of the float32 built-in model peaked at
+    1,480 MiB loading the baseline; 1,211 MiB estimated without them, 1,468 with)."""
+    from effattn.evaluate import load_cast_bytes, measure_peak_bytes
+    from effattn.io.checkpoint import Checkpoint
+
+    fp32, half = Checkpoint(tiny("llama")), Checkpoint(tiny("llama", dtype=torch.bfloat16))
+    assert fp32.dtype == torch.float32 and half.dtype == torch.bfloat16
+    assert load_cast_bytes([fp32], torch.bfloat16) == fp32.nbytes
+    assert load_cast_bytes([fp32, half], torch.bfloat16) == fp32.nbytes  # the bfloat16 one is mapped as it is
+    assert load_cast_bytes([fp32, half], torch.float32) == half.nbytes
+    assert load_cast_bytes([fp32], torch.float32) == load_cast_bytes([fp32], None) == 0
+    kw = dict(context=64, batch_size=1, text_chars=10, weight_bytes=2)
+    plain = measure_peak_bytes(fp32.config, fp32.num_params, fp32.num_params, **kw)
+    big = 10 * plain
+    assert measure_peak_bytes(fp32.config, fp32.num_params, fp32.num_params, **kw, cast_bytes=big) == \
+        2 * fp32.num_params * 2 + big
