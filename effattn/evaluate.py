@@ -450,9 +450,10 @@ def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "
     base_ckpt = Checkpoint(as_ref(baseline, trust_remote_code=trust_remote_code).path) if baseline is not None else None
     base = base_ckpt.num_params if base_ckpt is not None else 0
     weight_bytes = (parse_dtype(dtype) or ckpt.dtype).itemsize
-    cast = load_cast_bytes([c for c in (ckpt, base_ckpt) if c is not None], parse_dtype(dtype))
     chars = max(len(load_text(c)) for c in settings.corpora)
     cuda = device.startswith("cuda")
+    # a cast happens in host memory, before the weights move to a GPU
+    cast = 0 if cuda else load_cast_bytes([c for c in (ckpt, base_ckpt) if c is not None], parse_dtype(dtype))
     now = 0 if cuda else rss()  # on a GPU the text stays in the process: the device holds the rest
 
     def peak(context=settings.context, batch_size=settings.batch_size) -> int:

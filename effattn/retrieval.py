@@ -272,7 +272,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
         if note:
             notes.append(note)
     runs_in = parse_dtype(dtype) or ckpts[0].dtype
-    cast = load_cast_bytes(ckpts, parse_dtype(dtype))
+    cast = 0 if cuda else load_cast_bytes(ckpts, parse_dtype(dtype))  # in host memory, before a GPU gets the weights
     seconds, work = estimate(ckpts[0].config, max(c.num_params for c in ckpts), settings, models=len(ckpts),
                              dtype=runs_in, cast_bytes=cast)
     now = 0 if cuda else rss()  # on a GPU: the device's memory, weights, cache and activations
