@@ -37,8 +37,8 @@ LAYERWISE_EFFICIENCY = 0.55  # the layer-wise runner: one decoder layer at a tim
 # 16-bit work on the CPU reaches this share of the float32 fraction, of the 16-bit probe (`cpu_flops`). Measured on
 # 2 idle cores (AMD EPYC, avx512_bf16; bf16 probe 932-1,008 GFLOP/s, fp32 233-238): a bf16 fine-tune at 16K tokens
 # reached 0.31 of the bf16 probe where float32 fine-tunes reach 0.60 of theirs (0.52). Checked on bfloat16 passkey
-# grids of the built-in model: 2 prompts at 8,192 tokens took 44.8 s of work, priced 42 s; 2 at 2,048 and 2 at 4,096
-# took 16.8 s, priced 24 s (BENCHMARKS.md, "Dry-run estimates against measurements").
+# grids of the built-in model: 2 prompts at 8,192 tokens took 44.8 s of work, priced 39 s; 2 at 2,048 and 2 at 4,096
+# took 16.8 s, priced 21 s (BENCHMARKS.md, "Dry-run estimates against measurements").
 HALF_EFFICIENCY = 0.52
 # One decode step (batch 1, one new token) reads every weight for a few FLOPs each: bound by memory, not by the
 # matmul probe. The built-in model decodes 23-26 tokens/s after 2,048 tokens in float32 on 2 idle cores (probe 233

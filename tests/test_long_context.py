@@ -18,20 +18,34 @@ from .test_cli_errors import assert_one_line_error, run_cli
 
 
 def test_the_grid_estimate_prices_a_bfloat16_model_at_the_bfloat16_probe(tiny, monkeypatch):
-    """A bfloat16 grid on the CPU runs its matmuls in bfloat16: its time is priced at that probe (times
-    resources.HALF_EFFICIENCY), a float32 grid's at the float32 probe; its weights count 2 bytes a parameter."""
+    """Each prompt is a prefill through the decoder layers with logits at its last position (priced at the
+    forward's efficiency: a bfloat16 grid's at the bfloat16 probe times resources.HALF_EFFICIENCY) and one decode
+    step per further answer token (bound by memory: DECODE_EFFICIENCY of the float32 probe in either dtype).
+    bfloat16 weights count 2 bytes a parameter."""
     import effattn.resources as resources
     from effattn.io.checkpoint import Checkpoint
     from effattn.retrieval import estimate
 
     rates = {torch.float32: 2e11, torch.bfloat16: 1e12}
     monkeypatch.setattr(resources, "matmul_flops", lambda dtype=torch.float32: rates[dtype])
-    ckpt = Checkpoint(tiny("llama"))
+    ckpt = Checkpoint(tiny("llama"))  # tied embeddings
+    dims, n = resources.Dims.of(ckpt.config), ckpt.num_params
+    table = dims.vocab * dims.hidden
     settings = RetrievalSettings(lengths=(2048, 4096), depths=(0.5,), samples=2).validate()
-    fp32, fp32_bytes = estimate(ckpt.config, ckpt.num_params, settings)
-    bf16, bf16_bytes = estimate(ckpt.config, ckpt.num_params, settings, dtype=torch.bfloat16)
-    assert bf16 == pytest.approx(fp32 * 2e11 / (1e12 * resources.HALF_EFFICIENCY), rel=1e-9)
-    assert fp32_bytes - bf16_bytes == 2 * ckpt.num_params
+    fp32, fp32_bytes = estimate(ckpt.config, n, settings)
+    bf16, bf16_bytes = estimate(ckpt.config, n, settings, dtype=torch.bfloat16)
+
+    def priced(forward_rate: float) -> float:
+        seconds = 0.0
+        for length in (2048, 4096):
+            prefill = 2 * (n - table) * length + 2 * table + dims.layers * dims.scores_flops(length, length)
+            step = 2 * n + dims.layers * dims.scores_flops(1, 2 * length)
+            seconds += 2 * (prefill / forward_rate + 9 * step / (2e11 * resources.DECODE_EFFICIENCY))
+        return seconds
+
+    assert fp32 == pytest.approx(priced(2e11 * resources.FORWARD_EFFICIENCY), rel=1e-9)
+    assert bf16 == pytest.approx(priced(1e12 * resources.FORWARD_EFFICIENCY * resources.HALF_EFFICIENCY), rel=1e-9)
+    assert fp32_bytes - bf16_bytes == 2 * n
 
 @pytest.mark.parametrize("task,filler", [("passkey", None), ("needle", None), ("passkey", "britannica")])
 def test_prompts_have_the_cells_length_and_the_fact_at_its_depth(tiny, task, filler):
