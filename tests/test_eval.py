@@ -286,6 +286,7 @@ def test_the_eval_estimate_prices_each_models_forwards_and_decode_steps(monkeypa
     dims = resources.Dims.of(config)
     p = 1000
     quiet = EvalSettings(corpora=("a",), context=64, speed=False)
+
     def fwd(n, seq):
         return (2 * p * n + 2 * dims.scores_flops(n, seq)) / (1e9 * resources.FORWARD_EFFICIENCY)
 
