@@ -37,9 +37,19 @@ LAYERWISE_EFFICIENCY = 0.55  # the layer-wise runner: one decoder layer at a tim
 # 16-bit work on the CPU reaches this share of the float32 fraction, of the 16-bit probe (`cpu_flops`). Measured on
 # 2 idle cores (AMD EPYC, avx512_bf16; bf16 probe 932-1,008 GFLOP/s, fp32 233-238): a bf16 fine-tune at 16K tokens
 # reached 0.31 of the bf16 probe where float32 fine-tunes reach 0.60 of theirs (0.52). Checked on bfloat16 passkey
-# grids of the built-in model: 2 prompts at 8,192 tokens took 44.8 s of work, priced 39 s; 2 at 2,048 and 2 at 4,096
-# took 16.8 s, priced 21 s (BENCHMARKS.md, "Dry-run estimates against measurements").
+# grids of the built-in model: 2 prompts at 8,192 tokens took 44.8 s of work, priced 54 s; 2 at 2,048 and 2 at 4,096
+# took 16.8 s, priced 23 s (with the prefill's pricing below; BENCHMARKS.md, "Dry-run estimates against
+# measurements").
 HALF_EFFICIENCY = 0.52
+# A long prompt's prefill (the retrieval grids: chunks of 2,048 tokens, batch 1, logits at the last position only) is
+# priced in two parts, fitted to single prefills of the built-in model on 2 idle cores (probes 233 and 932 GFLOP/s;
+# 1.7, 3.6, 10.1 and 30.0 s at 1K, 2K, 4K and 8K tokens in float32, 0.7, 2.0, 6.6 and 22.4 s in bfloat16): the
+# decoder layers' matmuls reach 0.8 of the probe (16-bit: times HALF_EFFICIENCY of its own probe), and the attention
+# (SDPA's scores and weighted sum against the cache) 0.48 of the float32 probe in either dtype (112 and 121 GFLOP/s
+# measured). Checked on passkey grids measured before the fit (BENCHMARKS.md, "Dry-run estimates against
+# measurements"): priced 1.08-1.11x their work in float32, 1.20-1.38x in bfloat16.
+PREFILL_EFFICIENCY = 0.8
+ATTENTION_EFFICIENCY = 0.48
 # One decode step (batch 1, one new token) reads every weight for a few FLOPs each: bound by memory, not by the
 # matmul probe. The built-in model decodes 23-26 tokens/s after 2,048 tokens in float32 on 2 idle cores (probe 233
 # GFLOP/s): 0.03 of the probe. bfloat16 weights decode about as fast (28.8 tokens/s after 512), so decode steps are

@@ -225,22 +225,26 @@ def estimate(config: dict[str, Any], params: int, settings: RetrievalSettings, *
     prompt's prefill and answer, per model; memory: the weights, the cache at the longest length, one chunk's
     activations (the cache and activations counted in float32, an upper bound), or loading a model stored in
     another dtype (`cast_bytes`, evaluate.load_cast_bytes) if that is more.
-    Time: the prefill passes every prompt token through the decoder layers (the embedding is a lookup) and
-    computes logits at the last position only; each further answer token is a decode step, priced at
-    DECODE_EFFICIENCY. Counting the output layer at every position (and the steps as forward work), as this did
-    until 2026-12-07, priced the built-in model's float32 grids 1.3-1.8x above their measured time."""
+    Time: the prefill passes every prompt token through the decoder layers (the embedding is a lookup; priced at
+    PREFILL_EFFICIENCY), their attention reads the cache (ATTENTION_EFFICIENCY, at the float32 probe in any dtype),
+    and logits come at the last position only; each further answer token is a decode step (DECODE_EFFICIENCY).
+    Pricing all of it as an evaluation forward (FORWARD_EFFICIENCY, the output layer at every position), as this
+    did until 2026-12-07, priced the built-in model's float32 grids 1.5-1.7x above their measured time."""
     from .convert.base import kv_bytes_per_token
-    from .resources import DECODE_EFFICIENCY, FORWARD_EFFICIENCY, TOKENIZE_BYTES_PER_CHAR, Dims, compute_seconds
+    from .resources import (ATTENTION_EFFICIENCY, DECODE_EFFICIENCY, MODEL_LOAD_SECONDS, PREFILL_EFFICIENCY,
+                            TOKENIZE_BYTES_PER_CHAR, Dims, compute_seconds)
 
     dims = Dims.of(config)
     table = dims.vocab * dims.hidden  # the embedding, and the output layer (the same one when tied)
     layers = max(params - table * (1 if config.get("tie_word_embeddings") else 2), 0)
-    seconds = 0.0
+    seconds = MODEL_LOAD_SECONDS
     per_cell = settings.samples * len(settings.depths)
     for length in settings.lengths:
-        prefill = 2 * layers * length + 2 * table + dims.layers * dims.scores_flops(length, length)
+        matmuls = 2 * layers * length + 2 * table
+        attention = dims.layers * dims.scores_flops(length, length)
         step = 2 * (layers + table) + dims.layers * dims.scores_flops(1, 2 * length)
-        seconds += per_cell * (compute_seconds(prefill, FORWARD_EFFICIENCY, dtype)
+        seconds += per_cell * (compute_seconds(matmuls, PREFILL_EFFICIENCY, dtype)
+                               + compute_seconds(attention, ATTENTION_EFFICIENCY)
                                + (settings.answer_tokens - 1) * compute_seconds(step, DECODE_EFFICIENCY))
     longest, chunk = max(settings.lengths), min(settings.prefill_chunk, max(settings.lengths))
     layer = chunk * (12 * dims.hidden + 4 * dims.intermediate) * 4

@@ -18,9 +18,10 @@ from .test_cli_errors import assert_one_line_error, run_cli
 
 
 def test_the_grid_estimate_prices_a_bfloat16_model_at_the_bfloat16_probe(tiny, monkeypatch):
-    """Each prompt is a prefill through the decoder layers with logits at its last position (priced at the
-    forward's efficiency: a bfloat16 grid's at the bfloat16 probe times resources.HALF_EFFICIENCY) and one decode
-    step per further answer token (bound by memory: DECODE_EFFICIENCY of the float32 probe in either dtype).
+    """Each prompt is a prefill through the decoder layers with logits at its last position (their matmuls priced
+    at PREFILL_EFFICIENCY: a bfloat16 grid's at the bfloat16 probe times resources.HALF_EFFICIENCY; the attention
+    at ATTENTION_EFFICIENCY of the float32 probe in either dtype) and one decode step per further answer token
+    (bound by memory: DECODE_EFFICIENCY of the float32 probe in either dtype), after the model loads.
     bfloat16 weights count 2 bytes a parameter."""
     import effattn.resources as resources
     from effattn.io.checkpoint import Checkpoint
@@ -35,16 +36,18 @@ def test_the_grid_estimate_prices_a_bfloat16_model_at_the_bfloat16_probe(tiny, m
     fp32, fp32_bytes = estimate(ckpt.config, n, settings)
     bf16, bf16_bytes = estimate(ckpt.config, n, settings, dtype=torch.bfloat16)
 
-    def priced(forward_rate: float) -> float:
-        seconds = 0.0
+    def priced(matmul_rate: float) -> float:
+        seconds = resources.MODEL_LOAD_SECONDS
         for length in (2048, 4096):
-            prefill = 2 * (n - table) * length + 2 * table + dims.layers * dims.scores_flops(length, length)
+            matmuls = 2 * (n - table) * length + 2 * table
+            attention = dims.layers * dims.scores_flops(length, length)
             step = 2 * n + dims.layers * dims.scores_flops(1, 2 * length)
-            seconds += 2 * (prefill / forward_rate + 9 * step / (2e11 * resources.DECODE_EFFICIENCY))
+            seconds += 2 * (matmuls / matmul_rate + attention / (2e11 * resources.ATTENTION_EFFICIENCY)
+                            + 9 * step / (2e11 * resources.DECODE_EFFICIENCY))
         return seconds
 
-    assert fp32 == pytest.approx(priced(2e11 * resources.FORWARD_EFFICIENCY), rel=1e-9)
-    assert bf16 == pytest.approx(priced(1e12 * resources.FORWARD_EFFICIENCY * resources.HALF_EFFICIENCY), rel=1e-9)
+    assert fp32 == pytest.approx(priced(2e11 * resources.PREFILL_EFFICIENCY), rel=1e-9)
+    assert bf16 == pytest.approx(priced(1e12 * resources.PREFILL_EFFICIENCY * resources.HALF_EFFICIENCY), rel=1e-9)
     assert fp32_bytes - bf16_bytes == 2 * n
 
 @pytest.mark.parametrize("task,filler", [("passkey", None), ("needle", None), ("passkey", "britannica")])
