@@ -229,7 +229,7 @@ def estimate(config: dict[str, Any], params: int, settings: RetrievalSettings, *
     PREFILL_EFFICIENCY), their attention reads the cache (ATTENTION_EFFICIENCY, at the float32 probe in any dtype),
     and logits come at the last position only; each further answer token is a decode step (DECODE_EFFICIENCY).
     Pricing all of it as an evaluation forward (FORWARD_EFFICIENCY, the output layer at every position), as this
-    did until 2026-12-07, priced the built-in model's float32 grids 1.5-1.7x above their measured time."""
+    did until 2026-12-07, priced the built-in model's float32 grids 1.3-1.7x above their measured time."""
     from .convert.base import kv_bytes_per_token
     from .resources import (ATTENTION_EFFICIENCY, DECODE_EFFICIENCY, MODEL_LOAD_SECONDS, PREFILL_EFFICIENCY,
                             TOKENIZE_BYTES_PER_CHAR, Dims, compute_seconds)
