@@ -50,11 +50,12 @@ HALF_EFFICIENCY = 0.52
 # measurements"): priced 1.08-1.11x their work in float32, 1.20-1.38x in bfloat16.
 PREFILL_EFFICIENCY = 0.8
 ATTENTION_EFFICIENCY = 0.48
-# One decode step (batch 1, one new token) reads every weight for a few FLOPs each: bound by memory, not by the
-# matmul probe. The built-in model decodes 23-26 tokens/s after 2,048 tokens in float32 on 2 idle cores (probe 233
-# GFLOP/s): 0.03 of the probe. bfloat16 weights decode about as fast (28.8 tokens/s after 512), so decode steps are
-# priced at the float32 probe whatever the dtype.
-DECODE_EFFICIENCY = 0.03
+# One decode step (batch 1, one new token) reads every weight and the whole cache for a few FLOPs each: bound by
+# memory, not by the matmul probe. Priced as its FLOPs (the weights', and the attention's over the cache) at 0.045 of
+# the float32 probe: the built-in model in float32 on 2 idle cores (probe 233 GFLOP/s, effattn's matrix-vector
+# product) decodes 36-44 tokens/s after 512 tokens (priced 34.5) and 23-26 after 2,048 (priced 25.6). bfloat16
+# weights decode about as fast (28.8 tokens/s after 512), so decode steps are priced at the float32 probe in any dtype.
+DECODE_EFFICIENCY = 0.045
 DISK_BYTES_PER_S = 2e9  # reading a cached checkpoint and writing through the page cache (measured ~2 GB/s)
 TOKENIZE_BYTES_PER_CHAR = 350  # peak memory of tokenizing a whole corpus at once (a byte-level tokenizer, the worst)
 MODEL_LOAD_SECONDS = 1.0  # transformers building a model from a local safetensors folder  # reading a checkpoint and writing safetensors (page cache, mmap)
