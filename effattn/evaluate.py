@@ -84,6 +84,14 @@ class EvalPlan:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def estimates(self) -> str:
+        """The estimates in one phrase, as a run states them when it starts."""
+        cuda = self.device.startswith("cuda")
+        seconds = self.est_seconds
+        when = "" if seconds is None else "estimated " + (f"~{seconds:,.0f} s" if seconds < 120 else
+                                                          f"~{seconds / 60:,.1f} min") + " on this machine (idle), "
+        return when + f"~{self.est_peak_bytes / 2**30:,.1f} GiB {f'of {self.device} ' if cuda else ''}at the peak"
+
 
 def log_probs(model, ids: torch.Tensor, autocast=nullcontext,
               positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -397,7 +405,7 @@ def eval_seconds(configs: list[dict], params: list[int], settings: EvalSettings,
     `tokens` (per corpus, in blocks of settings.context, one more token per block with BOS), measures its cache
     over one block, and with settings.speed prefills and decodes settings.speed_repeats times at the context,
     once more at settings.speed_context. Decode steps are priced at DECODE_EFFICIENCY (bound by memory)."""
-    from .resources import DECODE_EFFICIENCY, FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, Dims, compute_seconds
+    from .resources import FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, Dims, compute_seconds, decode_seconds
 
     width = settings.context + int(settings.bos)
     scored = sum(tokens.values()) * width // settings.context
@@ -409,9 +417,8 @@ def eval_seconds(configs: list[dict], params: list[int], settings: EvalSettings,
             return compute_seconds(2 * n_params * n + dims.layers * dims.scores_flops(n, seq), FORWARD_EFFICIENCY,
                                    dtype)
 
-        def decode(after: int) -> float:  # decode_tokens greedy steps after `after` tokens
-            step = 2 * n_params + dims.layers * dims.scores_flops(1, 2 * after)
-            return settings.decode_tokens * compute_seconds(step, DECODE_EFFICIENCY)
+        def decode(after: int) -> float:
+            return decode_seconds(config, n_params, after, settings.decode_tokens)
 
         seconds += MODEL_LOAD_SECONDS + forward(scored, width) + forward(settings.context, settings.context)
         if settings.speed:
@@ -437,17 +444,14 @@ def corpus_tokens(tokenizer, settings: EvalSettings) -> dict[str, int]:
     return tokens
 
 
-def check_eval_memory(model, baseline, settings: EvalSettings, *, dtype: str = "float32",
-                      trust_remote_code: bool = False, memory_check: bool = True, device: str = "cpu") -> int:
-    """The estimated peak resident set of evaluating MODEL (and BASELINE) with `settings` (on a CUDA
-    `device`: the peak of the GPU's memory); refuses one that does not fit, naming --batch-size or
-    --context and the largest value that fits."""
-    from .io.checkpoint import Checkpoint
-    from .io.load import as_ref, parse_dtype
+def check_eval_memory(ckpt, base_ckpt, settings: EvalSettings, *, dtype: str = "float32", memory_check: bool = True,
+                      device: str = "cpu") -> int:
+    """The estimated peak resident set of evaluating the model of checkpoint `ckpt` (and the baseline's,
+    `base_ckpt`, or None) with `settings` (on a CUDA `device`: the peak of the GPU's memory); refuses one that
+    does not fit, naming --batch-size or --context and the largest value that fits."""
+    from .io.load import parse_dtype
     from .resources import check_memory, rss
 
-    ckpt = Checkpoint(as_ref(model, trust_remote_code=trust_remote_code).path)
-    base_ckpt = Checkpoint(as_ref(baseline, trust_remote_code=trust_remote_code).path) if baseline is not None else None
     base = base_ckpt.num_params if base_ckpt is not None else 0
     weight_bytes = (parse_dtype(dtype) or ckpt.dtype).itemsize
     chars = max(len(load_text(c)) for c in settings.corpora)
@@ -499,7 +503,7 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
     tok = load_tokenizer(tokenizer or ref, trust_remote_code=trust_remote_code)  # the one measured with
     if settings.bos:
         prefix_token(tok)
-    peak = check_eval_memory(ref, base_ref, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+    peak = check_eval_memory(ckpts[0], ckpts[1] if base_ref is not None else None, settings, dtype=dtype,
                              memory_check=memory_check, device=device)
     tokens = corpus_tokens(tok, settings)  # after the memory check: tokenizing a corpus is part of the peak
     lengths = [("--context", settings.context)]
@@ -518,12 +522,8 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
         if warn is not None:
             warn(note)
     if say is not None:
-        when = "" if seconds is None else \
-            f"estimated ~{seconds:,.0f} s on this machine (idle), " if seconds < 120 else \
-            f"estimated ~{seconds / 60:,.1f} min on this machine (idle), "
         say(f"{sum(tokens.values()):,} tokens of {len(tokens)} {'corpus' if len(tokens) == 1 else 'corpora'}, "
-            f"{len(ckpts)} model{'s' * (len(ckpts) > 1)}: {when}"
-            f"~{peak / 2**30:,.1f} GiB {f'of {device} ' if cuda else ''}at the peak")
+            f"{len(ckpts)} model{'s' * (len(ckpts) > 1)}: {plan.estimates()}")
     lm, _, ref = load_model(ref, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
                             attn_implementation=attn_implementation, device=device)
     base = None

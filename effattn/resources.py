@@ -45,16 +45,17 @@ HALF_EFFICIENCY = 0.52
 # priced in two parts, fitted to single prefills of the built-in model on 2 idle cores (probes 233 and 932 GFLOP/s;
 # 1.7, 3.6, 10.1 and 30.0 s at 1K, 2K, 4K and 8K tokens in float32, 0.7, 2.0, 6.6 and 22.4 s in bfloat16): the
 # decoder layers' matmuls reach 0.8 of the probe (16-bit: times HALF_EFFICIENCY of its own probe), and the attention
-# (SDPA's scores and weighted sum against the cache) 0.48 of the float32 probe in either dtype (112 and 121 GFLOP/s
-# measured). Checked on passkey grids measured before the fit (BENCHMARKS.md, "Dry-run estimates against
-# measurements"): priced 1.08-1.11x their work in float32, 1.20-1.38x in bfloat16.
+# (SDPA's scores and weighted sum against the cache) 0.48 of the float32 probe in either dtype (the fit gives 112
+# and 121 GFLOP/s). Checked on passkey grids measured before the fit (BENCHMARKS.md, "Dry-run estimates against
+# measurements"): priced 0.89-1.11x their work in float32, 1.20-1.38x in bfloat16.
 PREFILL_EFFICIENCY = 0.8
 ATTENTION_EFFICIENCY = 0.48
 # One decode step (batch 1, one new token) reads every weight and the whole cache for a few FLOPs each: bound by
 # memory, not by the matmul probe. Priced as its FLOPs (the weights', and the attention's over the cache) at 0.045 of
-# the float32 probe: the built-in model in float32 on 2 idle cores (probe 233 GFLOP/s, effattn's matrix-vector
-# product) decodes 36-44 tokens/s after 512 tokens (priced 34.5) and 23-26 after 2,048 (priced 25.6). bfloat16
-# weights decode about as fast (28.8 tokens/s after 512), so decode steps are priced at the float32 probe in any dtype.
+# the float32 probe (`decode_seconds`): the built-in model in float32 on 2 idle cores (probe 233 GFLOP/s) decodes
+# 36-44 tokens/s after 512 tokens with effattn's matrix-vector product (priced 34.5), and 23-26 after 2,048 (25.8
+# with it, 22.9-24.5 with torch's; priced 25.6). bfloat16 weights decode about as fast (28.8 tokens/s after 512), so
+# decode steps are priced at the float32 probe in any dtype.
 DECODE_EFFICIENCY = 0.045
 DISK_BYTES_PER_S = 2e9  # reading a cached checkpoint and writing through the page cache (measured ~2 GB/s)
 TOKENIZE_BYTES_PER_CHAR = 350  # peak memory of tokenizing a whole corpus at once (a byte-level tokenizer, the worst)
@@ -234,6 +235,21 @@ def compute_seconds(flops: float, efficiency: float = LAYERWISE_EFFICIENCY,
                     dtype: torch.dtype = torch.float32) -> float:
     """Seconds of `flops` of work on this CPU (idle) in `dtype`: see `cpu_flops`."""
     return flops / cpu_flops(efficiency, dtype)
+
+
+def input_embedding_params(config: dict) -> int:
+    """Parameters of the input embedding that no FLOP touches (a lookup): the whole table, unless it is tied to
+    the output layer, which runs."""
+    dims = Dims.of(config)
+    return 0 if config.get("tie_word_embeddings") else dims.vocab * dims.hidden
+
+
+def decode_seconds(config: dict, params: int, after: int, steps: int = 1) -> float:
+    """Seconds of `steps` greedy decode steps (batch 1) after `after` tokens on this CPU: every weight but the input
+    embedding, and the attention over the cache, at DECODE_EFFICIENCY of the float32 probe in any dtype."""
+    dims = Dims.of(config)
+    step = 2 * max(params - input_embedding_params(config), 0) + dims.layers * dims.scores_flops(1, 2 * after)
+    return steps * compute_seconds(step, DECODE_EFFICIENCY)
 
 
 COLD_READ_BYTES_PER_S = 1e9  # pages not in the page cache: this machine read an evicted 538 MB checkpoint in 0.5-1 s

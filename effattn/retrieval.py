@@ -231,21 +231,20 @@ def estimate(config: dict[str, Any], params: int, settings: RetrievalSettings, *
     Pricing all of it as an evaluation forward (FORWARD_EFFICIENCY, the output layer at every position), as this
     did until 2026-12-07, priced the built-in model's float32 grids 1.3-1.7x above their measured time."""
     from .convert.base import kv_bytes_per_token
-    from .resources import (ATTENTION_EFFICIENCY, DECODE_EFFICIENCY, MODEL_LOAD_SECONDS, PREFILL_EFFICIENCY,
-                            TOKENIZE_BYTES_PER_CHAR, Dims, compute_seconds)
+    from .resources import (ATTENTION_EFFICIENCY, MODEL_LOAD_SECONDS, PREFILL_EFFICIENCY, TOKENIZE_BYTES_PER_CHAR,
+                            Dims, compute_seconds, decode_seconds, input_embedding_params)
 
     dims = Dims.of(config)
-    table = dims.vocab * dims.hidden  # the embedding, and the output layer (the same one when tied)
-    layers = max(params - table * (1 if config.get("tie_word_embeddings") else 2), 0)
+    output = dims.vocab * dims.hidden  # the output layer: the prefill runs it at the last position only
+    layers = max(params - input_embedding_params(config) - output, 0)
     seconds = MODEL_LOAD_SECONDS
     per_cell = settings.samples * len(settings.depths)
     for length in settings.lengths:
-        matmuls = 2 * layers * length + 2 * table
+        matmuls = 2 * layers * length + 2 * output
         attention = dims.layers * dims.scores_flops(length, length)
-        step = 2 * (layers + table) + dims.layers * dims.scores_flops(1, 2 * length)
         seconds += per_cell * (compute_seconds(matmuls, PREFILL_EFFICIENCY, dtype)
                                + compute_seconds(attention, ATTENTION_EFFICIENCY)
-                               + (settings.answer_tokens - 1) * compute_seconds(step, DECODE_EFFICIENCY))
+                               + decode_seconds(config, params, length, settings.answer_tokens - 1))
     longest, chunk = max(settings.lengths), min(settings.prefill_chunk, max(settings.lengths))
     layer = chunk * (12 * dims.hidden + 4 * dims.intermediate) * 4
     scores = dims.heads * chunk * (longest + settings.answer_tokens) * 4  # a chunk's queries against the cache
@@ -300,18 +299,17 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
 
     tok = load_tokenizer(tokenizer or refs[0], trust_remote_code=trust_remote_code)
     prompts = PromptBuilder(tok, settings).prompts()  # a bad length or filler is refused before the model loads
+    plan = EvalPlan(task=settings.task, model=refs[0].display, baseline=refs[1].display if baseline else None,
+                    dtype=str(runs_in).removeprefix("torch."), device=device, est_peak_bytes=now + work,
+                    est_seconds=None if cuda else seconds,  # CPU timings only
+                    work={"prompts": len(prompts) * len(ckpts), "lengths": list(settings.lengths)}, notes=notes)
     if dry_run:
-        return EvalPlan(task=settings.task, model=refs[0].display, baseline=refs[1].display if baseline else None,
-                        dtype=str(runs_in).removeprefix("torch."), device=device, est_peak_bytes=now + work,
-                        est_seconds=None if cuda else seconds,
-                        work={"prompts": len(prompts) * len(ckpts), "lengths": list(settings.lengths)}, notes=notes)
+        return plan
     for note in notes:
         if warn is not None:
             warn(note)
     if say is not None:
-        when = "" if cuda else f"estimated ~{seconds / 60:,.1f} min on this machine (idle), "  # CPU timings only
-        say(f"{len(settings.lengths) * len(settings.depths) * settings.samples * len(ckpts)} prompts: {when}"
-            f"~{(now + work) / 2**30:,.1f} GiB {f'of {device} ' if cuda else ''}at the peak")
+        say(f"{plan.work['prompts']} prompts: {plan.estimates()}")
     lm, _, ref = load_model(refs[0], dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
                             attn_implementation=attn_implementation, device=device)
     total = len(prompts)

@@ -282,9 +282,9 @@ def test_the_eval_estimate_prices_each_models_forwards_and_decode_steps(monkeypa
 
     monkeypatch.setattr(resources, "matmul_flops", lambda dtype=torch.float32: 1e9)
     config = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 6,
-              "num_key_value_heads": 3, "head_dim": 8, "vocab_size": 258}
+              "num_key_value_heads": 3, "head_dim": 8, "vocab_size": 258, "tie_word_embeddings": True}
     dims = resources.Dims.of(config)
-    p = 1000
+    p = 100_000
     quiet = EvalSettings(corpora=("a",), context=64, speed=False)
 
     def fwd(n, seq):
@@ -298,12 +298,17 @@ def test_the_eval_estimate_prices_each_models_forwards_and_decode_steps(monkeypa
     step = (2 * p + 2 * dims.scores_flops(1, 128)) / (1e9 * resources.DECODE_EFFICIENCY)
     assert eval_seconds([config], [p], timed, {"a": 640}) - eval_seconds([config], [p], quiet, {"a": 640}) == \
         pytest.approx(3 * (fwd(64, 64) + 32 * step))
+    # an untied input embedding is a lookup: its parameters cost a decode step nothing
+    untied = config | {"tie_word_embeddings": False}
+    table_step = 2 * 258 * 48 / (1e9 * resources.DECODE_EFFICIENCY)
+    assert eval_seconds([config], [p], timed, {"a": 640}) - eval_seconds([untied], [p], timed, {"a": 640}) == \
+        pytest.approx(3 * 32 * table_step)
     # bfloat16 forwards at the bfloat16 probe's share; decode steps (bound by memory) at the float32 price
     half = eval_seconds([config], [p], quiet, {"a": 640}, dtype=torch.bfloat16) - resources.MODEL_LOAD_SECONDS
     assert half == pytest.approx((fwd(640, 64) + fwd(64, 64)) / resources.HALF_EFFICIENCY)
 
 
-def test_a_model_loaded_in_another_dtype_is_priced_with_its_checkpoint_read_whole(tiny):
+def test_a_model_loaded_in_another_dtype_is_priced_with_its_checkpoint_read_whole(tiny, corpus, capsys, monkeypatch):
     """transformers reads a checkpoint stored in another dtype whole while it casts it: the memory estimate
     counts those bytes beside the loaded weights (a bfloat16 eval of the float32 built-in model peaked at
     1,480 MiB loading the baseline; 1,211 MiB estimated without them, 1,468 with)."""
@@ -321,3 +326,13 @@ def test_a_model_loaded_in_another_dtype_is_priced_with_its_checkpoint_read_whol
     big = 10 * plain
     assert measure_peak_bytes(fp32.config, fp32.num_params, fp32.num_params, **kw, cast_bytes=big) == \
         2 * fp32.num_params * 2 + big
+    # both estimates that run it count it: perplexity and the retrieval grid (a huge cast shows through the max)
+    import effattn.evaluate as evaluate_module
+
+    seen = []
+    monkeypatch.setattr(evaluate_module, "load_cast_bytes", lambda ckpts, dtype: seen.append(dtype) or 2**40)
+    for task in (["--corpus", str(corpus), "--context", "64"], ["--task", "passkey", "--lengths", "512"]):
+        code, out, _ = run_cli(capsys, "eval", tiny("llama"), *task, "--dtype", "bfloat16", "--no-memory-check",
+                               "--dry-run", "--json")
+        assert code in (0, None) and json.loads(out)["est_peak_bytes"] > 2**40
+    assert seen == [torch.bfloat16, torch.bfloat16]
