@@ -571,7 +571,6 @@ print("group alive after the run:", dist.is_initialized(), flush=True)
     assert done.stdout.splitlines() == ["group alive after the run: True", "group alive at exit: False"]
 
 
-
 EXIT_SCRIPT = """
 import atexit, sys, threading, time, torch, torch.distributed as dist
 from effattn.finetune.loop import exit_without_finalizing, release_process_group_at_exit
