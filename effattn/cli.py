@@ -673,7 +673,13 @@ def main(argv: list[str] | None = None) -> None:
         if argv[:1] == ["convert"] and {"--help", "-h"} & set(argv) and "--to" in argv[:-1]:
             return conversion_help(argv[argv.index("--to") + 1])
         _register_conversion_commands()
-        app(args=argv, prog_name="effattn", standalone_mode=False)
+        code = app(args=argv, prog_name="effattn", standalone_mode=False)
+        # outside standalone mode typer returns the code of an Exit it caught, Ctrl-C's (130) included; the
+        # commands themselves return None
+        if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+            if code == 130:
+                err.print("interrupted")
+            sys.exit(code)
     except EffattnError as exc:
         if DEBUG:
             raise

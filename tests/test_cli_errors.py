@@ -162,3 +162,16 @@ def test_unreachable_hub_id_is_a_clear_error(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     code, _, err = run_cli(capsys, "inspect", "some-org/some-model")
     assert_one_line_error(code, err, "could not download 'some-org/some-model'", "local folder")
+
+
+def test_ctrl_c_exits_130_and_says_so(capsys, monkeypatch):
+    """Typer outside standalone mode turns Ctrl-C into a returned 130; a returned code must reach the exit status,
+    or `effattn finetune ... && effattn eval ...` would go on after an interrupted run."""
+    import effattn.info
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(effattn.info, "inspect_model", interrupted)
+    code, out, err = run_cli(capsys, "inspect", "llama")
+    assert code == 130 and err.strip() == "interrupted" and out == ""
