@@ -556,7 +556,7 @@ def recipes_validate(recipe: str = RecipeArg, overrides: Optional[list[str]] = O
 def finetune(
     recipe: str = RecipeArg,
     overrides: Optional[list[str]] = OverridesArg,
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="output folder (overrides `output:` in the recipe)"),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="output folder (overrides `output:` in the recipe)"),
     resume: bool = typer.Option(False, "--resume", help="continue from OUT's last checkpoint, even with a changed recipe"),
     force: bool = typer.Option(False, "--force", help="start over, replacing OUT"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the resolved run, sizes and estimates; train nothing"),
@@ -585,7 +585,11 @@ def finetune(
     budget = parse_size(device_memory) if device_memory is not None else None
     resolved = load_recipe(recipe, overrides, output=output)
     if dry_run:
+        from .finetune.preflight import check_run
+
+        start = check_run(resolved, resume=resume, force=force)  # what the run checks before it touches OUT
         plan = plan_finetune(resolved, processes, memory_check=memory_check, device_memory=budget)
+        plan["start"] = _start_phrase(start)
         if as_json:
             return _print_json(plan)
         out.print(resolved.to_yaml(), highlight=False, markup=False)
@@ -602,7 +606,8 @@ def finetune(
     if as_json:
         return _print_json({"output": result.out, "steps": result.steps, "tokens": result.tokens,
                             "seconds": result.seconds, "final_loss": result.final_loss, "resumed_from": result.resumed_from,
-                            "start_eval": result.start_eval, "final_eval": result.final_eval, "teacher_eval": teacher})
+                            "start_eval": result.start_eval, "final_eval": result.final_eval, "teacher_eval": teacher,
+                            "written": result.written})
     table = Table(title=f"effattn finetune · {escape(str(result.out))}", title_justify="left")
     for col in ("held-out", "teacher", "before", "after"):
         table.add_column(col, justify="left" if col == "held-out" else "right")
@@ -615,7 +620,8 @@ def finetune(
     out.print(table)
     out.print(f"{result.steps} steps, {result.tokens:,} tokens, {result.seconds / 60:.1f} min of training; "
               f"final loss {result.final_loss:.4f}")
-    out.print(f"[green]wrote[/] {escape(str(result.out))}")
+    out.print(f"[green]wrote[/] {escape(str(result.out))}" if result.written else
+              f"already there, unchanged: {escape(str(result.out))}")
 
 
 def _training_progress(enabled: bool) -> Progress:
@@ -625,9 +631,15 @@ def _training_progress(enabled: bool) -> Progress:
                     TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=not enabled)
 
 
+def _start_phrase(start) -> str:
+    """Where a run would start, in words (finetune --dry-run)."""
+    return "; ".join(start.notes) or "from the beginning, in a new folder"
+
+
 def _plan_rows(plan) -> list[tuple[str, str]]:
     student, teacher, mem, est = plan["student"], plan["teacher"], plan["memory_bytes_per_process"], plan["est_seconds"]
-    rows = [("student", student["model"])]
+    rows = [("output", f"{plan['recipe']['output']} ({plan['start']})")] if plan.get("start") else []
+    rows += [("student", student["model"])]
     rows += [(f"  {k}", v) for k, v in (student["conversion"] or {}).items()]
     rows += [
         ("trains", f"{student['trains']}: {student['trainable']:,} of {student['params']:,} parameters "

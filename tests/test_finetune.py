@@ -623,12 +623,6 @@ def test_the_cli_entry_keeps_exit_codes_where_no_process_group_ran(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert good.returncode == 0 and good.stdout.strip(), good.stderr[-2000:]
 
-def test_output_cannot_overwrite_the_student(heal):
-    student = converted_student(heal)
-    with pytest.raises(EffattnError, match="is also student.model"):
-        finetune(heal(f"student.model={student}", "student.convert=null", output="mqa"), force=True)
-    assert (student / "model.safetensors").exists()
-
 
 def test_chunked_logit_terms_equal_the_whole_batch_loss_and_gradients(tiny):
     """loss.chunk_tokens: KL and CE formed a few tokens at a time from the final hidden states give the

@@ -19,13 +19,27 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from ..errors import EffattnError, did_you_mean
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value, info):
+        """`train.max_steps: true` is a typo, not 1: pydantic's lax mode would read a boolean as 1 or 0."""
+        if isinstance(value, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError("a number is expected, not a boolean")
+        return value
+
+
+def _numeric(annotation) -> bool:
+    """int or float, alone or in a union with None (not bool, which is an int subclass)."""
+    args = get_args(annotation) if get_origin(annotation) in (Union, type(int | None)) else (annotation,)
+    return any(a in (int, float) for a in args) and bool not in args
 
 
 class ConvertStep(BaseModel):
@@ -122,6 +136,13 @@ class Optimizer(_Section):
     eps: float = Field(1e-8, gt=0)  # adamw
     momentum: float = Field(0.9, ge=0)  # sgd
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v):
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError("each beta must be in [0, 1), e.g. [0.9, 0.95]")
+        return v
+
 
 class Schedule(_Section):
     name: Literal["cosine", "linear", "constant"] = "cosine"
@@ -201,6 +222,14 @@ class Recipe(_Section):
     checkpoint: Checkpoint = Checkpoint()
     distributed: Distributed = Distributed()
     output: str | None = Field(None, description="output folder (-o overrides)")
+    _source: Path | None = PrivateAttr(None)  # the recipe file it was read from, if any (load_recipe)
+
+    @field_validator("output")
+    @classmethod
+    def _output_named(cls, v):
+        if v is not None and not v.strip():
+            raise ValueError("the output folder is empty: name a folder (an empty path would mean the current one)")
+        return v
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -230,13 +259,35 @@ def recipe_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> l
 
 # -- reading and overriding ----------------------------------------------------------------------
 
+class DuplicateKey(Exception):
+    def __init__(self, key: str, line: int):
+        super().__init__(key)
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping is an error (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKey(str(key), key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path).expanduser()
     if not path.is_file():
         raise EffattnError(f"recipe file {path} not found",
                            "pass a YAML file or a built-in recipe name (`effattn recipes ls`)")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except DuplicateKey as exc:
+        raise EffattnError(f"{path} line {exc.line}: key {exc.key!r} appears twice in one section (the second "
+                           "would silently replace the first)", "merge the two into one") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""
@@ -303,7 +354,9 @@ def load_recipe(recipe: str | Path, overrides: list[str] | None = None, *, outpu
     data = apply_overrides(read_yaml(path), list(overrides or []))
     if output is not None:
         data["output"] = str(output)
-    return validate_recipe(data, source=str(recipe))
+    resolved = validate_recipe(data, source=str(recipe))
+    resolved._source = path.expanduser().absolute()
+    return resolved
 
 
 # -- error messages ------------------------------------------------------------------------------

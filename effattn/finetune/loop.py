@@ -56,8 +56,8 @@ from ..io.writer import finish_interrupted_swap, write_json, write_text
 from ..killpoints import kill_point
 from ..resources import release_free_heap
 from . import distributed
-from .config import Optimizer, Recipe, Schedule, Student
-from .data import BlockStream, block_start, check_disjoint, read_sources, training_blocks
+from .config import Optimizer, Recipe, Schedule, Student, recipe_diff
+from .data import BlockStream, block_start, read_sources, training_blocks
 from .heldout import evaluate_student, held_out_sets, score_teacher
 from .losses import AttentionOutputs, FinalHidden, heal_loss
 from .params import conversion_modules, count_params, native, select_trainable
@@ -79,6 +79,7 @@ class FinetuneResult:
     final_eval: dict[str, dict[str, float]] | None
     resumed_from: int | None  # the checkpoint step this session started from
     record: dict[str, Any] | None  # the written effattn.json (main process)
+    written: bool = True  # False: OUT already held this recipe's finished fine-tune, and nothing ran
 
 
 def tokens_per_step(recipe: Recipe, processes: int) -> int:
@@ -338,14 +339,14 @@ def exit_without_finalizing(code: int) -> None:
 
 def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Callable[[str], None] | None,
               command: str | None, memory_check: bool = True) -> FinetuneResult:
-    if recipe.output is None:
-        raise EffattnError("the recipe has no output folder", "pass -o OUT, or set output: in the recipe")
-    check_disjoint(recipe.data.sources, recipe.eval.corpora)
-    if memory_check:
-        from .plan import plan_finetune
+    from .plan import plan_finetune
+    from .preflight import check_run
 
-        plan_finetune(recipe, estimate_time=False)  # refuses what cannot fit, before any output is touched
     texts = read_sources(recipe.data.sources, recipe.data.text_key)
+    # what --dry-run checks, before any output is touched or the student converted: OUT, the text, the configs,
+    # the conversion's options and (memory_check) the memory
+    check_run(recipe, resume=resume, force=force, texts=texts)
+    plan_finetune(recipe, estimate_time=False, memory_check=memory_check)
 
     from accelerate import PartialState
     from accelerate.utils import set_seed
@@ -354,9 +355,6 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     main, world, rank = procs.is_main_process, procs.num_processes, procs.process_index  # with the strategy
     say = log if (log and main) else (lambda _: None)
     run = RunFolder(recipe.output)
-    for role, spec in (("student.model", recipe.student.model), ("teacher.model", recipe.teacher.model)):
-        if spec and Path(spec).expanduser().absolute() == run.out:
-            raise EffattnError(f"the output folder {run.out} is also {role}", "write the healed model to another -o")
     recipe_dict = recipe.to_dict()
     if main and (repaired := finish_interrupted_swap(run.out)):
         say(repaired)
@@ -369,6 +367,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
         run.out.mkdir(parents=True, exist_ok=True)
         run.clean_partial()
         if not start.done:
+            run.marker.touch()  # first: a folder with it is a run of ours, which a later run may replace
             write_text(run.recipe, recipe.to_yaml())
     for note in start.notes:
         say(note)
@@ -457,12 +456,16 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
         state = read_state(start.checkpoint)
         step, samples, tokens, seconds = state["step"], state["samples"], state["tokens"], state["seconds"]
         start_eval = state["start_eval"]
+        resumes = state.get("resumes", [])
+        if changes := recipe_diff(state["recipe"], recipe_dict):
+            resumes = resumes + [{"step": step, "changes": changes}]
         if main:
             metrics.keep_until(step)
     else:
         samples = tokens = 0
         seconds = 0.0
         start_eval = None
+        resumes = []
         if evaluates:
             start_eval = evaluate_now()
         if main:
@@ -476,7 +479,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
 
     def state_now() -> dict[str, Any]:
         return {"step": step, "samples": samples, "tokens": tokens, "seconds": seconds, "processes": world,
-                "strategy": strategy, "recipe": recipe_dict, "start_eval": start_eval}
+                "strategy": strategy, "recipe": recipe_dict, "start_eval": start_eval, "resumes": resumes}
 
     # -- the loop ---------------------------------------------------------------------------------
     B, accum = recipe.train.batch_size, recipe.train.grad_accum
@@ -507,6 +510,11 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
         tokens += step_tokens
         keys = sorted(sums)
         values = accelerator.reduce(torch.stack([sums[k] for k in keys]), "mean").tolist()
+        if not math.isfinite(loss := values[keys.index("loss")]):  # every process has the same mean: all stop
+            raise EffattnError(f"the training loss is {loss} at step {step}: the training diverged",
+                               f"lower optimizer.lr (now {recipe.optimizer.lr:g})"
+                               + (" or set train.max_grad_norm" if recipe.train.max_grad_norm is None else "")
+                               + " and start over with --force (the last checkpoint holds the weights that gave it)")
         dt = time.perf_counter() - t0
         seconds += dt
         session_tokens += step_tokens
@@ -559,6 +567,8 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
             "strategy": strategy,
             "seconds": round(seconds, 1),
             "final_loss": final_loss,  # mean training loss of the last 10 steps
+            "eval_tokens": {s.corpus: s.blocks.shape[0] * (s.blocks.shape[1] - s.skip) for s in held_out},
+            "resumes": resumes,  # each --resume with a changed recipe: the step and what changed
             "final_terms": {k: train_records[-1][k] for k in ("kl", "ce", "attn_out", "aux") if k in train_records[-1]},
             "start_eval": start_eval,
             "final_eval": final_eval,
@@ -596,7 +606,7 @@ def finished_result(run: RunFolder, main: bool) -> FinetuneResult:
     record = json.loads((run.out / "effattn.json").read_text()) if main else None
     return FinetuneResult(run.out if main else None, model, ft["steps"], ft["tokens"], ft["seconds"],
                           ft["final_loss"] if main else float("nan"), ft["start_eval"] if main else None,
-                          ft["final_eval"] if main else None, ft["steps"], record)
+                          ft["final_eval"] if main else None, ft["steps"], record, written=False)
 
 
 def _eval_line(step: int, result: dict[str, dict[str, float]]) -> str:

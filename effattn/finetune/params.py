@@ -57,6 +57,9 @@ def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
     from ..attention.mla import SCALED_MODULES, is_mla
 
     mla = is_mla(model)
+    if train.mla_latent == "scaled" and not mla:
+        raise EffattnError("train.mla_latent=scaled applies to MLA students only, and this one is not",
+                           "drop train.mla_latent (or convert the student --to mla)")
     if train.params == "all":
         model.requires_grad_(True)
         _freeze_mla(model, mla, scale_latent=train.mla_latent == "scaled")
@@ -66,6 +69,11 @@ def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
             raise EffattnError(f"train.lora.target_modules includes {sorted(set(train.lora.target_modules) & set(SCALED_MODULES))}, "
                                "which an MLA model keeps at the scale that holds its latent norm linear (an adapter "
                                "would not be)", "target q_proj, kv_b_proj, o_proj and the MLP instead")
+        if tied := _tied_targets(model, train.lora.target_modules):
+            raise EffattnError(f"train.lora.target_modules includes {', '.join(tied)}, whose weight the model ties to "
+                               "its other embedding (tie_word_embeddings): merging the adapter would change both, and "
+                               "the model written would not be the one trained", f"leave {', '.join(tied)} out, or "
+                               "train the embeddings with train.params=all")
         model = _with_lora(model, train)
     else:
         pattern = _attention_pattern(model)
@@ -94,6 +102,16 @@ def _freeze_mla(model: torch.nn.Module, mla: bool, scale_latent: bool) -> None:
     for name, p in model.named_parameters():
         if frozen_in_training(name) or (scaled_module(name) and not scale_latent):
             p.requires_grad_(False)
+
+
+def _tied_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The LoRA targets (peft's rule: a module whose name is the target or ends in .target) that are a tied
+    input or output embedding."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return []
+    embeddings = (model.get_input_embeddings(), model.get_output_embeddings())
+    tied = [name for name, m in model.named_modules() if any(m is e for e in embeddings if e is not None)]
+    return [t for t in targets if any(n == t or n.endswith("." + t) for n in tied)]
 
 
 def _with_lora(model: torch.nn.Module, train: Train) -> torch.nn.Module:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..convert import convert, read_record
+from ..errors import EffattnError
 from ..io.checkpoint import Checkpoint, read_config
 from ..evaluate import prefix_token
 from ..io.load import DTYPES, as_ref, load_tokenizer, tokenizer_missing
@@ -79,6 +80,7 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         config, conversion, record = read_config(path), None, read_record(path)
     teacher_spec = resolve_teacher(recipe, record, path)
     teacher_params = _num_params(as_ref(teacher_spec).path) if teacher_spec else 0
+    check_configs(recipe, config, read_config(as_ref(teacher_spec).path) if teacher_spec else None, teacher_spec)
 
     base = meta_model(config)
     student_params = count_params(base)[1]
@@ -190,6 +192,21 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         "est_basis": f"{flops / 1e9:,.0f} GFLOP/s effective ({efficiency:.0%} of measured "
                      f"{'bf16 ' if dtype == torch.bfloat16 else ''}matmul speed)",
     }
+
+
+def check_configs(recipe: Recipe, student: dict[str, Any], teacher: dict[str, Any] | None, teacher_spec: str | None) -> None:
+    """What the student's and the teacher's configs rule out: another vocabulary, blocks past the student's
+    positions."""
+    if teacher is not None and teacher.get("vocab_size") != student.get("vocab_size"):
+        raise EffattnError(f"teacher {teacher_spec} and the student have different vocabularies "
+                           f"({teacher.get('vocab_size')} vs {student.get('vocab_size')})",
+                           "distil from the model the student was converted from (teacher.model)")
+    limit = student.get("max_position_embeddings")
+    reach = max(recipe.data.positions, recipe.data.seq_len)
+    if limit and reach > limit:
+        key = "data.positions" if recipe.data.positions >= recipe.data.seq_len else "data.seq_len"
+        raise EffattnError(f"{key} ({reach:,}) is past the student's {limit:,} positions (max_position_embeddings)",
+                           f"set {key}={limit} or less, or convert with RoPE scaling first (student.convert.to: rope-scaling)")
 
 
 def _num_params(folder) -> int:

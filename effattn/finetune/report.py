@@ -69,7 +69,7 @@ def finetune_card(name: str, record: dict[str, Any], model_type: str | None = No
         "",
         f"# {name}",
         "",
-        f"By [effattn](https://github.com/) {record['effattn_version']}: {what} with `effattn finetune` "
+        f"By effattn {record['effattn_version']}: {what} with `effattn finetune` "
         f"on {record['created'][:10]}.",
         "",
         "## Fine-tune",
@@ -78,12 +78,15 @@ def finetune_card(name: str, record: dict[str, Any], model_type: str | None = No
         f"- trained: {ft['params']} ({ft['trainable_params']:,} of {ft['total_params']:,} parameters)",
         f"- {ft['steps']} steps, {ft['tokens']:,} tokens on {', '.join(ft['recipe']['data']['sources'])}, "
         f"{ft['processes']} process(es), {ft['seconds'] / 60:.1f} min",
-        f"- loss: {_loss_terms(ft['recipe']['loss'], ft['final_terms'])}; final training loss {ft['final_loss']:.4f}",
+        f"- loss: {_loss_terms(ft['recipe']['loss'], ft['final_terms'])}; final training loss "
+        f"{ft['final_loss']:.4f} (the mean of the last {min(10, ft['steps'])} steps)",
+        *[f"- resumed at step {r['step']} with a changed recipe: {'; '.join(r['changes'])} (the steps before it ran "
+          "with the earlier values)" for r in ft.get("resumes", []) if r.get("changes")],
         "",
         "## Measured",
         "",
-        f"Held-out text ({ft['recipe']['eval']['tokens']:,} tokens per corpus in blocks of "
-        f"{ft['recipe']['eval']['seq_len']}; never trained on).",
+        f"Held-out text ({_eval_tokens(ft)} in blocks of {ft['recipe']['eval']['seq_len']}"
+        f"{', each read after the BOS token' if ft['recipe']['eval'].get('bos') else ''}; never trained on).",
         "",
         "| metric | teacher | before fine-tune | after |",
         "|---|---|---|---|",
@@ -93,10 +96,25 @@ def finetune_card(name: str, record: dict[str, Any], model_type: str | None = No
     if ft.get("command"):
         lines += ["## Reproduce", "", "```", ft["command"], "```", "",
                   "The resolved recipe is `recipe.yaml` in this folder; `metrics.jsonl` and `curves.png` hold the run.", ""]
+        if any(r.get("changes") for r in ft.get("resumes", [])):
+            lines += ["This is the command that finished the run. It was resumed with a changed recipe (above), so "
+                      "neither it nor `recipe.yaml` alone repeats the run.", ""]
     from ..io.card import load_section
 
     lines += load_section(name, model_type)
     return "\n".join(lines)
+
+
+def _eval_tokens(ft: dict[str, Any]) -> str:
+    """The tokens each held-out corpus was read for (whole blocks, at most the corpus); the recipe's
+    eval.tokens for records written before they were recorded."""
+    read = ft.get("eval_tokens")
+    if not read:
+        return f"{ft['recipe']['eval']['tokens']:,} tokens per corpus"
+    counts = sorted(set(read.values()))
+    if len(counts) == 1:
+        return f"{counts[0]:,} tokens per corpus"
+    return ", ".join(f"{n:,} tokens of {corpus}" for corpus, n in read.items())
 
 
 def _loss_terms(loss: dict[str, Any], present: list[str]) -> str:

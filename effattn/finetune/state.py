@@ -30,6 +30,7 @@ from ..killpoints import kill_point, watching_checkpoint_files
 from .config import recipe_diff
 
 STATE_FILE = "trainer_state.json"
+RUN_MARKER = ".effattn-finetune"  # in OUT from a run's start until the final model replaces OUT
 
 
 class RunFolder:
@@ -41,6 +42,11 @@ class RunFolder:
         self.student = self.out / "student"
         self.student_request = self.out / "student.json"
         self.curves = self.out / "curves.png"
+        self.marker = self.out / RUN_MARKER
+
+    def started(self) -> bool:
+        """OUT is a run of ours that has not finished (its marker, written before anything else)."""
+        return self.marker.is_file()
 
     def complete_checkpoints(self) -> list[Path]:
         """Finished checkpoints, oldest first."""
@@ -95,14 +101,19 @@ def decide_start(run: RunFolder, recipe: dict[str, Any], *, resume: bool, force:
         return Start(None, True, [f"--force: replacing {out}"])
     latest = run.latest()
     if latest is None:
+        if run.finished():
+            finished = run.finished_recipe() or {}
+            if finished == json.loads(json.dumps(recipe, default=str)) and not resume:  # e.g. a kill after the final
+                return Start(None, False, [f"{out} already holds this recipe's finished fine-tune; nothing to do"],
+                             done=True)  # model was in place
+            diffs = recipe_diff(finished, recipe)
+            raise EffattnError(f"{out} already holds a finished fine-tune"
+                               + (f" of a different recipe: {'; '.join(diffs)}" if diffs else "")
+                               + (", which has no checkpoint left to resume" if resume else ""),
+                               "pass --force to run again, or choose another -o")
         if resume:
             raise EffattnError(f"--resume: {out} holds no complete checkpoint", "drop --resume to start from the beginning")
-        if run.finished():
-            if run.finished_recipe() == json.loads(json.dumps(recipe, default=str)):  # e.g. a kill after the final model was in place
-                return Start(None, False, [f"{out} already holds this recipe's finished fine-tune; nothing to do"],
-                             done=True)
-            raise EffattnError(f"{out} already holds a finished fine-tune", "pass --force to run again, or choose another -o")
-        if run.recipe.exists():  # an earlier run of ours, killed before its first checkpoint
+        if run.started():  # an earlier run of ours, killed before its first checkpoint
             return Start(None, True, [f"no checkpoint in {out} yet; starting from the beginning"])
         if any(out.iterdir()):
             raise EffattnError(f"output folder {out} already exists and is not an effattn finetune run",
