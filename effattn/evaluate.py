@@ -381,15 +381,30 @@ def measure_peak_bytes(config: dict, params: int, baseline_params: int, *, conte
     dims = Dims.of(config)
     models = 2 if baseline_params else 1
     layer = min(context, PREFILL_CHUNK) * (12 * dims.hidden + 4 * dims.intermediate) * 4  # one sequence, one layer
-    # beyond PREFILL_CHUNK: the block's cache, and each chunk's attention mask and scores against it (the
-    # CPU's SDPA with a mask may materialise them)
-    chunked = batch_size * context * (kv_bytes_per_token(config, torch.float32) + PREFILL_CHUNK * (dims.heads * 4 + 1)) \
-        if context > PREFILL_CHUNK else 0
+    # beyond PREFILL_CHUNK: the block's cache, and the largest later chunk's attention mask against it (SDPA does not
+    # form the scores, heads x queries x keys, but holds ~MASK_BYTES per query-key pair)
+    chunked = batch_size * (context * kv_bytes_per_token(config, torch.float32)
+                            + MASK_BYTES * chunk_mask_pairs(context)) if context > PREFILL_CHUNK else 0
     forward = batch_size * layer + chunked + models * batch_size * context * dims.hidden * 4 \
         + 2 * models * batch_size * min(context, LOGIT_CHUNK) * dims.vocab * 4
     cache = context * kv_bytes_per_token(config, torch.float32) + layer
     return (params + baseline_params) * weight_bytes + max(forward, cache, text_chars * TOKENIZE_BYTES_PER_CHAR,
                                                            cast_bytes)
+
+
+# Bytes per (query, key) pair of a chunk's attention mask while it runs: the boolean mask and what transformers and
+# torch's CPU SDPA make of it; the scores (heads x pairs x 4 bytes) are never formed. SDPA alone (a throwaway script,
+# torch 2.13): 8,192 queries against 40,000 keys held 945, 955 and 967 MiB beyond the boolean mask with 1, 6 and 12
+# heads (3 bytes per pair, whatever the heads). A tiny model's `effattn eval --context 36000 / 40000 --batch-size 1`
+# peaked at 1,115 / 1,926 MiB (/usr/bin/time), 978 / 1,640 estimated at 4 bytes, 1,089 / 1,916 at 5.
+MASK_BYTES = 5
+
+
+def chunk_mask_pairs(context: int, chunk: int = PREFILL_CHUNK) -> int:
+    """The (queries x keys) pairs of the largest mask a block of `context` tokens scored in chunks builds: a chunk
+    after the first against the cache and itself (the first runs causal, without a mask)."""
+    return max((min(chunk, context - s) * (s + min(chunk, context - s)) for s in range(chunk, context, chunk)),
+               default=0)
 
 
 def load_cast_bytes(ckpts, dtype: torch.dtype | None) -> int:

@@ -336,3 +336,21 @@ def test_a_model_loaded_in_another_dtype_is_priced_with_its_checkpoint_read_whol
                                "--dry-run", "--json")
         assert code in (0, None) and json.loads(out)["est_peak_bytes"] > 2**40
     assert seen == [torch.bfloat16, torch.bfloat16]
+
+
+def test_a_block_just_past_one_chunk_is_priced_by_its_small_second_chunk(tiny):
+    """Blocks longer than PREFILL_CHUNK run in chunks; the estimate priced each chunk's scores as heads x
+    PREFILL_CHUNK x context, so one token past 32,768 jumped from ~0.5 to ~25 GiB (a tiny model measured 0.5 GiB).
+    SDPA forms no scores: the mask's (queries x keys) pairs of the largest later chunk are what grows."""
+    from effattn.evaluate import MASK_BYTES, PREFILL_CHUNK, chunk_mask_pairs, measure_peak_bytes
+    from effattn.io.checkpoint import Checkpoint
+
+    P = PREFILL_CHUNK
+    assert chunk_mask_pairs(P) == 0 and chunk_mask_pairs(P + 1) == 1 * (P + 1)
+    assert chunk_mask_pairs(40_000) == (40_000 - P) * 40_000
+    assert chunk_mask_pairs(3 * P) == P * 3 * P  # the last chunk against the whole block
+    ckpt = Checkpoint(tiny("llama"))
+    at = lambda c: measure_peak_bytes(ckpt.config, ckpt.num_params, 0, context=c, batch_size=1,  # noqa: E731
+                                      text_chars=1000)
+    assert at(P + 1) < 1.1 * at(P)  # the block's cache (now kept apart from the chunk) and a one-row mask
+    assert at(40_000) - at(39_999) < 2**20 + MASK_BYTES * 40_000 * 2
