@@ -44,13 +44,15 @@ class ModelSpec:
                   "modules " + ", ".join(f"effattn/{p}" for p in self.modules) + ".",
                   'Loaded by transformers with trust_remote_code=True; `import effattn` registers the same classes."""',
                   ""]
-        imports, bodies = [], []
+        imports, bodies, aliases = [], [], []
         for rel in self.modules:
             text = (ROOT / rel).read_text()
             text = re.sub(r'\A\s*(?:"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\')\s*\n', "", text)  # module docstring
             body = []
             for line in text.splitlines():
                 if line.startswith(("from effattn", "import effattn", "from ..", "from __future__")):
+                    # the names come from the bundled modules themselves; a renamed one keeps its new name
+                    aliases += [f"{new} = {old}" for old, new in re.findall(r"(\w+) as (\w+)", line.split(" import ")[-1])]
                     continue
                 if line.startswith(("import ", "from ")):
                     if line not in imports:
@@ -58,7 +60,8 @@ class ModelSpec:
                     continue
                 body.append(line)
             bodies.append(f"# ---- effattn/{rel} " + "-" * max(0, 80 - len(rel)) + "\n" + "\n".join(body).strip() + "\n")
-        return "\n".join(header + imports + ["", ""] + ["\n\n".join(bodies)])
+        tail = ["", "", "# names the modules import under another name", *aliases] if aliases else []
+        return "\n".join(header + imports + ["", ""] + ["\n\n".join(bodies)] + tail)
 
     def write_code(self, folder: Path) -> None:
         (Path(folder) / self.modeling_file).write_text(self.bundle())

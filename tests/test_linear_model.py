@@ -173,6 +173,24 @@ def test_the_model_loads_with_remote_code_alone(tiny, tmp_path):
     torch.testing.assert_close(remote_logits(out, IDS, "EffattnLinearForCausalLM", tmp_path), expected, rtol=0, atol=0)
 
 
+def test_the_bundled_code_decodes_where_effattn_is_installed_but_not_imported(tiny, tmp_path):
+    """With effattn importable the bundled code takes its compiled decode step, which it imported under another name
+    (`decode_step as native_decode_step`): the bundle dropped that import, and the first decoded token raised
+    NameError."""
+    from .remote import remote_logits
+
+    model = make(tiny, tmp_path, "lin", family="llama", linear_window=8, linear_feature_map=MAPS["hedgehog"])
+    perturb(model)
+    out = tmp_path / "saved"
+    model.to(torch.float32).save_pretrained(out)
+    SPEC.write_code(out)
+    assert "native_decode_step = decode_step" in (out / SPEC.modeling_file).read_text()
+    expected = logits(load(out).to(torch.float32))
+    decoded = remote_logits(out, IDS, "EffattnLinearForCausalLM", tmp_path, prefix=IDS.shape[1] - 4, guarded=False,
+                            dtype="float32")
+    torch.testing.assert_close(decoded, expected.to(torch.float32), rtol=1e-4, atol=1e-4)
+
+
 def test_new_parameters_get_gradients_and_the_projections_keep_their_names(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
