@@ -6,6 +6,7 @@ from typing import Any
 
 from .convert import CONVERSIONS
 from .convert.base import kv_bytes_per_token
+from .errors import EffattnError
 from .families import AttentionShape, context_length, family_for, rope_settings, trained_length
 from .io.checkpoint import Checkpoint
 from .io.verify import verify_checkpoint
@@ -43,8 +44,7 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
         "dtype": str(dtype).replace("torch.", ""),
         "weights_bytes": ckpt.nbytes,
         "kv_bytes_per_token": per_token,
-        "conversions": {name: c.targets(ckpt.config) if hasattr(c, "targets") else c.description
-                        for name, c in CONVERSIONS.items()},
+        "conversions": {name: _applies(c, ckpt.config) for name, c in CONVERSIONS.items()},
     }
     window = window_of(ckpt.config)
     if window is not None:
@@ -67,6 +67,17 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
         info["context"] = context
         info["kv_bytes_at_context"] = cache_bytes_at(ckpt.config, dtype, context)
     return info
+
+
+def _applies(conversion, config: dict[str, Any]) -> str:
+    """What the conversion does to this model, or why `convert` refuses it (checks on the config alone)."""
+    from .convert.base import check_source_window
+
+    try:
+        check_source_window(conversion, config, "this model")
+    except EffattnError as exc:
+        return f"refused: {exc.what}"
+    return conversion.targets(config) if hasattr(conversion, "targets") else conversion.description
 
 
 def window_of(config: dict[str, Any]) -> tuple[int, int, int] | None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from effattn.errors import EffattnError
 from tests.test_cli_errors import assert_one_line_error, leftovers, run_cli
 
 
@@ -484,3 +485,26 @@ def test_the_gguf_cache_keeps_one_entry_per_gguf_that_still_exists(tmp_path, mon
     assert sorted(prune_gguf_cache()) == sorted([gone, changed])
     assert sorted(p.name for p in root.iterdir()) == sorted([live.name, writing.name, partial.name])
     assert prune_gguf_cache() == []
+
+
+@pytest.mark.parametrize("to,options", [("rerope", {"window": 16}), ("vq", {"window": 16, "codebook_size": 8}),
+                                        ("linear", {"window": 8}), ("mla", {"kv_size": 16})])
+def test_a_source_window_is_never_dropped_silently(tiny, tmp_path, to, options):
+    """A Mistral attending through a 64-token window converted to ReRoPE, VQ or linear attention gave the same
+    model as one without the window: their models attend to every earlier key. Refused (convert and its dry run),
+    and `inspect` says so; gqa keeps the window."""
+    from effattn.convert import convert
+    from effattn.info import inspect_model
+
+    src = tiny("mistral", sliding_window=64)
+    for dry in (True, False):
+        with pytest.raises(EffattnError, match=rf"attends through a sliding window of 64 tokens, which --to {to}'s "
+                                               "model does not keep"):
+            convert(src, tmp_path / "out", to=to, options=options, measure=False, dry_run=dry)
+    assert not (tmp_path / "out").exists()
+    assert inspect_model(str(src))["conversions"][to].startswith("refused: this model attends through a sliding")
+    out = convert(src, tmp_path / "gqa", to="mqa", options={"method": "mean"}, measure=False).out
+    assert json.loads((out / "config.json").read_text())["sliding_window"] == 64
+    # a window as long as the context is no window: converted as before
+    convert(tiny("mistral", sliding_window=4096), tmp_path / "full", to=to, options=options, measure=False,
+            dry_run=True)

@@ -69,6 +69,22 @@ class Conversion(Protocol):
     # names them (e.g. ("calib_tokens", "codebook_size")); `measure_contexts` (see measure_contexts).
 
 
+def check_source_window(conversion, config: dict[str, Any], name: str) -> None:
+    """A model that attends through a sliding window (Mistral's, Qwen's) keeps it through a native conversion
+    (`source_window = "keeps"`, e.g. gqa) or gets the window the conversion sets ("replaces": swa, sparse); a
+    conversion whose model has no window of its own ("drops", the default) is refused: its model would attend to
+    every earlier key, which the source never did."""
+    from ..info import window_of
+
+    window = window_of(config)
+    if window is not None and window[0] < (config.get("max_position_embeddings") or float("inf")) and \
+            getattr(conversion, "source_window", "drops") == "drops":
+        raise EffattnError(f"{name} attends through a sliding window of {window[0]:,} tokens, which --to "
+                           f"{conversion.name}'s model does not keep (it would attend to every earlier token)",
+                           "convert a model with full attention; --to gqa and --to rope-scaling keep the window, "
+                           "--to swa and --to sparse set their own")
+
+
 @dataclass
 class ConvertResult:
     out: Path | None
@@ -170,6 +186,7 @@ def convert(
         raise EffattnError(f"{ref.spec} is already an effattn model ({made_by_us.description})",
                            "convert the model it came from (see its effattn.json), or chain the conversions in another order")
     family = family_for(ckpt.config)
+    check_source_window(conversion, ckpt.config, ref.spec)
     target = parse_dtype(dtype)
     plan = conversion.plan(ckpt, family, opts, target)
     plan.settings.setdefault("dtype", str(target or ckpt.dtype).replace("torch.", ""))

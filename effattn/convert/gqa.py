@@ -422,6 +422,7 @@ class GQAConversion:
     aliases = {"mqa": {"kv_heads": 1}, "mha": {"kv_heads": "heads"}}
     model = None  # native: the same architecture with fewer KV heads
     name = "gqa"
+    source_window = "keeps"  # a source's sliding window (base.check_source_window)
     memory_options = ("calib_tokens",)
     description = "change the number of KV heads: GQA, MQA (kv_heads=1) or MHA (kv_heads=heads)"
 

@@ -409,10 +409,6 @@ class MLAConversion:
         if config.get("mlp_bias"):
             raise EffattnError("this model's MLP has biases, which DeepseekV3's MLP has not",
                                "convert a model without MLP biases")
-        window = config.get("sliding_window")
-        if window and (config.get("use_sliding_window", True)) and window < (config.get("max_position_embeddings") or 0):
-            raise EffattnError(f"this model attends through a sliding window of {window}, which DeepseekV3 has not",
-                               "convert a model with full attention")
         kv_rank, rope_dim = default_split(opts.kv_size, d, opts.kv_rank, opts.rope_dim)
         if kv_rank + rope_dim != opts.kv_size:
             raise EffattnError(f"--kv-rank {kv_rank} + --rope-dim {rope_dim} = {kv_rank + rope_dim}, not --kv-size "

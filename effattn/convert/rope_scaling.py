@@ -67,6 +67,7 @@ class RopeScalingOptions(ConversionOptions):
 
 class RopeScalingConversion:
     name = "rope-scaling"
+    source_window = "keeps"  # a source's sliding window (base.check_source_window)
     aliases = {"yarn": {"rope_type": "yarn"}}
     description = "RoPE scaling (linear, dynamic NTK, YaRN, Llama 3, LongRoPE): a longer context, weights untouched"
     model = None  # native: the same architecture with rope_parameters

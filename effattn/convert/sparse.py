@@ -71,6 +71,7 @@ def pattern_from(opts: SparseOptions, max_length: int) -> Pattern:
 
 class SparseConversion:
     name = "sparse"
+    source_window = "replaces"  # a source's sliding window (base.check_source_window)
     aliases = {"longformer": {"pattern": "longformer"}, "bigbird": {"pattern": "bigbird"},
                "strided": {"pattern": "strided"}}
     description = "sparse attention patterns (Longformer, BigBird, strided) on FlexAttention block masks: less compute"

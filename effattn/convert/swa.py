@@ -126,6 +126,7 @@ def sinks_config(config: dict[str, Any], window: int, sinks: int, layer_types: l
 
 class SWAConversion:
     name = "swa"
+    source_window = "replaces"  # a source's sliding window (base.check_source_window)
     aliases = {"sliding-window": {}, "sinks": {"sinks": 4}}
     description = ("sliding-window attention (Mistral's window; some layers may keep full attention), optionally "
                    "with attention sinks: a bounded KV cache")
