@@ -280,7 +280,9 @@ def bench_attention(
     Raises:
         BenchSettingsError: (a ValueError) for a bad setting, before anything is measured.
     """
-    dtype_name = str(dtype).removeprefix("torch.")
+    from effattn.io.load import DTYPES
+
+    dtype_name = str(DTYPES.get(dtype, dtype)).removeprefix("torch.")  # eval's names too: fp32, bf16, fp16
     check_settings(
         kinds, lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window,
         codebook_size=codebook_size, block_size=block_size, sinks=sinks, dtype=dtype_name, repeats=repeats,
@@ -330,15 +332,24 @@ def check_settings(
         raise BenchSettingsError(f"Unknown attention kind(s) {unknown}", one_of(unknown[0], BENCH_KINDS))
     if not kinds or not lengths:
         raise BenchSettingsError("No attention kind or no length to measure", "pass at least one of each")
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise BenchSettingsError(f"Unknown dtype {dtype!r}", "pass a torch dtype name such as float32 or bfloat16")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise BenchSettingsError(f"Unknown dtype {dtype!r}: attention runs in float32, bfloat16 or float16",
+                                 "pass one of them (or fp32, bf16, fp16)")
+    if head_dim % 2:
+        raise BenchSettingsError(f"head_dim must be even (RoPE rotates pairs of dimensions), got {head_dim}",
+                                 f"pass e.g. {head_dim + 1}")
     positive = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window, codebook_size=codebook_size,
-                    block_size=block_size, repeats=repeats, threads=threads or 1, heavy_keys=heavy_keys)  # fmt: skip
+                    block_size=block_size, repeats=repeats, threads=1 if threads is None else threads)  # fmt: skip
     for name, value in {**positive, **{f"length {n}": n for n in lengths}}.items():
         if value < 1:
             raise BenchSettingsError(f"{name} must be at least 1, got {value}", "pass a positive value")
     if sinks < 0:
         raise BenchSettingsError(f"sinks must be 0 or more, got {sinks}", "pass 0 for no sinks")
+    if heavy_keys < (1 if "vq_heavy" in kinds else 0):
+        raise BenchSettingsError(f"heavy_keys must be at least 1 for vq_heavy, got {heavy_keys}",
+                                 "pass the far keys kept exact per KV head; vq measures VQ without them") \
+            if "vq_heavy" in kinds else BenchSettingsError(f"heavy_keys must be 0 or more, got {heavy_keys}",
+                                                           "leave it out: only vq_heavy reads it")
     if heads % kv_heads:
         divisors = [g for g in range(1, heads + 1) if heads % g == 0]
         raise BenchSettingsError(f"heads={heads} is not a multiple of kv_heads={kv_heads}",
@@ -387,6 +398,8 @@ def check_plot_path(path: str | Path) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise BenchSettingsError(f"the folder of the plot {path} does not exist", "create it first, or pick another path")
+    if path.is_dir():
+        raise BenchSettingsError(f"the plot {path} is a folder", "name a file in it, e.g. plot.png")
     formats = FigureCanvasAgg.get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in formats:
         raise BenchSettingsError(f"cannot tell the image format of the plot {path} from its suffix",

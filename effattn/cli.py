@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +25,8 @@ from .errors import EffattnError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Attention surgery on pretrained LLMs: convert, measure, heal.")
-out = Console()
+# a table written to a file or a pipe keeps its columns (rich would cut it at 80); COLUMNS still rules where set
+out = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
 err = Console(stderr=True)
 DEBUG = False
 
@@ -309,7 +311,12 @@ def eval_(
                                attn_implementation=attn_implementation, device=device, dry_run=dry_run)
     if plot is not None:
         raise EffattnError("--plot draws the passkey/needle heatmap", "add --task passkey, or drop --plot")
-    corpora = tuple(c for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c)
+    corpora = tuple(dict.fromkeys(c.strip() for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c.strip()))
+    if not corpora:
+        raise EffattnError(f"--corpus {','.join(corpus or [])!r} names no corpus",
+                           "name a built-in corpus or a text file, e.g. --corpus shakespeare")
+    if batch_size < 1:
+        raise EffattnError(f"--batch-size must be at least 1, got {batch_size}", "use e.g. --batch-size 2")
     if context < 2:
         raise EffattnError(f"--context must be at least 2 tokens, got {context}", "use e.g. --context 512")
     if max_tokens < context:
@@ -361,12 +368,14 @@ def _print_eval_plan(plan, as_json: bool) -> None:
 
 
 def _number_list(text: str, option: str, kind=int) -> tuple:
+    example = f"e.g. {option} 2048,4096" if kind is int else f"e.g. {option} 0,0.5,1"
     try:
         values = tuple(kind(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise EffattnError(f"{option} {text!r} is not a comma-separated list of numbers",
-                           f"e.g. {option} 2048,4096" if kind is int else f"e.g. {option} 0,0.5,1") from None
-    return values
+        raise EffattnError(f"{option} {text!r} is not a comma-separated list of numbers", example) from None
+    if any(v != v or v in (float("inf"), float("-inf")) for v in values):
+        raise EffattnError(f"{option} {text!r} holds a value that is not a finite number", example)
+    return tuple(dict.fromkeys(values))  # each once, in the order given
 
 
 def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, filler, plot, dtype, tokenizer,

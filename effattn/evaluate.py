@@ -315,6 +315,18 @@ def check_vocabularies(mine: int | None, theirs: int | None) -> None:
                            "compare a converted model with the model it came from")
 
 
+def check_tokenizer_fits(tokenizer, ckpts, names) -> None:
+    """Refuse a tokenizer whose ids reach past a model's embedding (another model's tokenizer, `--tokenizer`):
+    the first such id would fail deep inside the forward. Its base vocabulary is compared: added tokens (a pad
+    token some tokenizers add past the embedding) do not turn up in text."""
+    size = tokenizer.vocab_size
+    for ckpt, name in zip(ckpts, names):
+        vocab = ckpt.config.get("vocab_size")
+        if vocab is not None and size > vocab:
+            raise EffattnError(f"the tokenizer has {size:,} tokens, more than {name}'s vocabulary of {vocab:,}",
+                               "tokenize with the tokenizer of the model it came from (--tokenizer)")
+
+
 def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=None, baseline_name: str = "baseline") -> EvalReport:
     """Evaluate loaded models. The tokenizer is the model's (the baseline must share the vocabulary)."""
     if baseline is not None:
@@ -516,6 +528,7 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
         ckpts.append(check_loadable(base_ref, trust_remote_code=trust_remote_code))
         check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))
     tok = load_tokenizer(tokenizer or ref, trust_remote_code=trust_remote_code)  # the one measured with
+    check_tokenizer_fits(tok, ckpts, [ref.display] + ([base_ref.display] if base_ref is not None else []))
     if settings.bos:
         prefix_token(tok)
     peak = check_eval_memory(ckpts[0], ckpts[1] if base_ref is not None else None, settings, dtype=dtype,

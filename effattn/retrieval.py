@@ -267,7 +267,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     (lengths beyond the trained context) and `say` the time and memory estimate. Everything is checked before
     any weights load (the checkpoints, the memory, every prompt built); `dry_run=True` returns that plan
     (EvalPlan) and loads no weights."""
-    from .evaluate import EvalPlan, load_cast_bytes
+    from .evaluate import EvalPlan, check_tokenizer_fits, check_vocabularies, load_cast_bytes
     from .families import beyond_positions
     from .io.load import as_ref, check_loadable, load_model, load_tokenizer, parse_dtype
     from .resources import check_device, check_memory, rss
@@ -277,6 +277,8 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     refs = [as_ref(m, trust_remote_code=trust_remote_code) for m in (model, baseline) if m is not None]
     ckpts = [check_loadable(r, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation if i == 0
                             else None) for i, r in enumerate(refs)]
+    if len(ckpts) == 2:  # the baseline reads MODEL's prompts
+        check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))
     notes = []
     for ref, ckpt in zip(refs, ckpts):
         note = beyond_positions(ckpt.config, settings.lengths, ref.display, f"--lengths up to {max(settings.lengths):,}")
@@ -298,6 +300,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                  device=device if cuda else None)
 
     tok = load_tokenizer(tokenizer or refs[0], trust_remote_code=trust_remote_code)
+    check_tokenizer_fits(tok, ckpts, [r.display for r in refs])
     prompts = PromptBuilder(tok, settings).prompts()  # a bad length or filler is refused before the model loads
     plan = EvalPlan(task=settings.task, model=refs[0].display, baseline=refs[1].display if baseline else None,
                     dtype=str(runs_in).removeprefix("torch."), device=device, est_peak_bytes=now + work,

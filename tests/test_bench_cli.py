@@ -86,6 +86,12 @@ def test_bench_sparse_patterns_report_their_density(capsys):
     (["--sinks", "-1"], ["sinks must be 0 or more"]),
     (["--device", "tpu"], ["--device 'tpu' is not a device effattn runs on", "pass --device cpu, cuda or cuda:N"]),
     (["--omp-wait-policy", "lazy"], ["omp_wait_policy must be 'active' or 'passive'"]),
+    (["--dtype", "int8"], ["Unknown dtype 'int8'", "float32, bfloat16 or float16"]),
+    (["--head-dim", "7"], ["head_dim must be even"]),
+    (["--threads", "0"], ["threads must be at least 1, got 0"]),
+    (["--heavy-keys", "-1"], ["heavy_keys must be 0 or more"]),
+    (["--attention", "vq_heavy", "--heavy-keys", "0"], ["heavy_keys must be at least 1 for vq_heavy"]),
+    (["--plot", "."], ["the plot . is a folder"]),
 ])
 def test_bench_bad_input_is_one_line(capsys, args, needles):
     for dry in ([], ["--dry-run"]):
@@ -150,3 +156,12 @@ def test_the_linear_kind_runs_in_segments_and_equals_the_reference():
         with_sinks, naive_sinks = (_layer(kind, spec, 4096 + 37, "cpu")() for kind in ("linear", "linear_naive"))
     torch.testing.assert_close(with_sinks, naive_sinks, rtol=1e-4, atol=1e-5)
     assert (with_sinks - chunked).abs().max() > 1e-3
+
+
+def test_bench_takes_evals_dtype_names_and_ignores_heavy_keys_without_vq_heavy(capsys):
+    code, out, err = run_cli(capsys, "bench", "--attention", "sdpa", "--lengths", "256", "--heads", "2",
+                             "--kv-heads", "1", "--head-dim", "16", "--dtype", "fp16", "--heavy-keys", "0",
+                             "--repeats", "1", "--threads", "1", "--json")
+    assert code in (0, None), err
+    report = json.loads(out)
+    assert report["settings"]["dtype"] == "float16", report["settings"]

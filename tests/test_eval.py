@@ -236,11 +236,23 @@ def test_the_eval_dry_run_refuses_what_the_run_refuses_before_loading(capsys, ti
         (["--corpus", str(corpus), "--baseline", tiny("llama", vocab_size=300)], "different vocabularies (258 vs 300)"),
         (["--task", "passkey", "--lengths", "300", "--filler", "nothing-here"], "nothing-here"),
         (["--task", "passkey", "--lengths", "300", "--attn-implementation", "flash"], "--attn-implementation 'flash'"),
+        (["--task", "passkey", "--lengths", "300", "--baseline", tiny("llama", vocab_size=300)],
+         "different vocabularies (258 vs 300)"),
+        (["--corpus", str(corpus), "--baseline", tiny("llama", vocab_size=200), "--tokenizer",
+          tiny("llama", vocab_size=200)], "different vocabularies (258 vs 200)"),
+        (["--corpus", ","], "--corpus ',' names no corpus"),
+        (["--corpus", str(corpus), "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+        (["--task", "passkey", "--lengths", "300", "--depths", "nan"], "--depths 'nan' holds a value that is not"),
     ]
     for args, needle in cases:
         code, out, err = run_cli(capsys, "eval", src, "--context", "64", "--no-speed", *args, *dry)
         assert_one_line_error(code, err, needle)
         assert code == 2 and not out
+    # a model smaller than its tokenizer (another model's, or a vocabulary cut short): ids past its embedding
+    for task in (["--corpus", str(corpus)], ["--task", "passkey", "--lengths", "300"]):
+        code, out, err = run_cli(capsys, "eval", tiny("llama", vocab_size=200), "--context", "64", "--no-speed", *task,
+                                 *dry)
+        assert_one_line_error(code, err, "the tokenizer has 258 tokens, more than", "vocabulary of 200")
     monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", "1MB")  # the memory check refuses too, naming the option that shrinks it
     code, out, err = run_cli(capsys, "eval", src, "--corpus", str(corpus), "--context", "64", "--no-speed", *dry)
     assert_one_line_error(code, err, "needs about", "--no-memory-check")
