@@ -110,11 +110,22 @@ def _conversion_flags(func, conversions: list[str]):
         defaults = sorted({repr(f.default) for _, f in uses if f.default is not None})
         where = ", ".join(n for n, _ in uses) if len(conversions) > 1 else ""
         tail = "; ".join(x for x in (where, f"default {', '.join(defaults)}" if defaults else "") if x)
-        help_ = f"{field.description}" + (f" [{tail}]" if tail else "")
+        meanings = {f.description for _, f in uses}
+        text = field.description if len(meanings) == 1 else \
+            "means something of its own in each conversion: `effattn convert --to NAME --help`"
+        help_ = escape(text + (f" ({tail})" if tail else ""))  # square brackets would be read as rich markup
         flags.append(_inspect.Parameter(key, _inspect.Parameter.KEYWORD_ONLY, annotation=Optional[kind],
                                         default=typer.Option(None, *decls, help=help_, show_default=False)))
     sig = _inspect.signature(func, eval_str=True)
     fixed = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    if "to" in sig.parameters:  # every conversion registered now, and the aliases
+        from .convert import ALIASES
+
+        names = list(CONVERSIONS) + [f"{a} (= {t}" + "".join(f" {flag(k)} {v}" for k, v in preset.items()) + ")"
+                                     for a, (t, preset) in ALIASES.items()]
+        to = typer.Option(..., "--to", help=escape("conversion: " + ", ".join(names) + "; `effattn convert --to NAME "
+                                                   "--help` lists NAME's options"))
+        fixed = [p.replace(default=to) if p.name == "to" else p for p in fixed]
 
     def command(**kwargs):
         return func(**kwargs)

@@ -508,3 +508,43 @@ def test_a_source_window_is_never_dropped_silently(tiny, tmp_path, to, options):
     # a window as long as the context is no window: converted as before
     convert(tiny("mistral", sliding_window=4096), tmp_path / "full", to=to, options=options, measure=False,
             dry_run=True)
+
+
+def test_convert_help_lists_every_conversion_and_where_each_flag_applies(capsys):
+    from effattn.convert import ALIASES, CONVERSIONS
+
+    code, out, _ = run_cli(capsys, "convert", "--help")
+    text = " ".join(out.replace("│", " ").split())
+    assert code in (0, None)
+    for name in [*CONVERSIONS, *ALIASES]:
+        assert f" {name}" in text, name
+    # the tails in brackets were read as rich markup and vanished
+    assert "(rerope, vq, swa, sparse, linear; default 256, 64)" in text
+    assert "means something of its own in each conversion" in text  # --window is not VQ's alone
+
+
+@pytest.mark.parametrize("factor,needle", [("inf", "--factor = inf: Input should be a finite number"),
+                                           ("1e300", "--factor must be a number <= 1024")])
+def test_a_non_finite_or_absurd_factor_is_refused(capsys, tiny, tmp_path, factor, needle):
+    code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "yarn", "--factor", factor, "-o", tmp_path / "o",
+                           "--no-eval")
+    assert_one_line_error(code, err, needle)
+    assert code == 2 and not (tmp_path / "o").exists()
+
+
+def test_dot_as_the_output_folder_and_a_sources_auto_map(capsys, tiny, tmp_path, monkeypatch):
+    """`-o . --force` wrote the model, then failed (exit 1) reading the replaced working directory, and its card
+    named a folder ''. A native output kept the source's auto_map without its code: transformers could not load it
+    with trust_remote_code."""
+    src = tiny("llama")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}))
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "old.txt").write_text("replaced")
+    monkeypatch.chdir(here)
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", ".", "--no-eval", "--force",
+                           "--trust-remote-code")
+    assert code in (0, None), err
+    assert not (here / "old.txt").exists() and "# here" in (here / "README.md").read_text()
+    assert "auto_map" not in json.loads((here / "config.json").read_text())

@@ -201,7 +201,7 @@ def convert(
         check_output(out, force=force, needed_bytes=plan.output_bytes, inputs=[ref.path])
     if dry_run:
         return ConvertResult(None, plan)
-    out = Path(out)
+    out = Path(out).expanduser().absolute()  # now: `-o .` names the folder the run replaces, cwd included
     peak = PeakRSS().__enter__()
     t0 = time.perf_counter()
     with atomic_output(out, force=force, needed_bytes=plan.output_bytes, inputs=[ref.path]) as tmp:
@@ -209,9 +209,12 @@ def convert(
         conversion.run(ckpt, family, plan, writer, progress)
         writer.close()
         # choices the run made from data (e.g. which heads stay exact) complete the planned config
-        write_json(tmp / "config.json", plan.config | plan.measured.get("config", {}))
-        copy_side_files(ckpt.side_files(), tmp)
         spec = model_spec(plan.config.get("model_type"))
+        config = plan.config | plan.measured.get("config", {})
+        if spec is None:  # a native output loads with transformers' own classes: the source's code is not copied
+            config.pop("auto_map", None)
+        write_json(tmp / "config.json", config)
+        copy_side_files(ckpt.side_files(), tmp)
         if spec is not None:  # effattn's own model class: its code goes beside the weights (trust_remote_code)
             spec.write_code(tmp)
         seconds = time.perf_counter() - t0

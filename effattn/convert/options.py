@@ -25,7 +25,7 @@ from ..errors import EffattnError, did_you_mean, one_of
 class ConversionOptions(BaseModel):
     """Base of every conversion's options: unknown keys are refused, values are frozen."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     def given(self) -> set[str]:
         """The options the user set (as opposed to defaults)."""
