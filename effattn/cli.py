@@ -71,7 +71,7 @@ def _kv_table(rows, title=None) -> Table:
 @app.command()
 def inspect(
     model: str = ModelArg,
-    context: Optional[int] = typer.Option(None, "--context", help="also show KV-cache bytes at this many tokens"),
+    context: Optional[int] = typer.Option(None, "--context", min=1, help="also show KV-cache bytes at this many tokens"),
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
     allow_pickle: bool = PickleOpt,
@@ -85,8 +85,8 @@ def inspect(
     rows = [(k, v) for k, v in info.items() if k not in ("conversions", "rope", "path")]
     rows.insert(1, ("path", info["path"]))
     rows.append(("rope", ", ".join(f"{k}={v}" for k, v in info["rope"].items())))
-    out.print(_kv_table([(k, f"{v:,}" if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-                         for k, v in rows], title=f"effattn inspect · {escape(str(info['model']))}"))
+    out.print(_kv_table([(k, f"{v:,}" if isinstance(v, (int, float)) and not isinstance(v, bool) else
+                          ("—" if v is None else v)) for k, v in rows], title=f"effattn inspect · {escape(str(info['model']))}"))
     out.print(_kv_table(list(info["conversions"].items()), title="conversions"))
 
 

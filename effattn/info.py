@@ -63,9 +63,14 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
                                     "from (see its effattn.json)"}
     elif model_spec(ckpt.config.get("model_type")):
         info["conversions"] = {"-": "an effattn model: convert the model it came from (see its effattn.json)"}
+        if window is None:  # VQ, linear attention: a cache that is not keys and values per token
+            info["kv_bytes_per_token"] = None
+            info["kv_cache"] = (f"not keys and values per token ({ckpt.config['model_type']}): its size is in the "
+                                "conversion's summary and model card; `effattn eval MODEL` measures it")
     if context:
         info["context"] = context
-        info["kv_bytes_at_context"] = cache_bytes_at(ckpt.config, dtype, context)
+        info["kv_bytes_at_context"] = None if info["kv_bytes_per_token"] is None else \
+            cache_bytes_at(ckpt.config, dtype, context)
     return info
 
 

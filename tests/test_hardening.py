@@ -548,3 +548,19 @@ def test_dot_as_the_output_folder_and_a_sources_auto_map(capsys, tiny, tmp_path,
     assert code in (0, None), err
     assert not (here / "old.txt").exists() and "# here" in (here / "README.md").read_text()
     assert "auto_map" not in json.loads((here / "config.json").read_text())
+
+
+def test_inspect_gives_no_per_token_cache_for_a_model_without_one(capsys, tiny, tmp_path):
+    """A VQ model's cache is codebooks and a window, not keys and values per token: inspect multiplied the
+    per-token formula out to 38 MB at 100,000 tokens for a tiny model whose cache stays ~100 KB."""
+    from effattn.convert import convert
+    from effattn.info import inspect_model
+
+    out = convert(tiny("llama"), tmp_path / "vq", to="vq", options={"window": 16, "codebook_size": 8,
+                                                                    "calib_tokens": 512, "calib_seq_len": 64},
+                  measure=False).out
+    info = inspect_model(str(out), context=100_000)
+    assert info["kv_bytes_per_token"] is None and info["kv_bytes_at_context"] is None
+    assert "not keys and values per token" in info["kv_cache"]
+    code, _, err = run_cli(capsys, "inspect", tiny("llama"), "--context", "-5")
+    assert code == 2 and "--context" in err and "greater than or equal to 1" in err
