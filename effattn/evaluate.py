@@ -523,9 +523,10 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
     cuda = check_device(device).startswith("cuda")
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     base_ref = as_ref(baseline, trust_remote_code=trust_remote_code) if baseline is not None else None
-    ckpts = [check_loadable(ref, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)]
+    ckpts = [check_loadable(ref, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
+                            dtype=dtype)]
     if base_ref is not None:
-        ckpts.append(check_loadable(base_ref, trust_remote_code=trust_remote_code))
+        ckpts.append(check_loadable(base_ref, trust_remote_code=trust_remote_code, dtype=dtype))
         check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))
     tok = load_tokenizer(tokenizer or ref, trust_remote_code=trust_remote_code)  # the one measured with
     check_tokenizer_fits(tok, ckpts, [ref.display] + ([base_ref.display] if base_ref is not None else []))

@@ -276,7 +276,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     cuda = check_device(device).startswith("cuda")
     refs = [as_ref(m, trust_remote_code=trust_remote_code) for m in (model, baseline) if m is not None]
     ckpts = [check_loadable(r, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation if i == 0
-                            else None) for i, r in enumerate(refs)]
+                            else None, dtype=dtype) for i, r in enumerate(refs)]
     if len(ckpts) == 2:  # the baseline reads MODEL's prompts
         check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))
     notes = []

@@ -57,6 +57,9 @@ def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
     from ..attention.mla import SCALED_MODULES, is_mla
 
     mla = is_mla(model)
+    if mla and train.precision == "fp16":
+        raise EffattnError("train.precision=fp16 on an MLA student: its latent projection holds values near 1e-9, "
+                           "below float16's range", "use train.precision=bf16 (float32's range) or fp32")
     if train.mla_latent == "scaled" and not mla:
         raise EffattnError("train.mla_latent=scaled applies to MLA students only, and this one is not",
                            "drop train.mla_latent (or convert the student --to mla)")
