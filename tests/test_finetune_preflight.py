@@ -42,6 +42,7 @@ REFUSED = {
     "mla-latent": (["train.mla_latent=scaled"], ["train.mla_latent=scaled applies to MLA students only"]),
     "mla-fp16": (["student.convert.to=mla", "student.convert.kv_size=16", "train.precision=fp16"],
                  ["train.precision=fp16 on an MLA student", "below float16's range"]),
+    "recipe-keys": (["student.convert.to=gqa"], ["student.convert.kv_heads is required for student.convert.to gqa"]),
     "betas": (["optimizer.betas=[0.9,1.5]"], ["optimizer.betas", "[0, 1)"]),
     "infinite-lr": (["optimizer.lr=.inf"], ["optimizer.lr = inf", "finite"]),
     "boolean-steps": (["train.max_steps=true"], ["train.max_steps = True", "not a boolean"]),

@@ -40,6 +40,20 @@ def recipe_key(prefix: str) -> Callable[[str], str]:
     return lambda key: f"{prefix}{key}"
 
 
+def in_recipe_terms(exc, prefix: str = "student.convert."):
+    """The EffattnError `exc` of a conversion (which names command-line flags: `--kv-heads is required for --to
+    gqa`) with each flag of a conversion option, and --to, named by its recipe key (`student.convert.kv_heads`)."""
+    from . import CONVERSIONS
+    from ..errors import EffattnError
+
+    keys = {flag(k): f"{prefix}{k}" for c in CONVERSIONS.values() for k in c.Options.model_fields} | {"--to": f"{prefix}to"}
+
+    def swap(text: str | None) -> str | None:
+        return None if text is None else re.sub(r"--[a-z][a-z0-9-]*", lambda m: keys.get(m.group(0), m.group(0)), text)
+
+    return EffattnError(swap(exc.what), swap(exc.fix))
+
+
 def resolve(to: str, values: dict[str, Any], *, name: Callable[[str], str] = flag, what: str = "--to"):
     """(conversion, its validated Options) for conversion name or alias `to` and the given values.
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..convert import convert, read_record
+from ..convert.options import in_recipe_terms
 from ..errors import EffattnError
 from ..io.checkpoint import Checkpoint, read_config
 from ..evaluate import prefix_token
@@ -72,8 +73,11 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         if tokenizer_missing(ref.path) is None:
             prefix_token(load_tokenizer(ref))
     if student.convert is not None:
-        plan = convert(student.model, None, to=student.convert.to, options=student.convert.options(), dry_run=True,
-                       measure=False, memory_check=memory_check).plan  # prepare_student converts without measuring
+        try:
+            plan = convert(student.model, None, to=student.convert.to, options=student.convert.options(), dry_run=True,
+                           measure=False, memory_check=memory_check).plan  # prepare_student converts without measuring
+        except EffattnError as exc:
+            raise in_recipe_terms(exc) from None
         config, conversion, record, path = plan.config, dict(plan.summary), None, None
     else:
         path = as_ref(student.model).path
