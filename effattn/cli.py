@@ -551,7 +551,7 @@ def recipes_ls(as_json: bool = JsonOpt):
 @recipes_app.command("cp")
 def recipes_cp(
     name: str = typer.Argument(..., help="built-in recipe name"),
-    file: Path = typer.Argument(..., help="destination file (or folder)"),
+    file: str = typer.Argument(..., help="destination file, or folder (an existing one, or one ending in /)"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing file"),
 ):
     """Copy built-in recipe NAME to FILE, to edit it."""

@@ -161,3 +161,16 @@ def test_bad_yaml_names_the_line(capsys, tmp_path):
     path.write_text("student:\n  model: x\ntrain: [unclosed\n")
     code, _, err = run_cli(capsys, "recipes", "validate", path)
     assert_one_line_error(code, err, "is not valid YAML at line")
+
+
+def test_recipes_cp_into_a_new_folder_and_onto_paths_it_cannot_write(capsys, tmp_path):
+    from tests.test_cli_errors import assert_one_line_error, run_cli
+
+    code, out, err = run_cli(capsys, "recipes", "cp", "heal-vq", f"{tmp_path}/new/sub/")
+    assert code in (0, None) and (tmp_path / "new" / "sub" / "heal-vq.yaml").is_file(), err
+    (tmp_path / "afile").write_text("x")
+    code, _, err = run_cli(capsys, "recipes", "cp", "heal-vq", tmp_path / "afile" / "x.yaml")
+    assert_one_line_error(code, err, "afile is a file, not a folder")
+    code, _, err = run_cli(capsys, "recipes", "cp", "heal-vq", "/proc/effattn-test/x.yaml")
+    assert_one_line_error(code, err, "cannot write /proc/effattn-test/x.yaml")
+    assert code == 2

@@ -32,11 +32,18 @@ def copy_recipe(name: str, dest: str | Path, *, force: bool = False) -> Path:
     recipes = builtin_recipes()
     if name not in recipes:
         raise EffattnError(f"unknown built-in recipe {name!r}", one_of(name, recipes))
+    folder = str(dest).endswith(("/", "\\"))  # `recipes cp heal-gqa recipes/`: a folder, made if need be
     dest = Path(dest).expanduser()
-    if dest.is_dir():
+    if dest.is_dir() or folder:
         dest = dest / f"{name}.yaml"
     if dest.exists() and not force:
         raise EffattnError(f"{dest} already exists", "pass --force to overwrite it, or choose another file")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(recipes[name], dest)
+    blocker = next((p for p in [dest.parent, *dest.parent.parents] if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise EffattnError(f"cannot write {dest}: {blocker} is a file, not a folder", "choose another path")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(recipes[name], dest)
+    except OSError as exc:
+        raise EffattnError(f"cannot write {dest} ({exc.strerror or exc})", "choose a path you can write to") from None
     return dest
