@@ -62,6 +62,9 @@ class BenchKind:
     build: Callable[[dict], Callable[[], torch.Tensor]]
     max_length: int | None = None  # longer lengths are refused (e.g. quadratic-memory references)
     score_copies: int = 0  # (heads, T, T) float32 tensors it holds at once (quadratic references); 0: none
+    # queries per chunk of a reference that scores a chunk of queries against every key at once (sparse_naive): it
+    # holds ~3 (heads, chunk, T) float32 tensors (scores, masked, softmax) and the mask's temporaries; 0: none
+    query_chunk: int = 0
 
 
 BENCH_KINDS: dict[str, BenchKind] = {}
@@ -205,7 +208,7 @@ for _kind in (
     BenchKind("sparse", "--pattern (longformer, bigbird, strided) on FlexAttention block masks, compiled",
               _pattern("sparse")),
     BenchKind("sparse_naive", "--pattern through the masked-softmax reference (queries in chunks of 1024)",
-              _pattern("sparse", naive=True)),
+              _pattern("sparse", naive=True), query_chunk=1024),
     BenchKind("swa", "a sliding window of --window keys (+ --sinks) on FlexAttention block masks, compiled",
               _pattern("swa")),
     BenchKind("linear", "LoLCATs hybrid: softmax over the last --window keys (+ --sinks) + linear attention beyond (--feature-map, "
@@ -453,7 +456,11 @@ def point_peak_bytes(kind: str, length: int, *, heads: int, kv_heads: int, head_
     itemsize = getattr(torch, dtype).itemsize
     inputs = length * ((heads + 2 * kv_heads) * head_dim * itemsize + 2 * head_dim * 4)
     scores = BENCH_KINDS[kind].score_copies * heads * length * length * 4
-    return POINT_BASE_BYTES + 4 * inputs + kv_heads * codebook_size * head_dim * itemsize + scores
+    # a chunk of queries against every key: 3 float32 score tensors and ~24 bytes of mask temporaries per pair;
+    # sparse_naive at 8,192 / 16,384 (9 heads) peaked at 1.47 / 2.54 GiB, estimated 0.52 / 0.66 GiB without this term
+    rows = min(BENCH_KINDS[kind].query_chunk, length)
+    chunk = rows * length * (3 * heads * 4 + 24)
+    return POINT_BASE_BYTES + 4 * inputs + kv_heads * codebook_size * head_dim * itemsize + scores + chunk
 
 
 def check_bench_memory(kinds, lengths, *, device: str = "cpu", **settings) -> None:

@@ -165,3 +165,14 @@ def test_bench_takes_evals_dtype_names_and_ignores_heavy_keys_without_vq_heavy(c
     assert code in (0, None), err
     report = json.loads(out)
     assert report["settings"]["dtype"] == "float16", report["settings"]
+
+
+def test_sparse_naive_is_priced_for_its_chunk_of_scores():
+    """The reference scores 1,024 queries against every key at once: priced at 0.52 GiB at 8,192 tokens it peaked
+    at 1.47 GiB; the chunk's three float32 score tensors and mask temporaries are now counted."""
+    from effattn.bench import point_peak_bytes
+
+    settings = dict(heads=9, kv_heads=3, head_dim=64, codebook_size=512)
+    for n in (512, 8192):
+        extra = point_peak_bytes("sparse_naive", n, **settings) - point_peak_bytes("sparse", n, **settings)
+        assert extra == min(1024, n) * n * (3 * 9 * 4 + 24)
