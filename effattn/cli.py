@@ -287,11 +287,15 @@ def eval_(
     memory_check: bool = MemoryCheckOpt,
     task: str = typer.Option("perplexity", "--task", help="perplexity (with agreement, KL, KV bytes, speed), or a "
                                                           "long-context retrieval grid: passkey, needle"),
-    lengths: str = typer.Option("2048,4096,8192", "--lengths", help="passkey/needle: prompt lengths in tokens"),
-    depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="passkey/needle: where the fact sits "
-                                                                      "(0 = start, 1 = just before the question)"),
-    samples: int = typer.Option(4, "--samples", help="passkey/needle: prompts per length and depth"),
-    seed: int = typer.Option(0, "--seed", help="passkey/needle: seed of keys and filler positions"),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="passkey/needle: prompt lengths in tokens "
+                                                                  "(default 2048,4096,8192)"),
+    depths: Optional[str] = typer.Option(None, "--depths", help="passkey/needle: where the fact sits (0 = start, "
+                                                                "1 = just before the question; default "
+                                                                "0,0.25,0.5,0.75,1)"),
+    samples: Optional[int] = typer.Option(None, "--samples", help="passkey/needle: prompts per length and depth "
+                                                                   "(default 4)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="passkey/needle: seed of keys and filler positions "
+                                                            "(default 0)"),
     filler: Optional[str] = typer.Option(None, "--filler", help="passkey/needle: what the fact hides in: repeat (the "
                                                                 "passkey papers' repeated sentences; passkey's "
                                                                 "default), a corpus or text file (needle: britannica)"),
@@ -316,12 +320,19 @@ def eval_(
         raise EffattnError("--bos applies to perplexity blocks", "drop --bos (passkey and needle prompts are "
                                                                  "built with the tokenizer's own special tokens)")
     if task != "perplexity":
-        return _eval_retrieval(model, baseline, task=task, lengths=lengths, depths=depths, samples=samples, seed=seed,
+        if corpus:
+            raise EffattnError(f"--corpus applies to perplexity; --task {task} reads its prompts' filler from --filler",
+                               "drop --corpus, or pass --filler FILE")
+        return _eval_retrieval(model, baseline, task=task, lengths=lengths or "2048,4096,8192",
+                               depths=depths or "0,0.25,0.5,0.75,1", samples=4 if samples is None else samples,
+                               seed=0 if seed is None else seed,
                                filler=filler, plot=plot, dtype=dtype, tokenizer=tokenizer, as_json=as_json,
                                trust_remote_code=trust_remote_code, memory_check=memory_check,
                                attn_implementation=attn_implementation, device=device, dry_run=dry_run)
-    if plot is not None:
-        raise EffattnError("--plot draws the passkey/needle heatmap", "add --task passkey, or drop --plot")
+    for flag, value in (("--plot", plot), ("--lengths", lengths), ("--depths", depths), ("--samples", samples),
+                        ("--seed", seed), ("--filler", filler)):
+        if value is not None:
+            raise EffattnError(f"{flag} applies to --task passkey and needle", f"add --task passkey, or drop {flag}")
     corpora = tuple(dict.fromkeys(c.strip() for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c.strip()))
     if not corpora:
         raise EffattnError(f"--corpus {','.join(corpus or [])!r} names no corpus",
@@ -352,7 +363,7 @@ def eval_(
                           warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
                           say=lambda line: err.print(escape(line), highlight=False))
     if as_json:
-        return _print_json(report.to_dict())
+        return _print_json(report.to_dict() | {"dtype": dtype, "device": device})
     out.print(eval_table(report))
 
 
@@ -421,7 +432,7 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
     if plot is not None:
         plot_heatmap(report, plot)
     if as_json:
-        return _print_json(report.to_dict())
+        return _print_json(report.to_dict() | {"dtype": dtype, "device": device})
     table = Table(title=f"effattn eval --task {task} · exact-match accuracy by depth (rows) and length (columns)"
                         + (f" · {escape(report.model)} (baseline {escape(report.baseline)})" if report.baseline else ""),
                   title_justify="left")

@@ -265,6 +265,7 @@ def test_the_eval_dry_run_states_what_the_run_reads_and_loads_no_weights(capsys,
     code, out, err = run_cli(capsys, *args)
     assert code in (0, None), err
     report = json.loads(out)
+    assert (report["dtype"], report["device"]) == ("float32", "cpu")  # what the numbers were measured in
     with monkeypatch.context() as patch:
         _no_weights(patch)
         code, out, err = run_cli(capsys, *args, "--dry-run")

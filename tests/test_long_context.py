@@ -127,7 +127,10 @@ def test_retrieval_cli_writes_the_grid_the_heatmap_and_the_baseline(capsys, tiny
     (["--task", "recall"], "unknown task 'recall'"),
     (["--task", "needle", "--filler", "nope.txt"], "nope.txt"),
     (["--task", "passkey", "--lengths", "300000000"], "use --lengths values of"),
-    (["--plot", "x.png"], "--plot draws the passkey/needle heatmap"),
+    (["--plot", "x.png"], "--plot applies to --task passkey and needle"),
+    (["--lengths", "512"], "--lengths applies to --task passkey and needle"),
+    (["--samples", "2"], "--samples applies to --task passkey and needle"),
+    (["--task", "passkey", "--corpus", "britannica"], "--corpus applies to perplexity"),
 ])
 def test_bad_retrieval_settings_are_refused_before_work(capsys, tiny, args, needle):
     code, _, err = run_cli(capsys, "eval", tiny("llama"), *args)
