@@ -43,7 +43,7 @@ MemoryCheckOpt = typer.Option(True, "--memory-check/--no-memory-check",
                                    "default), naming the option that shrinks it; --no-memory-check runs it anyway")
 DryRunOpt = typer.Option(False, "--dry-run", help="show what would be done; write nothing")
 MeasureOpt = typer.Option(None, "--eval/--no-eval", help="measure original vs converted for the card (default: models up to 3B)")
-EvalTokensOpt = typer.Option(4096, "--eval-tokens", help="tokens per corpus for that measurement")
+EvalTokensOpt = typer.Option(4096, "--eval-tokens", min=1, help="tokens per corpus for that measurement")
 ShardOpt = typer.Option("2GB", "--max-shard-size")
 
 

@@ -564,3 +564,24 @@ def test_inspect_gives_no_per_token_cache_for_a_model_without_one(capsys, tiny, 
     assert "not keys and values per token" in info["kv_cache"]
     code, _, err = run_cli(capsys, "inspect", tiny("llama"), "--context", "-5")
     assert code == 2 and "--context" in err and "greater than or equal to 1" in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--max-shard-size", "0"], "the size '0' is not positive"),
+    (["--max-shard-size", "lots"], "cannot read the size 'lots'"),
+    (["--eval-tokens", "0"], "--eval-tokens"),
+])
+def test_sizes_that_cannot_work_are_refused_by_the_dry_run_too(capsys, tiny, tmp_path, args, needle):
+    for dry in (["--dry-run"], []):
+        code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "mqa", "--method", "mean", "-o",
+                               tmp_path / "o", *args, *dry)
+        assert code == 2 and needle in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_output_path_that_is_a_file_is_refused_without_advising_force(capsys, tiny, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for force in ([], ["--force"]):
+        code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "mqa", "--method", "mean", "-o",
+                               tmp_path / "afile", *force)
+        assert_one_line_error(code, err, "exists and is not a folder", "choose another -o")

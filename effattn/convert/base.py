@@ -178,6 +178,7 @@ def convert(
     the machine can give is refused before any work (`memory_check=False` runs it anyway).
     """
     conversion, opts = resolve(to, dict(options or {}))
+    shard_bytes = parse_size(max_shard_size)  # a bad size is refused by the dry run too
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle, shapes_only=dry_run)  # a dry run plans from config.json alone too
     verify_checkpoint(ckpt)
@@ -205,7 +206,7 @@ def convert(
     peak = PeakRSS().__enter__()
     t0 = time.perf_counter()
     with atomic_output(out, force=force, needed_bytes=plan.output_bytes, inputs=[ref.path]) as tmp:
-        writer = SafetensorsWriter(tmp, plan.specs, parse_size(max_shard_size))
+        writer = SafetensorsWriter(tmp, plan.specs, shard_bytes)
         conversion.run(ckpt, family, plan, writer, progress)
         writer.close()
         # choices the run made from data (e.g. which heads stay exact) complete the planned config

@@ -67,7 +67,8 @@ class CalibSettings:
             if whole < used:
                 raise EffattnError(f"--calib-tokens {self.tokens:,} is more than {self.corpus!r} holds ({held:,} tokens, "
                                    f"{whole:,} in whole sequences of {self.seq_len})",
-                                   f"use --calib-tokens {whole} or less, or a longer --calib text")
+                                   f"use --calib-tokens {whole} or less, or a longer --calib text" if whole else
+                                   f"use a --calib text of at least {self.seq_len} tokens (one calibration sequence)")
         return replace(self, tokens=used, text_chars=len(text))
 
     def tokenize_bytes(self) -> int:

@@ -38,10 +38,10 @@ def check_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0,
         if out.resolve() == source.resolve() or source.resolve().is_relative_to(out.resolve()):
             raise EffattnError(f"-o {out} is (or holds) the input {source}: writing it would destroy the input",
                                "choose another output folder")
+    if out.exists() and not out.is_dir():  # --force replaces folders, never a file
+        raise EffattnError(f"output path {out} exists and is not a folder", "choose another -o")
     if out.exists() and not force:
         raise EffattnError(f"output folder {out} already exists", "pass --force to replace it, or choose another -o")
-    if out.exists() and not out.is_dir():
-        raise EffattnError(f"output path {out} exists and is not a folder", "choose another -o")
     parent = next((p for p in [out.parent, *out.parents] if p.exists()), None)
     if parent is not None:
         _check_writable(parent, out)
@@ -246,9 +246,12 @@ def parse_size(text: str | int) -> int:
     num = t.rstrip("KMGTIB")
     unit = t[len(num):]
     try:
-        return int(float(num) * units[unit])
-    except (ValueError, KeyError):
+        size = int(float(num) * units[unit])
+    except (ValueError, KeyError, OverflowError):
         raise EffattnError(f"cannot read the size {text!r}", "write it like 2GB, 500MB or 1.5GiB") from None
+    if size < 1:
+        raise EffattnError(f"the size {text!r} is not positive", "write it like 2GB, 500MB or 1.5GiB")
+    return size
 
 
 class SafetensorsWriter:
