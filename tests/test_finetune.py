@@ -353,6 +353,15 @@ def stop_after_checkpoint(monkeypatch, at_step: int):
     monkeypatch.setattr(loop, "save_checkpoint", save_then_stop)
 
 
+def stopped_run(heal, monkeypatch, at_step: int = 4, output: str = "run") -> Path:
+    """heal.root / output: the heal stopped just after its checkpoint at `at_step`, as a kill would leave it."""
+    stop_after_checkpoint(monkeypatch, at_step=at_step)
+    with pytest.raises(Stop):
+        finetune(heal(output=output))
+    monkeypatch.undo()
+    return heal.root / output
+
+
 MLA_STUDENT = ["student.convert.to=mla", "student.convert.kv_size=32", "student.convert.calib_tokens=1024",
                "student.convert.refine_steps=0", "train.mla_latent=scaled"]  # latent rows through a row-scale parametrization
 
@@ -375,11 +384,7 @@ def test_stopped_run_resumes_to_exactly_the_uninterrupted_result(heal, monkeypat
 
 
 def test_a_changed_recipe_needs_resume_or_force(heal, monkeypatch, capsys):
-    stop_after_checkpoint(monkeypatch, at_step=4)
-    with pytest.raises(Stop):
-        finetune(heal(output="run"))
-    monkeypatch.undo()
-    out = heal.root / "run"
+    out = stopped_run(heal, monkeypatch)
     code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "optimizer.lr=1e-3")
     assert_one_line_error(code, err, "holds a checkpoint (step 4) of a different recipe: optimizer.lr: 0.003 -> 0.001",
                           "--resume", "--force")
@@ -394,10 +399,7 @@ def test_a_changed_recipe_needs_resume_or_force(heal, monkeypatch, capsys):
 
 
 def test_resume_flag_continues_with_a_changed_recipe(heal, monkeypatch):
-    stop_after_checkpoint(monkeypatch, at_step=4)
-    with pytest.raises(Stop):
-        finetune(heal(output="run"))
-    monkeypatch.undo()
+    stopped_run(heal, monkeypatch)
     notes = []
     result = finetune(heal("train.max_steps=16", output="run"), resume=True, log=notes.append)
     assert result.resumed_from == 4 and result.steps == 16 and len(train_losses(heal.root / "run")) == 16

@@ -12,7 +12,7 @@ from effattn.errors import EffattnError
 from effattn.finetune import finetune, load_recipe
 
 from .test_cli_errors import assert_one_line_error, run_cli
-from .test_finetune import Stop, heal, stop_after_checkpoint  # noqa: F401 - heal is a fixture
+from .test_finetune import Stop, heal, stopped_run  # noqa: F401 - heal is a fixture
 
 
 def tree(folder):
@@ -158,11 +158,7 @@ def test_a_diverging_run_stops_with_the_step_and_the_learning_rate(heal):
 
 
 def test_a_resume_with_a_changed_recipe_is_recorded_in_the_record_and_the_card(heal, monkeypatch, capsys):
-    stop_after_checkpoint(monkeypatch, at_step=4)
-    with pytest.raises(Stop):
-        finetune(heal(output="run"))
-    monkeypatch.undo()
-    out = heal.root / "run"
+    out = stopped_run(heal, monkeypatch)
     code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "optimizer.lr=1e-3", "--resume")
     assert code == 0, err
     ft = json.loads((out / "effattn.json").read_text())["finetune"]
