@@ -386,12 +386,12 @@ def parse_lengths(text: str) -> list[int]:
     if bad or not items:
         raise BenchSettingsError(f"lengths {text!r} are not a comma-separated list of whole numbers"
                                  + (f" ({bad[0]!r})" if bad else ""), "pass e.g. 1024,4096,16384,32768")  # fmt: skip
-    return [int(item) for item in items]
+    return list(dict.fromkeys(int(item) for item in items))  # each once, in the order given
 
 
 def parse_kinds(text: str) -> list[str]:
     """``"sdpa, vq"`` -> ``["sdpa", "vq"]`` (checked by ``bench_attention``)."""
-    return [item.strip() for item in text.split(",") if item.strip()]
+    return list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))  # each once
 
 
 def check_plot_path(path: str | Path) -> Path:

@@ -176,3 +176,9 @@ def test_sparse_naive_is_priced_for_its_chunk_of_scores():
     for n in (512, 8192):
         extra = point_peak_bytes("sparse_naive", n, **settings) - point_peak_bytes("sparse", n, **settings)
         assert extra == min(1024, n) * n * (3 * 9 * 4 + 24)
+
+
+def test_a_kind_or_length_given_twice_is_measured_once():
+    from effattn.bench import parse_kinds, parse_lengths
+
+    assert parse_lengths("4096,1024,4096") == [4096, 1024] and parse_kinds("sdpa, vq,sdpa") == ["sdpa", "vq"]

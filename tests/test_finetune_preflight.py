@@ -185,3 +185,9 @@ def test_the_card_states_the_held_out_tokens_read_not_the_ones_asked_for(heal):
 
 def test_load_recipe_keeps_the_file_it_read(heal):
     assert load_recipe(heal.recipe_file)._source == heal.recipe_file.resolve()
+
+
+def test_a_run_without_held_out_corpora_logs_no_empty_evaluations(heal):
+    notes = []
+    result = finetune(heal("eval.corpora=[]", "train.max_steps=4", output="noeval"), log=notes.append)
+    assert result.final_eval == {} and not any(n.startswith("eval @ step") for n in notes)

@@ -445,7 +445,8 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
         result = evaluate_student(accelerator.unwrap_model(model), held_out, recipe.eval.batch_size,
                                   accelerator.autocast)
         kill_point("eval", step)
-        say(_eval_line(step, result))
+        if result:  # eval.corpora: [] evaluates nothing
+            say(_eval_line(step, result))
         return result
 
     metrics = MetricsLog(run.metrics)
