@@ -125,6 +125,8 @@ def test_dry_run_states_the_cache_saving(tiny, capsys):
     (["--window", "8", "--full-layer-ids", "a"], "not a comma-separated list"),
     (["--window", "8", "--full-layers", "2"], "leaves no windowed layer"),
     (["--window", "8", "--calib-tokens", "4096"], "not asked for"),
+    (["--window", "8", "--full-layers", "1", "--calib-tokens", "512"],
+     "--calib-tokens 512 is less than one ranking sequence of 1,024 tokens"),
 ])
 def test_bad_options_are_refused_in_one_line(tiny, tmp_path, capsys, args, needle):
     out = tmp_path / "out"

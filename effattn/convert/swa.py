@@ -84,7 +84,7 @@ def parse_layer_ids(text: str, layers: int) -> list[int]:
         ids = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
         raise EffattnError(f"--full-layer-ids {text!r} is not a comma-separated list of layer indices",
-                           f"e.g. --full-layer-ids 0,{layers // 2},{layers - 1}") from None
+                           "e.g. --full-layer-ids " + ",".join(map(str, sorted({0, layers // 2, layers - 1})))) from None
     if not ids or ids[0] < 0 or ids[-1] >= layers:
         raise EffattnError(f"--full-layer-ids {text!r} names layers outside 0..{layers - 1}",
                            f"this model has {layers} layers, numbered 0 to {layers - 1}")
@@ -203,7 +203,11 @@ class SWAConversion:
         est_seconds, est_peak = read_time(ckpt), streaming_bytes(ckpt, family)
         if ranking:
             seq_len = min(max(4 * opts.window, 1024), trained)
-            calib = CalibSettings(corpus=opts.calib, tokens=max(opts.calib_tokens, seq_len), seq_len=seq_len,
+            if opts.calib_tokens < seq_len:  # the ranking reads whole sequences: it would take more than asked
+                raise EffattnError(f"--calib-tokens {opts.calib_tokens:,} is less than one ranking sequence of "
+                                   f"{seq_len:,} tokens (4 x --window, at least 1,024, at most the trained length)",
+                                   f"use --calib-tokens {seq_len} or more")
+            calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens, seq_len=seq_len,
                                   batch_size=1).validate(ckpt.folder)
             state["calib"] = calib
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len}
