@@ -71,7 +71,8 @@ def _kv_table(rows, title=None) -> Table:
 @app.command()
 def inspect(
     model: str = ModelArg,
-    context: Optional[int] = typer.Option(None, "--context", min=1, help="also show KV-cache bytes at this many tokens"),
+    context: Optional[int] = typer.Option(None, "--context", min=1,
+                                          help="also show KV-cache bytes at this many tokens"),
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
     allow_pickle: bool = PickleOpt,
@@ -85,8 +86,9 @@ def inspect(
     rows = [(k, v) for k, v in info.items() if k not in ("conversions", "rope", "path")]
     rows.insert(1, ("path", info["path"]))
     rows.append(("rope", ", ".join(f"{k}={v}" for k, v in info["rope"].items())))
-    out.print(_kv_table([(k, f"{v:,}" if isinstance(v, (int, float)) and not isinstance(v, bool) else
-                          ("—" if v is None else v)) for k, v in rows], title=f"effattn inspect · {escape(str(info['model']))}"))
+    shown = [(k, f"{v:,}" if isinstance(v, (int, float)) and not isinstance(v, bool) else ("—" if v is None else v))
+             for k, v in rows]
+    out.print(_kv_table(shown, title=f"effattn inspect · {escape(str(info['model']))}"))
     out.print(_kv_table(list(info["conversions"].items()), title="conversions"))
 
 
@@ -587,7 +589,8 @@ def recipes_validate(recipe: str = RecipeArg, overrides: Optional[list[str]] = O
 def finetune(
     recipe: str = RecipeArg,
     overrides: Optional[list[str]] = OverridesArg,
-    output: Optional[str] = typer.Option(None, "-o", "--output", help="output folder (overrides `output:` in the recipe)"),
+    output: Optional[str] = typer.Option(None, "-o", "--output",
+                                         help="output folder (overrides `output:` in the recipe)"),
     resume: bool = typer.Option(False, "--resume", help="continue from OUT's last checkpoint, even with a changed recipe"),
     force: bool = typer.Option(False, "--force", help="start over, replacing OUT"),
     dry_run: bool = typer.Option(False, "--dry-run", help="show the resolved run, sizes and estimates; train nothing"),

@@ -52,7 +52,8 @@ class ModelSpec:
             for line in text.splitlines():
                 if line.startswith(("from effattn", "import effattn", "from ..", "from __future__")):
                     # the names come from the bundled modules themselves; a renamed one keeps its new name
-                    aliases += [f"{new} = {old}" for old, new in re.findall(r"(\w+) as (\w+)", line.split(" import ")[-1])]
+                    renamed = re.findall(r"(\w+) as (\w+)", line.split(" import ")[-1])
+                    aliases += [f"{new} = {old}" for old, new in renamed]
                     continue
                 if line.startswith(("import ", "from ")):
                     if line not in imports:

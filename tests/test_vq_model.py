@@ -567,3 +567,22 @@ def test_training_leaves_the_exact_heads_codebooks_alone(tiny, tmp_path, calib_f
     assert torch.equal(attn0.codebook[1], before0[1]) and torch.equal(attn1.codebook, before1)
     assert (attn0.codebook[[0, 2]] - before0[[0, 2]]).abs().max() > 0
     assert attn1.k_proj.weight.grad.abs().sum() > 0  # exact heads still learn through their exact keys
+
+
+@pytest.mark.parametrize("heavy", [192, 0], ids=["heavy-hitters", "plain"])
+def test_the_planned_cache_is_the_cache_the_model_holds(tiny, tmp_path, heavy):
+    """The plan's "bytes per sequence" counted the window's keys and values and the per-code sums only: 107,328 and
+    9,024 bytes for a cache of 142,008 and 11,664 (the codes, scores and positions, the rotated keys, the RoPE
+    rows). Now every tensor of the state, at its largest (the far keys just before a cut): equal to the byte."""
+    import re
+
+    from effattn.convert import convert
+
+    options = {"window": 16, "codebook_size": 8, "calib_tokens": 512, "calib_seq_len": 64, "heavy_keys": heavy}
+    result = convert(tiny("llama"), tmp_path / "vq", to="vq", options=options, measure=False)
+    planned = int(re.search(r"VQ ([\d,]+) bytes per sequence", dict(result.plan.summary)["KV cache"])[1]
+                  .replace(",", ""))
+    model = AutoModelForCausalLM.from_pretrained(result.out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(0, 256, (1, 2048)), use_cache=True).past_key_values  # as the card
+    assert cache.nbytes() == planned

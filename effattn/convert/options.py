@@ -46,7 +46,8 @@ def in_recipe_terms(exc, prefix: str = "student.convert."):
     from . import CONVERSIONS
     from ..errors import EffattnError
 
-    keys = {flag(k): f"{prefix}{k}" for c in CONVERSIONS.values() for k in c.Options.model_fields} | {"--to": f"{prefix}to"}
+    keys = {flag(k): f"{prefix}{k}" for c in CONVERSIONS.values() for k in c.Options.model_fields}
+    keys["--to"] = f"{prefix}to"
 
     def swap(text: str | None) -> str | None:
         return None if text is None else re.sub(r"--[a-z][a-z0-9-]*", lambda m: keys.get(m.group(0), m.group(0)), text)

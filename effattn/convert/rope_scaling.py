@@ -46,7 +46,8 @@ TYPE_OPTIONS = {"beta_fast": "yarn", "beta_slow": "yarn", "attention_factor": ("
 class RopeScalingOptions(ConversionOptions):
     rope_type: RopeType | None = Field(None, description="how positions are rescaled: linear, dynamic (NTK), yarn, "
                                                          "llama3, longrope (required)")
-    factor: float | None = Field(None, gt=1, le=1024, description="context extension: the new length is the trained length "
+    factor: float | None = Field(None, gt=1, le=1024,
+                                 description="context extension: the new length is the trained length "
                                                          "times this (required)")
     original_length: int | None = Field(None, ge=1, description="the trained length (default: the model's "
                                                                "max_position_embeddings, or the original_max_position_"

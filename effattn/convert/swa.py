@@ -84,7 +84,8 @@ def parse_layer_ids(text: str, layers: int) -> list[int]:
         ids = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
         raise EffattnError(f"--full-layer-ids {text!r} is not a comma-separated list of layer indices",
-                           "e.g. --full-layer-ids " + ",".join(map(str, sorted({0, layers // 2, layers - 1})))) from None
+                           "e.g. --full-layer-ids " + ",".join(map(str, sorted({0, layers // 2, layers - 1})))
+                           ) from None
     if not ids or ids[0] < 0 or ids[-1] >= layers:
         raise EffattnError(f"--full-layer-ids {text!r} names layers outside 0..{layers - 1}",
                            f"this model has {layers} layers, numbered 0 to {layers - 1}")

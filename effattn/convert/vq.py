@@ -303,17 +303,24 @@ class VQConversion(_ReRoPEBase):
             raise EffattnError(f"--codebook-size {size:,} is more than the {keys:,} calibration keys per KV head that "
                                f"k-means fits it on ({calib.tokens:,} --calib-tokens" + (f", less {sinks} sinks a sequence)" if sinks else ")"),
                                f"use --codebook-size {keys} or less, or --calib-tokens {need} or more")
-        # the cache after T tokens: the window's K/V and the sinks (exact), plus per code a count and a value sum
-        # (and a key sum with key means; exact heads keep no per-code statistics: their older keys are in
-        # exact_bytes below)
+        # the cache after T tokens, every tensor the state holds (float32 statistics, int64 codes and positions),
+        # per quantized KV head: the window's W - 1 keys and values with their codes, the sinks, and per code a
+        # count and a value sum (and a key sum with key means); exact heads' keys are in exact_bytes below.
+        # With heavy hitters (HeavyState) the window's keys are kept rotated too, with the attention each received,
+        # and up to B + block size far keys (E just before a cut) with their values, codes, scores and positions;
+        # without, each layer keeps the window's RoPE rows (VQState). The tiny model of tests/test_vq_model.py
+        # measures these to the byte (142,008 and 11,664 bytes, with and without heavy hitters).
         key_means = c.config["vq_key_means"]
-        per_code = shape.head_dim * (2 if key_means else 1) + 1
-        # heavy hitters: up to B + block size far keys and values per quantized KV head (E just before a cut)
+        D, per_code = shape.head_dim, shape.head_dim * (2 if key_means else 1) + 1
         heavy = c.config["vq_heavy_keys"]
-        exact_far = heavy + c.block if heavy else 0
-        state_bytes = (shape.layers * shape.kv_heads * (window - 1 + sinks) * 2 * shape.head_dim * 4
-                       + (shape.layers * shape.kv_heads - exact_heads) * exact_far * 2 * shape.head_dim * 4
-                       + (shape.layers * shape.kv_heads - exact_heads) * size * per_code * 4)
+        quantized = shape.layers * shape.kv_heads - exact_heads
+        if heavy:
+            per_head = (window - 1) * (3 * D * 4 + 8 + 4) + (heavy + c.block) * (2 * D * 4 + 8 + 4 + 8)
+            rope_rows = 0
+        else:
+            per_head = (window - 1) * (2 * D * 4 + 8) + sinks * 2 * D * 4
+            rope_rows = shape.layers * (window - 1) * 2 * D * 4
+        state_bytes = quantized * (per_head + size * per_code * 4) + rope_rows
         exact_bytes = exact_heads * 2 * shape.head_dim * (c.target or ckpt.dtype).itemsize  # per token, growing
         # per layer: keys and far-attention statistics (an attention pass), Lloyd's k-means (15 rounds of
         # assigning every key to a codeword and averaging), the layer's VQ forward to propagate the
@@ -362,7 +369,7 @@ class VQConversion(_ReRoPEBase):
             state={"shape": shape, "target": c.target, "size": size, "calib": calib, "metric": metric,
                    "kmeans": method, "seed": opts.seed, "exact_heads": exact_heads, "refine": refine,
                    # a query reads its window's keys, the sinks and one summary per code
-                   "attention_span": lambda context: window + sinks + exact_far + size},
+                   "attention_span": lambda context: window + sinks + (heavy + c.block if heavy else 0) + size},
         )
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:

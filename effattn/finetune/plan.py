@@ -198,7 +198,8 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     }
 
 
-def check_configs(recipe: Recipe, student: dict[str, Any], teacher: dict[str, Any] | None, teacher_spec: str | None) -> None:
+def check_configs(recipe: Recipe, student: dict[str, Any], teacher: dict[str, Any] | None,
+                  teacher_spec: str | None) -> None:
     """What the student's and the teacher's configs rule out: another vocabulary, blocks past the student's
     positions."""
     if teacher is not None and teacher.get("vocab_size") != student.get("vocab_size"):
@@ -210,7 +211,8 @@ def check_configs(recipe: Recipe, student: dict[str, Any], teacher: dict[str, An
     if limit and reach > limit:
         key = "data.positions" if recipe.data.positions >= recipe.data.seq_len else "data.seq_len"
         raise EffattnError(f"{key} ({reach:,}) is past the student's {limit:,} positions (max_position_embeddings)",
-                           f"set {key}={limit} or less, or convert with RoPE scaling first (student.convert.to: rope-scaling)")
+                           f"set {key}={limit} or less, or convert with RoPE scaling first "
+                           "(student.convert.to: rope-scaling)")
 
 
 def _num_params(folder) -> int:

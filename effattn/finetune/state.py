@@ -112,7 +112,8 @@ def decide_start(run: RunFolder, recipe: dict[str, Any], *, resume: bool, force:
                                + (", which has no checkpoint left to resume" if resume else ""),
                                "pass --force to run again, or choose another -o")
         if resume:
-            raise EffattnError(f"--resume: {out} holds no complete checkpoint", "drop --resume to start from the beginning")
+            raise EffattnError(f"--resume: {out} holds no complete checkpoint",
+                               "drop --resume to start from the beginning")
         if run.started():  # an earlier run of ours, killed before its first checkpoint
             return Start(None, True, [f"no checkpoint in {out} yet; starting from the beginning"])
         if any(out.iterdir()):

@@ -78,7 +78,8 @@ def check_loadable(model: str | Path | ModelRef, *, trust_remote_code: bool = Fa
         if attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise EffattnError(f"--attn-implementation {attn_implementation!r} is not one effattn runs",
                                f"one of {', '.join(ATTN_IMPLEMENTATIONS)}")
-    if parse_dtype(dtype) == torch.float16 and ckpt.config.get("kv_lora_rank") and (ref.path / "effattn.json").is_file():
+    mla_from_effattn = ckpt.config.get("kv_lora_rank") and (ref.path / "effattn.json").is_file()
+    if parse_dtype(dtype) == torch.float16 and mla_from_effattn:
         # effattn's MLA keeps the latent rows of kv_a_proj_with_mqa at ~1e-9 (the latent norm stays linear,
         # attention/mla.py): below float16's smallest number (6e-8), they would round to 0. A tiny MLA model
         # measured 3,012 perplexity in float16 against 3,370 in float32 and 3,367 in bfloat16.
