@@ -515,7 +515,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
             raise EffattnError(f"the training loss is {loss} at step {step}: the training diverged",
                                f"lower optimizer.lr (now {recipe.optimizer.lr:g})"
                                + (" or set train.max_grad_norm" if recipe.train.max_grad_norm is None else "")
-                               + " and start over with --force (the last checkpoint holds the weights that gave it)")
+                               + " and start over with --force (the checkpoints may hold weights already diverging)")
         dt = time.perf_counter() - t0
         seconds += dt
         session_tokens += step_tokens
