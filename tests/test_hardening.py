@@ -585,3 +585,13 @@ def test_an_output_path_that_is_a_file_is_refused_without_advising_force(capsys,
         code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "mqa", "--method", "mean", "-o",
                                tmp_path / "afile", *force)
         assert_one_line_error(code, err, "exists and is not a folder", "choose another -o")
+
+
+def test_a_dry_run_on_a_config_alone_says_the_run_needs_the_weights(capsys, tiny, tmp_path):
+    src = tiny("llama")
+    (src / "model.safetensors").unlink()
+    code, out, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "o",
+                             "--dry-run")
+    assert code in (0, None) and "planned from config.json alone; the run needs them" in " ".join(out.split()), err
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "o")
+    assert code == 2 and "no weights" in err

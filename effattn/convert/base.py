@@ -201,6 +201,8 @@ def convert(
     if out is not None:  # a dry run refuses what the run would
         check_output(out, force=force, needed_bytes=plan.output_bytes, inputs=[ref.path])
     if dry_run:
+        if not ckpt.has_weights:  # a plan for another machine: say so, since the run here would refuse
+            plan.summary.append(("weights", f"none in {ref.path}: planned from config.json alone; the run needs them"))
         return ConvertResult(None, plan)
     out = Path(out).expanduser().absolute()  # now: `-o .` names the folder the run replaces, cwd included
     peak = PeakRSS().__enter__()
