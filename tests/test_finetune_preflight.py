@@ -191,3 +191,35 @@ def test_a_run_without_held_out_corpora_logs_no_empty_evaluations(heal):
     notes = []
     result = finetune(heal("eval.corpora=[]", "train.max_steps=4", output="noeval"), log=notes.append)
     assert result.final_eval == {} and not any(n.startswith("eval @ step") for n in notes)
+
+
+def test_a_failed_force_run_gives_the_replaced_folder_back(heal, monkeypatch):
+    """--force deleted OUT before converting: a run that then failed (a bad value found mid-run, a full disk) left
+    the user without the model OUT held. The folder is kept beside OUT until the new model is written; an error
+    puts it back, an interrupt keeps it for the run that finishes."""
+    from effattn.finetune.state import RunFolder
+
+    out = finetune(heal("train.max_steps=2", "eval.every=0", output="model")).out
+    before = (out / "model.safetensors").read_bytes()
+    replaced = RunFolder(out).replaced
+
+    def fails(*args, **kwargs):
+        raise EffattnError("a failure mid-run")
+
+    monkeypatch.setattr(loop, "held_out_sets", fails)  # after the student's conversion, inside OUT
+    notes = []
+    with pytest.raises(EffattnError, match="a failure mid-run"):
+        finetune(heal("train.max_steps=3", "eval.every=0", output="model"), force=True, log=notes.append)
+    assert (out / "model.safetensors").read_bytes() == before and not replaced.exists()
+    assert any("holds the folder --force was replacing again" in n for n in notes)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "held_out_sets", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(heal("train.max_steps=3", "eval.every=0", output="model"), force=True)
+    assert (replaced / "model.safetensors").read_bytes() == before and (out / ".effattn-finetune").is_file()
+    monkeypatch.undo()
+    result = finetune(heal("train.max_steps=3", "eval.every=0", output="model"))  # the interrupted run, finished
+    assert result.steps == 3 and not replaced.exists()

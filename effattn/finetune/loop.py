@@ -269,9 +269,20 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     log:      receives one-line messages (resuming, evaluations, ...). Main process only.
     memory_check: refuse a run whose estimated memory per process exceeds the device's (plan_finetune).
     """
-    with deterministic_algorithms(recipe.train.deterministic):
-        result = _finetune(recipe, resume=resume, force=force, progress=progress, log=log, command=command,
-                           memory_check=memory_check)
+    aside: dict[str, Path] = {}  # the folder --force moved aside in this call (main process)
+    try:
+        with deterministic_algorithms(recipe.train.deterministic):
+            result = _finetune(recipe, resume=resume, force=force, progress=progress, log=log, command=command,
+                               memory_check=memory_check, aside=aside)
+    except Exception:  # an error, not an interrupt (which keeps the new run to resume): the old folder comes back
+        if (moved := aside.get("replaced")) is not None and moved.is_dir():
+            shutil.rmtree(aside["out"], ignore_errors=True)
+            moved.rename(aside["out"])
+            if log is not None:
+                log(f"the run failed: {aside['out']} holds the folder --force was replacing again")
+        raise
+    if result.out is not None:  # the main process, the model written: the replaced folder goes
+        shutil.rmtree(RunFolder(result.out).replaced, ignore_errors=True)
     release_process_group_at_exit()
     return result
 
@@ -338,7 +349,7 @@ def exit_without_finalizing(code: int) -> None:
 
 
 def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Callable[[str], None] | None,
-              command: str | None, memory_check: bool = True) -> FinetuneResult:
+              command: str | None, memory_check: bool = True, aside: dict[str, Path] | None = None) -> FinetuneResult:
     from .plan import plan_finetune
     from .preflight import check_run
 
@@ -362,7 +373,12 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     start = decide_start(run, recipe_dict, resume=resume, force=force)
     procs.wait_for_everyone()
     if main:
-        if start.wipe:
+        if start.wipe and force and not run.started():  # the folder --force replaces: kept aside until the end
+            shutil.rmtree(run.replaced, ignore_errors=True)
+            run.out.rename(run.replaced)
+            if aside is not None:
+                aside.update(out=run.out, replaced=run.replaced)
+        elif start.wipe:  # a run of ours that never reached a checkpoint (or a --force restart of one)
             shutil.rmtree(run.out)
         run.out.mkdir(parents=True, exist_ok=True)
         run.clean_partial()

@@ -43,6 +43,9 @@ class RunFolder:
         self.student_request = self.out / "student.json"
         self.curves = self.out / "curves.png"
         self.marker = self.out / RUN_MARKER
+        # --force keeps the folder it replaces here, beside OUT, until the run has written its model (then it goes) or
+        # has failed with an error (then it comes back); an interrupted run leaves it for the next one to finish
+        self.replaced = self.out.with_name(f".{self.out.name}.replaced-by-effattn")
 
     def started(self) -> bool:
         """OUT is a run of ours that has not finished (its marker, written before anything else)."""
