@@ -621,7 +621,7 @@ def finetune(
     if dry_run:
         from .finetune.preflight import check_run
 
-        start = check_run(resolved, resume=resume, force=force)  # what the run checks before it touches OUT
+        start = check_run(resolved, resume=resume, force=force, dry_run=True)  # the run's checks, before OUT
         plan = plan_finetune(resolved, processes, memory_check=memory_check, device_memory=budget)
         plan["start"] = _start_phrase(start)
         if as_json:
@@ -672,7 +672,7 @@ def _start_phrase(start) -> str:
 
 def _plan_rows(plan) -> list[tuple[str, str]]:
     student, teacher, mem, est = plan["student"], plan["teacher"], plan["memory_bytes_per_process"], plan["est_seconds"]
-    rows = [("output", f"{plan['recipe']['output']} ({plan['start']})")] if plan.get("start") else []
+    rows = [("output", f"{plan['recipe']['output'] or '-'} ({plan['start']})")] if plan.get("start") else []
     rows += [("student", student["model"])]
     rows += [(f"  {k}", v) for k, v in (student["conversion"] or {}).items()]
     rows += [

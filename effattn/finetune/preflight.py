@@ -25,22 +25,26 @@ from .state import RunFolder, Start, decide_start
 
 
 def check_run(recipe: Recipe, *, resume: bool = False, force: bool = False,
-              texts: dict[str, list[str]] | None = None, tokenizer=None) -> Start:
-    """Refuse what the run would refuse later; return where it would start (read-only: nothing is written).
+              texts: dict[str, list[str]] | None = None, tokenizer=None, dry_run: bool = False) -> Start:
+    """Refuse what the run would refuse later; return where it would start (read-only: nothing is written;
+    `dry_run`: a recipe without an output folder is planned, not refused).
     texts: the training sources already read (source -> documents); read here when not given (hub datasets
     then go unchecked for length: reading them means downloading them). tokenizer: the student's, for the
     length checks (loaded here from the student's model when it has one)."""
     if resume and force:
         raise EffattnError("--resume and --force contradict each other (--resume continues OUT's checkpoint, "
                            "--force deletes it)", "pass one of them")
-    if recipe.output is None:
+    if recipe.output is None and not dry_run:  # a dry run may plan a recipe before its output is chosen
         raise EffattnError("the recipe has no output folder", "pass -o OUT, or set output: in the recipe")
-    run = RunFolder(recipe.output)
-    check_inputs_outside(run.out, recipe)
     for source in recipe.data.sources:
         check_source(source)
     check_disjoint(recipe.data.sources, recipe.eval.corpora)
-    start = decide_start(run, recipe.to_dict(), resume=resume, force=force)
+    if recipe.output is None:
+        start = Start(None, False, ["no output folder yet: the run needs -o OUT (or output: in the recipe)"])
+    else:
+        run = RunFolder(recipe.output)
+        check_inputs_outside(run.out, recipe)
+        start = decide_start(run, recipe.to_dict(), resume=resume, force=force)
     if tokenizer is None:
         tokenizer = student_tokenizer(recipe)
     if tokenizer is not None:
