@@ -348,11 +348,11 @@ def check_settings(
             raise BenchSettingsError(f"{name} must be at least 1, got {value}", "pass a positive value")
     if sinks < 0:
         raise BenchSettingsError(f"sinks must be 0 or more, got {sinks}", "pass 0 for no sinks")
-    if heavy_keys < (1 if "vq_heavy" in kinds else 0):
+    if "vq_heavy" in kinds and heavy_keys < 1:
         raise BenchSettingsError(f"heavy_keys must be at least 1 for vq_heavy, got {heavy_keys}",
-                                 "pass the far keys kept exact per KV head; vq measures VQ without them") \
-            if "vq_heavy" in kinds else BenchSettingsError(f"heavy_keys must be 0 or more, got {heavy_keys}",
-                                                           "leave it out: only vq_heavy reads it")
+                                 "pass the far keys kept exact per KV head; vq measures VQ without them")
+    if heavy_keys < 0:
+        raise BenchSettingsError(f"heavy_keys must be 0 or more, got {heavy_keys}", "leave it out: only vq_heavy reads it")
     if heads % kv_heads:
         divisors = [g for g in range(1, heads + 1) if heads % g == 0]
         raise BenchSettingsError(f"heads={heads} is not a multiple of kv_heads={kv_heads}",
