@@ -43,7 +43,7 @@ MemoryCheckOpt = typer.Option(True, "--memory-check/--no-memory-check",
                                    "default), naming the option that shrinks it; --no-memory-check runs it anyway")
 DryRunOpt = typer.Option(False, "--dry-run", help="show what would be done; write nothing")
 MeasureOpt = typer.Option(None, "--eval/--no-eval", help="measure original vs converted for the card (default: models up to 3B)")
-EvalTokensOpt = typer.Option(4096, "--eval-tokens", min=1, help="tokens per corpus for that measurement")
+EvalTokensOpt = typer.Option(None, "--eval-tokens", min=1, help="tokens per corpus for that measurement (default 4096)")
 ShardOpt = typer.Option("2GB", "--max-shard-size")
 
 
@@ -146,7 +146,7 @@ def convert(
     force: bool = ForceOpt,
     dry_run: bool = DryRunOpt,
     measure: Optional[bool] = MeasureOpt,
-    eval_tokens: int = EvalTokensOpt,
+    eval_tokens: Optional[int] = EvalTokensOpt,
     max_shard_size: str = ShardOpt,
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
@@ -167,7 +167,7 @@ def vq_init(
     force: bool = ForceOpt,
     dry_run: bool = DryRunOpt,
     measure: Optional[bool] = MeasureOpt,
-    eval_tokens: int = EvalTokensOpt,
+    eval_tokens: Optional[int] = EvalTokensOpt,
     max_shard_size: str = ShardOpt,
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
@@ -228,6 +228,9 @@ def _run_conversion(model, output, to, options, *, dtype, force, dry_run, max_sh
     from .convert import convert as run_convert
 
     options = {k: v for k, v in options.items() if v is not None}
+    if measure is False and eval_tokens is not None:
+        raise EffattnError("--eval-tokens sizes the measurement that --no-eval turns off", "drop one of the two")
+    eval_tokens = 4096 if eval_tokens is None else eval_tokens
     command = "effattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress_bar(not as_json) as progress:
         result = run_convert(model, output, to=to, options=options, dtype=dtype, force=force, dry_run=dry_run,

@@ -458,7 +458,7 @@ def eval_seconds(configs: list[dict], params: list[int], settings: EvalSettings,
 def corpus_tokens(tokenizer, settings: EvalSettings) -> dict[str, int]:
     """The tokens `measure` reads in each corpus (whole blocks, at most settings.max_tokens), from the
     corpus's first tokens only; refuses a corpus shorter than one block, naming it."""
-    from .data.corpora import leading_tokens
+    from .data.corpora import leading_tokens, shorter_block_fix
 
     tokens = {}
     for corpus in settings.corpora:
@@ -466,7 +466,7 @@ def corpus_tokens(tokenizer, settings: EvalSettings) -> dict[str, int]:
         blocks = min(have // settings.context, max(1, settings.max_tokens // settings.context))
         if blocks == 0:
             raise EffattnError(f"corpus {corpus} has {have} tokens, fewer than one block of --context "
-                               f"{settings.context}", f"use a longer text or --context {max(2, have)} or less")
+                               f"{settings.context}", shorter_block_fix(have, "--context {}"))
         tokens[corpus] = blocks * settings.context
     return tokens
 

@@ -44,7 +44,8 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
         "dtype": str(dtype).replace("torch.", ""),
         "weights_bytes": ckpt.nbytes,
         "kv_bytes_per_token": per_token,
-        "conversions": {name: _applies(c, ckpt.config) for name, c in CONVERSIONS.items()},
+        # an MLA model has no family here: its line below says what to convert instead
+        "conversions": {name: _applies(c, ckpt.config, family) for name, c in CONVERSIONS.items()} if family else {},
     }
     window = window_of(ckpt.config)
     if window is not None:
@@ -74,12 +75,12 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
     return info
 
 
-def _applies(conversion, config: dict[str, Any]) -> str:
+def _applies(conversion, config: dict[str, Any], family) -> str:
     """What the conversion does to this model, or why `convert` refuses it (checks on the config alone)."""
-    from .convert.base import check_source_window
+    from .convert.base import check_applies
 
     try:
-        check_source_window(conversion, config, "this model")
+        check_applies(conversion, config, family, "this model")
     except EffattnError as exc:
         return f"refused: {exc.what}"
     return conversion.targets(config) if hasattr(conversion, "targets") else conversion.description

@@ -406,7 +406,11 @@ def memory_budget(device: str | torch.device | None = None) -> int | None:
 
 
 def gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.0f} MiB"
+    """A size for people: GiB, MiB, KiB or bytes, whichever keeps it readable (tiny models have tiny sizes)."""
+    for unit, shift, fmt in (("GiB", 30, ",.1f"), ("MiB", 20, ",.0f"), ("KiB", 10, ",.0f")):
+        if nbytes >= 2**shift:
+            return f"{nbytes / 2**shift:{fmt}} {unit}"
+    return f"{nbytes:,.0f} bytes"
 
 
 def largest_fitting(peak_of, lowest: int, highest: int, budget: int, step: int = 1) -> int | None:
@@ -449,7 +453,8 @@ def check_memory(peak: int, *, what: str, options=(), check: bool = True, device
         return
     room = int(budget * MEMORY_MARGIN)
     where = "each device" if planned else "the GPU" if device is not None and str(device).startswith("cuda") else "this machine"
-    head = f"{what} needs about {gib(peak)} of memory at its peak; {where} has {gib(budget)} for it"
+    head = (f"{what} needs about {gib(peak)} of memory at its peak; {where} has {gib(budget)} for it, and the check "
+            f"holds runs to {MEMORY_MARGIN:.0%} of that ({gib(room)}) since estimates can be ~10% low")
     fixes = []
     for flag, value, peak_of, lowest, step in options:
         best = largest_fitting(peak_of, lowest, value - 1, room, step) if value > lowest else None

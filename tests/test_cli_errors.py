@@ -103,7 +103,7 @@ def test_not_enough_disk_is_refused_before_writing(capsys, tiny, tmp_path, monke
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
     code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "out", "--no-eval")
-    assert_one_line_error(code, err, "not enough disk space", "free some space")
+    assert_one_line_error(code, err, "not enough disk space", "free some space", "1,000 bytes free", "KiB needed")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -175,3 +175,82 @@ def test_ctrl_c_exits_130_and_says_so(capsys, monkeypatch):
     monkeypatch.setattr(effattn.info, "inspect_model", interrupted)
     code, out, err = run_cli(capsys, "inspect", "llama")
     assert code == 130 and err.strip() == "interrupted" and out == ""
+
+
+def test_sizes_read_in_their_own_units():
+    """Tiny models have tiny sizes: "0.00 GiB" and "0M parameters" said nothing."""
+    from effattn.io.card import count
+    from effattn.resources import gib
+
+    assert [gib(n) for n in (3 * 2**30, 5 * 2**20, 3000, 12)] == ["3.0 GiB", "5 MiB", "3 KiB", "12 bytes"]
+    assert [count(n) for n in (134_515_008, 1_234_000_000, 54_321)] == ["135M", "1.2B", "54,321"]
+
+
+def test_a_memory_refusal_names_the_margin_it_holds_back():
+    from effattn.errors import EffattnError
+    from effattn.resources import check_memory
+
+    with pytest.raises(EffattnError) as exc:  # 95 MiB needed, 100 MiB there: refused at 90%
+        check_memory(95 * 2**20, what="the run", budget=100 * 2**20)
+    assert "each device has 100 MiB for it" in str(exc.value) and "90% of that (90 MiB)" in str(exc.value)
+
+
+def test_eval_tokens_without_the_measurement_is_refused(capsys, tiny, tmp_path):
+    src = tiny("llama")
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out", "--no-eval",
+                           "--eval-tokens", "100")
+    assert_one_line_error(code, err, "--eval-tokens", "--no-eval", "drop one")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_corpus_is_not_told_to_shorten_the_context(capsys, tiny, tmp_path):
+    src = tiny("llama")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("abc")
+    code, _, err = run_cli(capsys, "eval", src, "--corpus", tmp_path / "empty.txt", "--no-speed")
+    assert_one_line_error(code, err, "has 0 tokens", "use a longer text (at least 2 tokens)")
+    assert "--context" not in err.split(". ", 1)[1]
+    code, _, err = run_cli(capsys, "eval", src, "--corpus", tmp_path / "short.txt", "--no-speed")
+    assert_one_line_error(code, err, "has 3 tokens", "--context 3 or less")
+
+
+def test_inspect_shows_the_refusals_convert_makes_on_a_biased_llama(capsys, tiny, tmp_path):
+    """MLA refuses MLP biases whatever its options; swa's native window refuses them, its sinks model does not."""
+    src = tiny("llama", attention_bias=True, mlp_bias=True)
+    code, out, _ = run_cli(capsys, "inspect", src, "--json")
+    conversions = json.loads(out)["conversions"]
+    assert code == 0 and conversions["mla"].startswith("refused: this model's MLP has biases")
+    assert "Only with --sinks here: this Llama has attention or MLP biases" in conversions["swa"]
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mla", "--kv-size", "8", "-o", tmp_path / "m", "--dry-run")
+    assert_one_line_error(code, err, "MLP has biases")
+    code, _, err = run_cli(capsys, "convert", src, "--to", "swa", "--window", "16", "-o", tmp_path / "s", "--dry-run")
+    assert_one_line_error(code, err, "biases")
+    code, _, _ = run_cli(capsys, "convert", src, "--to", "swa", "--window", "16", "--sinks", "2", "-o", tmp_path / "s",
+                         "--dry-run")
+    assert code == 0
+    clean = json.loads(run_cli(capsys, "inspect", tiny("llama"), "--json")[1])["conversions"]
+    assert "Only with --sinks" not in clean["swa"] and not clean["mla"].startswith("refused")
+
+
+@pytest.mark.parametrize("to, flags, needles", [
+    ("sparse", ["--pattern", "longformer", "--window", "4095"], ["keeps every causal pair", "smaller --window"]),
+    ("sparse", ["--pattern", "bigbird", "--block", "2048", "--window-blocks", "2"], ["every causal pair", "--block"]),
+    ("sparse", ["--pattern", "strided", "--local", "4096"], ["every causal pair", "smaller --local"]),
+    ("rerope", ["--window", "4096"], ["covers the whole trained context (4,096", "below 4,096"]),
+    ("swa", ["--window", "4096"], ["covers the whole trained context (4,096", "below 4,096"]),
+])
+def test_a_window_that_covers_the_trained_context_is_refused_by_every_windowed_conversion(
+        capsys, tiny, tmp_path, to, flags, needles):
+    """The tiny model is trained to 4,096 positions: a window or pattern reaching every pair changes nothing."""
+    code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", to, *flags, "-o", tmp_path / "o", "--dry-run")
+    assert_one_line_error(code, err, *needles)
+
+
+def test_rerope_far_position_defaults_inside_the_trained_context(capsys, tiny, tmp_path):
+    src = tiny("llama")
+    far = {}
+    for window in (256, 2000):
+        code, out, _ = run_cli(capsys, "convert", src, "--to", "rerope", "--window", window, "-o", tmp_path / "o",
+                               "--dry-run", "--json")
+        far[window] = json.loads(out)["settings"]["far_position"]
+    assert far == {256: 1024, 2000: 4095}

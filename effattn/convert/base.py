@@ -66,7 +66,17 @@ class Conversion(Protocol):
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None: ...
 
     # Optional: `memory_options`, the options that shrink the run's peak memory, in the order a refusal
-    # names them (e.g. ("calib_tokens", "codebook_size")); `measure_contexts` (see measure_contexts).
+    # names them (e.g. ("calib_tokens", "codebook_size")); `measure_contexts` (see measure_contexts);
+    # `check_model(config, family)`, the refusals that depend on the model alone, whatever the options:
+    # `convert` runs them before planning and `inspect` shows them (see check_applies).
+
+
+def check_applies(conversion, config: dict[str, Any], family: Family, name: str) -> None:
+    """Refuse a model the conversion cannot take with any options: its sliding window (check_source_window),
+    then the conversion's own `check_model`."""
+    check_source_window(conversion, config, name)
+    if hasattr(conversion, "check_model"):
+        conversion.check_model(config, family)
 
 
 def check_source_window(conversion, config: dict[str, Any], name: str) -> None:
@@ -187,7 +197,7 @@ def convert(
         raise EffattnError(f"{ref.spec} is already an effattn model ({made_by_us.description})",
                            "convert the model it came from (see its effattn.json), or chain the conversions in another order")
     family = family_for(ckpt.config)
-    check_source_window(conversion, ckpt.config, ref.spec)
+    check_applies(conversion, ckpt.config, family, ref.spec)
     target = parse_dtype(dtype)
     plan = conversion.plan(ckpt, family, opts, target)
     plan.settings.setdefault("dtype", str(target or ckpt.dtype).replace("torch.", ""))

@@ -397,6 +397,14 @@ class MLAConversion:
         return (f"--kv-size N (numbers cached per token and layer; now {2 * shape.kv_heads * shape.head_dim}), "
                 f"optionally --kv-rank / --rope-dim")
 
+    def check_model(self, config: dict[str, Any], family: Family) -> None:
+        if config.get("mlp_bias"):
+            raise EffattnError("this model's MLP has biases, which DeepseekV3's MLP has not",
+                               "convert a model without MLP biases")
+        if (family.qkv_bias == "always" or config.get("attention_bias")) and family.has_qk_norm:
+            raise EffattnError(f"this {family.name} model has both attention biases and per-head q/k norms, which "
+                               "the fitted projections do not hold together", "convert a model without attention biases")
+
     def plan(self, ckpt: Checkpoint, family: Family, opts: MLAOptions, target=None) -> Plan:
         config = ckpt.config
         shape = AttentionShape.of(config)
@@ -406,9 +414,6 @@ class MLAConversion:
             raise EffattnError("--kv-size is required for --to mla",
                                f"e.g. --kv-size {before_size // 3} (the source caches {before_size} numbers per token "
                                "and layer)")
-        if config.get("mlp_bias"):
-            raise EffattnError("this model's MLP has biases, which DeepseekV3's MLP has not",
-                               "convert a model without MLP biases")
         kv_rank, rope_dim = default_split(opts.kv_size, d, opts.kv_rank, opts.rope_dim)
         if kv_rank + rope_dim != opts.kv_size:
             raise EffattnError(f"--kv-rank {kv_rank} + --rope-dim {rope_dim} = {kv_rank + rope_dim}, not --kv-size "
@@ -432,9 +437,6 @@ class MLAConversion:
             raise EffattnError(f"--kv-rank {kv_rank} is more than the non-rotary keys and values hold ({n_nr} numbers)",
                                f"use --kv-rank {n_nr} or less")
         bias = family.qkv_bias == "always" or bool(config.get("attention_bias"))
-        if bias and family.has_qk_norm:
-            raise EffattnError(f"this {family.name} model has both attention biases and per-head q/k norms, which "
-                               "the fitted projections do not hold together", "convert a model without attention biases")
         rope = mla_rope_parameters(config, d, rope_dim, opts.rope_stride)
         new = mla_config(config, shape, kv_rank, rope_dim, rope, bias, target)
         build_native(new, "the DeepseekV3 config", "report this with the command you ran")

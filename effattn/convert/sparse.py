@@ -55,6 +55,8 @@ class SparseOptions(ConversionOptions):
 DEFAULTS = {"window": 256, "dilation": 1, "global_tokens": 4, "block": 64, "window_blocks": 3, "global_blocks": 1,
             "random_blocks": 2, "seed": 0, "stride": 128, "local": None}
 
+SHRINK = {"longformer": "--window (or --dilation)", "bigbird": "--block or --window-blocks", "strided": "--local"}
+
 
 def _sparse_classes():
     from ..attention.sparse import EffattnSparseConfig, EffattnSparseForCausalLM
@@ -117,6 +119,9 @@ class SparseConversion:
             new.pop("torch_dtype", None)
         trained = trained_length(config)
         dens = {n: density(pattern, n) for n in (2048, trained)}
+        if dens[trained] == 1.0:
+            raise EffattnError(f"--pattern {opts.pattern} with these settings keeps every causal pair up to the trained "
+                               f"context ({trained:,} tokens): nothing would change", "use a smaller " + SHRINK[opts.pattern])
         kv = kv_bytes_per_token(config, target or ckpt.dtype)
         return Plan(
             conversion=self.name, config=new, specs=same_specs(ckpt, target),

@@ -28,7 +28,7 @@ from pydantic import Field
 
 from ..data.corpora import DEFAULT_CALIB
 from ..errors import EffattnError
-from ..families import AttentionShape, Family, rope_settings, trained_length
+from ..families import AttentionShape, Family, family_for, rope_settings, trained_length
 from ..models import ModelSpec
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
@@ -143,8 +143,13 @@ class SWAConversion:
 
     def targets(self, config: dict[str, Any]) -> str:
         trained = trained_length(config)
-        return (f"--window W [--sinks S] [--full-layers N]: each query attends to its last W keys (W < {trained:,}, "
+        text = (f"--window W [--sinks S] [--full-layers N]: each query attends to its last W keys (W < {trained:,}, "
                 f"the trained context) and the first S; the cache holds W + S tokens per windowed layer")
+        try:
+            native_config(config, family_for(config), 1, ["sliding_attention"])
+        except EffattnError as exc:
+            text += f". Only with --sinks here: {exc.what}"
+        return text
 
     def plan(self, ckpt: Checkpoint, family: Family, opts: SWAOptions, target=None) -> Plan:
         config = ckpt.config

@@ -35,7 +35,7 @@ from pydantic import Field
 
 from ..data.corpora import DEFAULT_CALIB
 from ..errors import EffattnError
-from ..families import AttentionShape, Family
+from ..families import AttentionShape, Family, trained_length
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter, TensorSpec
 from ..kernels.rope import apply_rope
@@ -82,7 +82,7 @@ def vq_buffer_specs(family: Family, shape: AttentionShape, size: int) -> list[Te
 class ReRoPEOptions(ConversionOptions):
     window: int = Field(256, ge=1, description="W: keys this close keep exact RoPE; older keys are quantized (vq)")
     far_position: int | None = Field(None, ge=1, description="relative position ReRoPE gives every key beyond the "
-                                     f"window (default {FAR_MULTIPLE} x window)")
+                                     f"window (default {FAR_MULTIPLE} x window, at most the trained context - 1)")
     block_size: int = Field(64, ge=1, description="query/key tile of the attention kernel")
 
 
@@ -166,7 +166,13 @@ class _ReRoPEBase:
             raise EffattnError(f"{family.name} does not use rotate-half RoPE", "ReRoPE needs a RoPE model")
         shape = AttentionShape.of(ckpt.config)
         window = opts.window
-        far = opts.far_position or FAR_MULTIPLE * window
+        trained = trained_length(ckpt.config)
+        if window >= trained:
+            raise EffattnError(f"--window {window:,} covers the whole trained context ({trained:,} tokens): no key "
+                               "would be past it there, and past it the model would read distances it never trained on",
+                               f"use a window below {trained:,}")
+        # the default far position stays inside the trained context (a larger one was never seen in training)
+        far = opts.far_position or min(FAR_MULTIPLE * window, trained - 1)
         if far < window:
             raise EffattnError(f"--far-position {far} is inside the window ({window}): far keys would be seen closer "
                                "than near ones", f"use --far-position {window} or more (default {FAR_MULTIPLE} x window)")

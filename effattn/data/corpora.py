@@ -280,6 +280,12 @@ def load_texts(spec: str) -> str:
     return load_text(parts[0]) if len(parts) == 1 else interleave(*(load_text(p) for p in parts))
 
 
+def shorter_block_fix(have: int, setting: str, text: str = "use a longer text") -> str:
+    """The fix for a text of `have` tokens shorter than one block: a longer text, or a block length it fills
+    (`setting` formats the length, e.g. "--context {}"); a text of fewer than 2 tokens has nothing to predict."""
+    return f"{text}, or {setting.format(have)} or less" if have >= 2 else f"{text} (at least 2 tokens)"
+
+
 def leading_tokens(tokenizer, text: str, need: int) -> list[int]:
     """The token ids of a prefix of `text` that holds more than `need` tokens (all of them when the text
     holds fewer): how many tokens a text offers, without tokenizing all of a long one."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..data.corpora import CORPORA, leading_tokens, load_text
+from ..data.corpora import CORPORA, leading_tokens, load_text, shorter_block_fix
 from ..errors import EffattnError
 from .config import Recipe
 from .data import check_disjoint, check_source, source_texts
@@ -99,10 +99,10 @@ def check_text_lengths(recipe: Recipe, tokenizer, texts: dict[str, list[str]] | 
                 break
         if have < need:
             raise EffattnError(f"data source {source!r} has {have} tokens, fewer than one block of data.seq_len {need}",
-                               f"add text, or set data.seq_len={max(2, have)} or less")
+                               shorter_block_fix(have, "set data.seq_len={}", "add text"))
     need = recipe.eval.seq_len
     for corpus in recipe.eval.corpora:
         have = len(leading_tokens(tokenizer, load_text(corpus), need))
         if have < need:
             raise EffattnError(f"eval.corpora: {corpus} has {have} tokens, fewer than one block of eval.seq_len {need}",
-                               f"use a longer text, or set eval.seq_len={max(2, have)} or less")
+                               shorter_block_fix(have, "set eval.seq_len={}"))

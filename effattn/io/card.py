@@ -9,6 +9,13 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def count(n: int) -> str:
+    """A parameter count as model cards write it: 135M, 1.2B; exact below a million (tiny test models)."""
+    if n >= 10**9:
+        return f"{n / 1e9:.1f}B"
+    return f"{n / 1e6:.0f}M" if n >= 10**6 else f"{n:,}"
+
+
 def measurement_rows(m: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(metric, original, converted) rows from an EvalReport dict; a measurement at several block
     lengths (its `longer` reports) labels every row with its length."""
@@ -50,7 +57,7 @@ def model_card(name: str, record: dict[str, Any], plan) -> str:
         f"# {name}",
         "",
         f"Converted by effattn {record['effattn_version']} from `{src['model']}` "
-        f"({src['model_type']}, {src['num_params'] / 1e6:.0f}M parameters) on {record['created'][:10]}.",
+        f"({src['model_type']}, {count(src['num_params'])} parameters) on {record['created'][:10]}.",
         "",
         "## Conversion",
         "",

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EffattnError
+from ..resources import gib
 from ..killpoints import kill_point
 from .checkpoint import SAFETENSORS_DTYPE
 
@@ -48,7 +49,8 @@ def check_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0,
     free = shutil.disk_usage(parent).free if parent is not None else 0
     if needed_bytes and free < needed_bytes * 1.05:
         raise EffattnError(
-            f"not enough disk space for {out}: {needed_bytes / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free",
+            f"not enough disk space for {out}: {gib(needed_bytes * 1.05)} needed (the output and 5% to spare), "
+            f"{gib(free)} free",
             "free some space or write to another disk with -o",
         )
     return out
