@@ -520,14 +520,11 @@ def _rss_bytes(field: str) -> int:
 def _reset_peak_rss() -> bool:
     """Reset this process's RSS high-water mark to its current RSS (Linux >= 4.0). Memory freed earlier (the
     warm-up's, the inputs' temporaries) goes back to the system first (glibc's malloc_trim): the allocator would
-    otherwise hand it to the forward pass without the RSS growing, and the peak could read below the output."""
-    import ctypes
-    import ctypes.util
+    otherwise hand it to the forward pass without the RSS growing (effattn keeps freed heap: `effattn/__init__.py`),
+    and the peak could read below the output."""
+    from effattn.resources import release_free_heap
 
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    release_free_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
