@@ -289,6 +289,7 @@ def eval_(
                                                                       "(for a MODEL folder that has none)"),
     as_json: bool = JsonOpt,
     trust_remote_code: bool = TrustOpt,
+    allow_pickle: bool = PickleOpt,
     memory_check: bool = MemoryCheckOpt,
     task: str = typer.Option("perplexity", "--task", help="perplexity (with agreement, KL, KV bytes, speed), or a "
                                                           "long-context retrieval grid: passkey, needle"),
@@ -332,7 +333,8 @@ def eval_(
                                depths=depths or "0,0.25,0.5,0.75,1", samples=4 if samples is None else samples,
                                seed=0 if seed is None else seed,
                                filler=filler, plot=plot, dtype=dtype, tokenizer=tokenizer, as_json=as_json,
-                               trust_remote_code=trust_remote_code, memory_check=memory_check,
+                               trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                               memory_check=memory_check,
                                attn_implementation=attn_implementation, device=device, dry_run=dry_run)
     for flag, value in (("--plot", plot), ("--lengths", lengths), ("--depths", depths), ("--samples", samples),
                         ("--seed", seed), ("--filler", filler)):
@@ -359,10 +361,12 @@ def eval_(
                             speed_context=speed_context, bos=bos)
     if dry_run:
         return _print_eval_plan(evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                                         allow_pickle=allow_pickle,
                                          tokenizer=tokenizer, memory_check=memory_check, device=device,
                                          attn_implementation=attn_implementation, dry_run=True), as_json)
     with err.status("evaluating ...", spinner="dots") if not as_json else _null():
         report = evaluate(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                          allow_pickle=allow_pickle,
                           tokenizer=tokenizer, memory_check=memory_check, attn_implementation=attn_implementation,
                           device=device,
                           warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
@@ -406,7 +410,8 @@ def _number_list(text: str, option: str, kind=int) -> tuple:
 
 
 def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, filler, plot, dtype, tokenizer,
-                    as_json, trust_remote_code, memory_check, attn_implementation=None, device="cpu",
+                    as_json, trust_remote_code, memory_check, allow_pickle=False, attn_implementation=None,
+                    device="cpu",
                     dry_run=False) -> None:
     from .bench import check_plot_path
     from .retrieval import RetrievalSettings, evaluate_retrieval, plot_heatmap
@@ -418,7 +423,8 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
         check_plot_path(plot)
     if dry_run:
         return _print_eval_plan(evaluate_retrieval(model, baseline, settings, dtype=dtype, tokenizer=tokenizer,
-                                                   trust_remote_code=trust_remote_code, memory_check=memory_check,
+                                                   trust_remote_code=trust_remote_code,
+                                                   allow_pickle=allow_pickle, memory_check=memory_check,
                                                    attn_implementation=attn_implementation, device=device,
                                                    dry_run=True), as_json)
     with progress_bar(not as_json) as progress:
@@ -430,6 +436,7 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
             progress.update(tasks[name], completed=done)
 
         report = evaluate_retrieval(model, baseline, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                                    allow_pickle=allow_pickle,
                                     tokenizer=tokenizer, memory_check=memory_check, progress=advance,
                                     attn_implementation=attn_implementation, device=device,
                                     warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
@@ -622,10 +629,11 @@ def finetune(
     budget = parse_size(device_memory) if device_memory is not None else None
     resolved = load_recipe(recipe, overrides, output=output)
     if dry_run:
-        from .finetune.preflight import check_run
+        from .finetune.preflight import check_run, in_finetune_terms
 
-        start = check_run(resolved, resume=resume, force=force, dry_run=True)  # the run's checks, before OUT
-        plan = plan_finetune(resolved, processes, memory_check=memory_check, device_memory=budget)
+        with in_finetune_terms():
+            start = check_run(resolved, resume=resume, force=force, dry_run=True)  # the run's checks, before OUT
+            plan = plan_finetune(resolved, processes, memory_check=memory_check, device_memory=budget)
         plan["start"] = _start_phrase(start)
         if as_json:
             return _print_json(plan)

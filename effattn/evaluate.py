@@ -315,16 +315,7 @@ def check_vocabularies(mine: int | None, theirs: int | None) -> None:
                            "compare a converted model with the model it came from")
 
 
-def check_tokenizer_fits(tokenizer, ckpts, names) -> None:
-    """Refuse a tokenizer whose ids reach past a model's embedding (another model's tokenizer, `--tokenizer`):
-    the first such id would fail deep inside the forward. Its base vocabulary is compared: added tokens (a pad
-    token some tokenizers add past the embedding) do not turn up in text."""
-    size = tokenizer.vocab_size
-    for ckpt, name in zip(ckpts, names):
-        vocab = ckpt.config.get("vocab_size")
-        if vocab is not None and size > vocab:
-            raise EffattnError(f"the tokenizer has {size:,} tokens, more than {name}'s vocabulary of {vocab:,}",
-                               "tokenize with the tokenizer of the model it came from (--tokenizer)")
+TOKENIZER_FIX = "tokenize with the tokenizer of the model it came from (--tokenizer)"
 
 
 def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=None, baseline_name: str = "baseline") -> EvalReport:
@@ -505,8 +496,8 @@ def check_eval_memory(ckpt, base_ckpt, settings: EvalSettings, *, dtype: str = "
 
 
 def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
-             dtype: str = "float32", trust_remote_code: bool = False, tokenizer=None,
-             memory_check: bool = True, warn=None, attn_implementation: str | None = None,
+             dtype: str = "float32", trust_remote_code: bool = False, allow_pickle: bool = False,
+             tokenizer=None, memory_check: bool = True, warn=None, attn_implementation: str | None = None,
              device: str = "cpu", say=None, dry_run: bool = False) -> EvalReport | EvalPlan:
     """Load MODEL (and BASELINE) on `device` and measure them; the library entry point of `effattn eval`.
     The text is tokenized with MODEL's tokenizer, or `tokenizer`'s (a folder or MODEL argument) when
@@ -516,20 +507,22 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
     gets one-line notes (a context beyond the trained length), `say` the time and memory estimate.
     `dry_run=True` returns that plan (EvalPlan) and loads no weights."""
     from .families import beyond_positions
-    from .io.load import as_ref, check_loadable, load_model, load_tokenizer, parse_dtype
+    from .io.load import as_ref, check_loadable, check_tokenizer_fits, load_model, load_tokenizer, parse_dtype
     from .resources import check_device
 
     settings = settings or EvalSettings()
     cuda = check_device(device).startswith("cuda")
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     base_ref = as_ref(baseline, trust_remote_code=trust_remote_code) if baseline is not None else None
-    ckpts = [check_loadable(ref, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
-                            dtype=dtype)]
+    ckpts = [check_loadable(ref, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                            attn_implementation=attn_implementation, dtype=dtype)]
     if base_ref is not None:
-        ckpts.append(check_loadable(base_ref, trust_remote_code=trust_remote_code, dtype=dtype))
+        ckpts.append(check_loadable(base_ref, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                                    dtype=dtype))
         check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))
     tok = load_tokenizer(tokenizer or ref, trust_remote_code=trust_remote_code)  # the one measured with
-    check_tokenizer_fits(tok, ckpts, [ref.display] + ([base_ref.display] if base_ref is not None else []))
+    check_tokenizer_fits(tok, zip([ref.display] + ([base_ref.display] if base_ref is not None else []),
+                                  [c.config for c in ckpts]), TOKENIZER_FIX)
     if settings.bos:
         prefix_token(tok)
     peak = check_eval_memory(ckpts[0], ckpts[1] if base_ref is not None else None, settings, dtype=dtype,
@@ -553,11 +546,11 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
     if say is not None:
         say(f"{sum(tokens.values()):,} tokens of {len(tokens)} {'corpus' if len(tokens) == 1 else 'corpora'}, "
             f"{len(ckpts)} model{'s' * (len(ckpts) > 1)}: {plan.estimates()}")
-    lm, _, ref = load_model(ref, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
-                            attn_implementation=attn_implementation, device=device)
+    lm, _, ref = load_model(ref, dtype=dtype, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                            tokenizer=False, attn_implementation=attn_implementation, device=device)
     base = None
     if base_ref is not None:
-        base, _, base_ref = load_model(base_ref, dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
-                                       device=device)
+        base, _, base_ref = load_model(base_ref, dtype=dtype, trust_remote_code=trust_remote_code,
+                                       allow_pickle=allow_pickle, tokenizer=False, device=device)
     return measure(lm, tok, name=ref.display, settings=settings, baseline=base,
                    baseline_name=base_ref.display if base_ref else "baseline")

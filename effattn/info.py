@@ -109,4 +109,4 @@ def cache_bytes_at(config: dict[str, Any], dtype, context: int) -> float:
         return per_layer * config["num_hidden_layers"] * context
     size, windowed, sinks = window
     full = config["num_hidden_layers"] - windowed
-    return per_layer * (full * context + windowed * min(context, size + sinks))
+    return per_layer * (full * context + windowed * min(context, size - 1 + sinks))  # W - 1 keys cached, + sinks

@@ -256,7 +256,8 @@ def estimate(config: dict[str, Any], params: int, settings: RetrievalSettings, *
 
 
 def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None = None, *, dtype: str = "float32",
-                       trust_remote_code: bool = False, tokenizer=None, memory_check: bool = True,
+                       trust_remote_code: bool = False, allow_pickle: bool = False, tokenizer=None,
+                       memory_check: bool = True,
                        progress: Callable[[str, int, int], None] | None = None,
                        warn: Callable[[str], None] | None = None,
                        say: Callable[[str], None] | None = None,
@@ -267,16 +268,17 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     (lengths beyond the trained context) and `say` the time and memory estimate. Everything is checked before
     any weights load (the checkpoints, the memory, every prompt built); `dry_run=True` returns that plan
     (EvalPlan) and loads no weights."""
-    from .evaluate import EvalPlan, check_tokenizer_fits, check_vocabularies, load_cast_bytes
+    from .evaluate import TOKENIZER_FIX, EvalPlan, check_vocabularies, load_cast_bytes
     from .families import beyond_positions
-    from .io.load import as_ref, check_loadable, load_model, load_tokenizer, parse_dtype
+    from .io.load import as_ref, check_loadable, check_tokenizer_fits, load_model, load_tokenizer, parse_dtype
     from .resources import check_device, check_memory, rss
 
     settings = (settings or RetrievalSettings()).validate()
     cuda = check_device(device).startswith("cuda")
     refs = [as_ref(m, trust_remote_code=trust_remote_code) for m in (model, baseline) if m is not None]
-    ckpts = [check_loadable(r, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation if i == 0
-                            else None, dtype=dtype) for i, r in enumerate(refs)]
+    ckpts = [check_loadable(r, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                            attn_implementation=attn_implementation if i == 0 else None, dtype=dtype)
+             for i, r in enumerate(refs)]
     if len(ckpts) == 2:  # the baseline reads MODEL's prompts
         check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))
     notes = []
@@ -300,7 +302,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                  device=device if cuda else None)
 
     tok = load_tokenizer(tokenizer or refs[0], trust_remote_code=trust_remote_code)
-    check_tokenizer_fits(tok, ckpts, [r.display for r in refs])
+    check_tokenizer_fits(tok, zip([r.display for r in refs], [c.config for c in ckpts]), TOKENIZER_FIX)
     prompts = PromptBuilder(tok, settings).prompts()  # a bad length or filler is refused before the model loads
     plan = EvalPlan(task=settings.task, model=refs[0].display, baseline=refs[1].display if baseline else None,
                     dtype=str(runs_in).removeprefix("torch."), device=device, est_peak_bytes=now + work,
@@ -313,8 +315,8 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
             warn(note)
     if say is not None:
         say(f"{plan.work['prompts']} prompts: {plan.estimates()}")
-    lm, _, ref = load_model(refs[0], dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
-                            attn_implementation=attn_implementation, device=device)
+    lm, _, ref = load_model(refs[0], dtype=dtype, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                            tokenizer=False, attn_implementation=attn_implementation, device=device)
     total = len(prompts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -325,8 +327,8 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                              mean=sum(ok for _, ok, _ in mine) / total, notes=notes)
     theirs = None
     if baseline is not None:
-        base, _, base_ref = load_model(refs[1], dtype=dtype, trust_remote_code=trust_remote_code, tokenizer=False,
-                                       device=device)
+        base, _, base_ref = load_model(refs[1], dtype=dtype, trust_remote_code=trust_remote_code,
+                                       allow_pickle=allow_pickle, tokenizer=False, device=device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             theirs = run_model(base, tok, prompts, settings, progress and (lambda i: progress(base_ref.display, i, total)))

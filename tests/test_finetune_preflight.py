@@ -46,7 +46,42 @@ REFUSED = {
     "betas": (["optimizer.betas=[0.9,1.5]"], ["optimizer.betas", "[0, 1)"]),
     "infinite-lr": (["optimizer.lr=.inf"], ["optimizer.lr = inf", "finite"]),
     "boolean-steps": (["train.max_steps=true"], ["train.max_steps = True", "not a boolean"]),
+    # the second bug bash (2026-12-07): each passed the dry run, or failed with a traceback, or was ignored
+    "lora-misspelt-target": (["train.params=lora", "train.lora.target_modules=[q_proj,qproj]"],
+                             ["'qproj' names no module of this model", "did you mean 'q_proj'?"]),
+    "lora-rank": (["train.params=lora", "train.lora.r=1000"], ["train.lora.r=1000 is more than the rank of every "
+                                                                "layer it adapts (at most 48)"]),
+    "jsonl-not-utf8": (["data.sources=[{root}/latin1.jsonl]"], ["latin1.jsonl is not UTF-8", "convert it to UTF-8"]),
+    "jsonl-number": (["data.sources=[{root}/number.jsonl]"], ["number.jsonl line 1: field 'text' holds int"]),
+    "empty-source": (["data.sources=[{root}/empty.txt]"], ["empty.txt' holds no text"]),
+    "empty-documents": (["data.sources=[{root}/blank.jsonl]"], ["blank.jsonl' holds no text"]),
+    "student-no-tokenizer": (["student.model={root}/notok"], ["student.model: notok has no tokenizer files",
+                                                              "copy the tokenizer files"]),
+    "student-vocabulary": (["student.model={root}/small"], ["the tokenizer has 258 tokens, more than "
+                                                            "student.model {root}/small's vocabulary of 200"]),
+    "student-pickled": (["student.model={root}/pickled"], ["holds only pickled weights", "save a safetensors copy",
+                                                           "finetune reads no pickled weights"]),
 }
+
+
+def bad_inputs(root, tiny):
+    """The files and models REFUSED's cases name."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    (root / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9 ' + b"a" * 3000 + b'"}\n')
+    (root / "number.jsonl").write_text('{"text": 5}\n')
+    (root / "empty.txt").write_text("")
+    (root / "blank.jsonl").write_text('{"text": ""}\n' * 5)
+    notok = shutil.copytree(tiny("llama"), root / "notok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (notok / name).unlink(missing_ok=True)
+    tiny("llama", vocab_size=200).rename(root / "small")
+    pickled = shutil.copytree(tiny("llama"), root / "pickled")
+    torch.save(AutoModelForCausalLM.from_pretrained(pickled).state_dict(), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
 
 
 @pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "run"])
@@ -56,12 +91,38 @@ def test_the_dry_run_refuses_what_the_run_refuses_before_converting(heal, capsys
     wrote a model other than the one it trained: LoRA on a tied embedding)."""
     if case == "teacher-vocabulary":
         tiny("llama", vocab_size=300).rename(heal.root / "other")
+    bad_inputs(heal.root, tiny)
     overrides, needles = REFUSED[case]
     out = heal.root / "out"
     code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out,
                            *[o.format(root=heal.root) for o in overrides], *(["--dry-run"] if dry else []))
-    assert_one_line_error(code, err, *needles)
+    assert_one_line_error(code, err, *[n.format(root=heal.root) for n in needles])
     assert code == 2 and not out.exists()
+
+
+def test_a_wrap_class_the_models_lack_is_refused_by_the_plan(heal, capsys):
+    """distributed.wrap was checked only by the processes, after loading the models and marking OUT."""
+    for wrap, needles in (("[FooLayer]", ["distributed.wrap: the student", "no modules of the class(es) FooLayer",
+                                          "name its decoder layer class (LlamaDecoderLayer)"]),
+                          ("[LlamaDecoderLayer,FooLayer]", ["FooLayer"])):
+        code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", heal.root / "out", "--dry-run",
+                               "--processes", "2", "distributed.strategy=fsdp", f"distributed.wrap={wrap}")
+        assert_one_line_error(code, err, *needles)
+    code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", heal.root / "out", "--dry-run",
+                           "--processes", "2", "distributed.strategy=fsdp", "distributed.wrap=[LlamaDecoderLayer]")
+    assert code == 0, err
+
+
+def test_the_recipe_a_refusal_names_runs_from_the_output_folder(heal, monkeypatch, capsys):
+    """A changed recipe is refused with "... or run OUT/recipe.yaml again"; that file, inside OUT, was then refused
+    as an input the run could delete. It is OUT's own recipe, safe while OUT is not replaced."""
+    out = stopped_run(heal, monkeypatch)
+    code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", out, "optimizer.lr=1e-3")
+    assert_one_line_error(code, err, "of a different recipe", f"or run {out / 'recipe.yaml'} again")
+    code, stdout, err = run_cli(capsys, "finetune", out / "recipe.yaml", "--dry-run")
+    assert code == 0 and "resuming from" in " ".join(stdout.split()), err
+    code, _, err = run_cli(capsys, "finetune", out / "recipe.yaml", "--force", "--dry-run")
+    assert_one_line_error(code, err, "holds the recipe file")
 
 
 def test_a_folder_with_a_recipe_yaml_of_its_own_is_not_taken_for_a_killed_run(heal, capsys):

@@ -222,6 +222,25 @@ def test_rescaling_a_scaled_model_starts_from_its_trained_length(tiny, tmp_path)
     assert config["max_position_embeddings"] == 4096 * 8
 
 
+def test_a_scaling_that_replaces_the_models_own_says_so_and_the_same_one_is_refused(capsys, tiny, tmp_path):
+    """The factor multiplies the trained length: yarn x2 on a linear x2 model gave the context it had, and yarn x2
+    on yarn x2 wrote the same config, without a word."""
+    from effattn.convert import convert
+
+    linear = tiny("llama", rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=4096)
+    plan = convert(linear, None, to="yarn", options={"factor": 2}, dry_run=True, measure=False).plan
+    assert dict(plan.summary)["replaces"] == ("the model's own linear x2.0 (context 4,096); --factor multiplies the "
+                                              "trained length, 2,048")
+    assert "replaces" not in dict(convert(tiny("llama"), None, to="yarn", options={"factor": 2}, dry_run=True,
+                                          measure=False).plan.summary)
+    once = convert(tiny("llama"), tmp_path / "a", to="yarn", options={"factor": 2}, measure=False).out
+    for dry in (["--dry-run"], []):
+        code, _, err = run_cli(capsys, "convert", once, "--to", "yarn", "--factor", "2", "-o", tmp_path / "b", *dry)
+        assert_one_line_error(code, err, "already scales RoPE the same way (yarn x2.0, trained 4,096)",
+                              "--factor multiplies the trained length (4,096)")
+    assert not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "vq"])
 def test_long_blocks_are_scored_through_the_cache_in_chunks_as_in_one_forward(tiny, tmp_path, kind):
     from effattn.evaluate import final_hidden

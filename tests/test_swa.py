@@ -91,8 +91,30 @@ def test_the_cache_holds_the_window_on_sliding_layers_and_everything_on_full_one
     ids = torch.randint(0, 250, (1, 100))
     per_token_layer = 2 * 3 * 8 * 4  # keys + values, 3 KV heads of 8, float32
     measured = kv_cache_bytes(model, ids)
-    # two sliding layers hold at most the window, the full layer all 100 tokens
-    assert 100 * per_token_layer <= measured <= (100 + 2 * WINDOW) * per_token_layer
+    # two sliding layers hold the window less the query's own position, the full layer all 100 tokens (the
+    # cache's own bookkeeping adds a few bytes)
+    assert (100 + 2 * (WINDOW - 1)) * per_token_layer <= measured < (100 + 2 * WINDOW) * per_token_layer
+
+
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_the_planned_and_inspected_cache_is_the_cache_transformers_holds(tiny, tmp_path, sinks):
+    """A window of W keys caches W - 1 (each query reads them and itself), plus the sinks: the plan, the card and
+    `inspect` priced W + S, and printed a windowed cache spread over 4,096 positions as 0 bytes per token."""
+    from effattn.evaluate import kv_cache_bytes
+    from effattn.info import cache_bytes_at
+
+    src = tiny("llama", layers=2, kv_heads=3, head_dim=8)
+    result = convert(src, tmp_path / "w", to="swa", options={"window": WINDOW, "sinks": sinks}, measure=False)
+    per_token_layer = 2 * 3 * 8 * 4
+    held = WINDOW - 1 + sinks
+    assert result.plan.kv_bytes_per_token[1] * 4096 == 2 * held * per_token_layer  # at the trained length
+    line = dict(result.plan.summary)["KV cache"]
+    assert f"-> {2 * held * per_token_layer / 4096:.2f} bytes/token" in line and f"caches {held} tokens" in line
+    model = converted(result.out).float()
+    measured = kv_cache_bytes(model, torch.randint(0, 250, (1, 200)))
+    assert 2 * held * per_token_layer <= measured < 2 * (held + 1) * per_token_layer
+    config = json.loads((result.out / "config.json").read_text())
+    assert cache_bytes_at(config, torch.float32, 200) == 2 * held * per_token_layer
 
 
 def test_full_layers_are_the_ones_with_the_largest_measured_error(tiny, tmp_path):
@@ -296,6 +318,22 @@ def test_the_sinks_model_loads_with_remote_code_alone(tiny, tmp_path):
     torch.testing.assert_close(remote_logits(out, ids, "EffattnSinksForCausalLM", tmp_path), expected, rtol=0, atol=0)
 
 
+def test_a_sinks_model_loaded_through_effattn_and_saved_again_loads_without_it(tiny, tmp_path):
+    """transformers copies a model's code into a folder it saves only when the model came from that code; loaded
+    through `import effattn`, the bundled file was missing and the saved folder loaded nowhere else."""
+    from .remote import remote_logits
+
+    _, out, model = _sinks_model(tiny, tmp_path)
+    assert type(model).__module__.startswith("effattn.")  # the registered class, not the bundled one
+    model.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "modeling_effattn_sinks.py").read_text() == (out / "modeling_effattn_sinks.py").read_text()
+    ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+    got = remote_logits(tmp_path / "saved", ids, "EffattnSinksForCausalLM", tmp_path)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_sinks_refuse_dynamic_rope_scaling(tiny, tmp_path, capsys):
     src = tiny("llama", layers=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     code, _, err = run_cli(capsys, "convert", src, "--to", "swa", "--window", "8", "--sinks", "4", "-o", tmp_path / "o")
@@ -310,11 +348,11 @@ def test_inspect_shows_the_window_and_the_bounded_cache(tiny, tmp_path):
     native = convert(src, tmp_path / "w", to="swa", options={"window": 16, "full_layer_ids": "1"}, measure=False).out
     info = inspect_model(str(native), context=1000)
     assert info["attention_window"].startswith("16 keys on 2 of 3 layers")
-    assert info["kv_bytes_at_context"] == per_layer_token * (1000 + 2 * 16)
+    assert info["kv_bytes_at_context"] == per_layer_token * (1000 + 2 * 15)  # a window of 16 caches 15 keys
     sinks = convert(src, tmp_path / "s", to="swa", options={"window": 16, "sinks": 4}, measure=False).out
     info = inspect_model(str(sinks), context=1000)
     assert info["attention_window"].startswith("16 keys + 4 sinks on 3 of 3 layers")
-    assert info["kv_bytes_at_context"] == per_layer_token * 3 * 20
+    assert info["kv_bytes_at_context"] == per_layer_token * 3 * 19
     assert list(info["conversions"]) == ["-"]  # an effattn model: convert its source instead
     assert "attention_window" not in inspect_model(str(src))
 

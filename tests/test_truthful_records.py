@@ -71,6 +71,64 @@ def test_without_tokenizer_calibration_and_an_explicit_eval_are_refused_before_w
             assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     code, _, err = run_cli(capsys, "eval", src, "--max-tokens", "256", "--context", "64")
     assert_one_line_error(code, err, "no tokenizer files", "--tokenizer")
+    # each refusal names fixes of its own command: vq-init has no --method (it was advised)
+    code, _, err = run_cli(capsys, "vq-init", src, "--codebook-size", "8", "--window", "16", "--calib-seq-len", "64",
+                           "-o", tmp_path / "vq")
+    assert_one_line_error(code, err, "calibration needs the model's tokenizer")
+    assert "--method" not in err
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "gqa")
+    assert_one_line_error(code, err, "calibration needs the model's tokenizer", "--method mean")
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_or_skips_the_measurement(capsys, tiny, tmp_path):
+    """A tokenizer whose ids reach past the embedding crashed calibration and the quick measurement (IndexError)."""
+    src = tiny("llama", vocab_size=200)  # the byte tokenizer has 258 tokens
+    for args in (["--to", "mqa"], ["--to", "vq", "--codebook-size", "8", "--window", "16", "--calib-seq-len", "64"]):
+        for dry in ([], ["--dry-run"]):
+            code, _, err = run_cli(capsys, "convert", src, *args, *dry, "-o", tmp_path / "out")
+            assert_one_line_error(code, err, "the tokenizer has 258 tokens, more than the model's vocabulary of 200")
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "out")
+    assert code == 0, err
+    record = json.loads((tmp_path / "out" / "effattn.json").read_text())
+    assert record["measurement_skipped"].startswith(f"the tokenizer has 258 tokens, more than {src}'s vocabulary")
+
+
+def test_eval_reads_pickled_weights_only_when_asked(capsys, tiny, tmp_path):
+    """eval's pickle refusal advised --allow-pickle, which eval did not have."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny("llama")
+    torch.save(AutoModelForCausalLM.from_pretrained(src).state_dict(), src / "pytorch_model.bin")
+    (src / "model.safetensors").unlink()
+    args = ["eval", src, "--corpus", "shakespeare", "--max-tokens", "128", "--context", "64", "--no-speed", "--json"]
+    code, _, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, "holds only pickled weights", "--allow-pickle")
+    code, out, err = run_cli(capsys, *args, "--allow-pickle")
+    assert code == 0 and json.loads(out)["model"]["perplexity"]["shakespeare"] > 1, err
+
+
+def test_a_cast_conversion_states_the_originals_cache_at_its_own_dtype(tiny):
+    from effattn.convert import convert
+
+    plan = convert(tiny("llama"), None, to="mqa", options={"method": "mean"}, dtype="bfloat16", dry_run=True,
+                   measure=False).plan
+    rows = dict(plan.summary)
+    assert rows["KV cache"].startswith("192 -> 64 bytes/token")  # both at bfloat16
+    assert rows["dtype"] == ("float32 -> bfloat16: the KV cache figures above are at bfloat16 for both models; the "
+                             "original caches 384 bytes/token at float32")
+    assert "dtype" not in dict(convert(tiny("llama"), None, to="mqa", options={"method": "mean"}, dry_run=True,
+                                       measure=False).plan.summary)
+
+
+def test_the_cards_load_lines_name_trust_remote_code_for_both_calls_and_no_padding():
+    from effattn.io.card import load_section
+
+    import effattn  # noqa: F401 - registers the model types
+
+    custom = "\n".join(load_section("OUT", "effattn_sinks"))
+    assert "pass trust_remote_code=True to both calls below" in custom and "equal length" in custom
+    native = "\n".join(load_section("OUT", "llama"))
+    assert "trust_remote_code" not in native and "equal length" not in native
 
 
 def test_a_failing_measurement_does_not_fail_the_conversion(tiny, tmp_path, monkeypatch):

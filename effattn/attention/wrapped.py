@@ -8,6 +8,8 @@ bundled into each model's `modeling_*.py` for `trust_remote_code=True`.
 """
 
 import copy
+import importlib
+import os
 
 import torch
 from torch import nn
@@ -96,6 +98,20 @@ class WrappedCausalLM(PreTrainedModel, GenerationMixin):
         self._no_split_modules = getattr(base, "_no_split_modules", None)
         self.model, self.lm_head = base.model, base.lm_head
         return base_config
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers copies a model's own code into the folder only when the model was loaded from that code
+        (trust_remote_code); loaded through `import effattn`, the saved config.json would name a modeling file
+        the folder lacks, and the folder would load nowhere without effattn. The code is written here then."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        modules = set((getattr(self.config, "auto_map", None) or {}).values())
+        files = {f"{m.split('.')[0]}.py" for m in modules}
+        missing = [f for f in files if not os.path.exists(os.path.join(save_directory, f))]
+        if missing and kwargs.get("is_main_process", True):
+            # effattn is installed (the code did not come from a bundled file); imported by name, as transformers
+            # requires every module a bundled file imports, even in a branch it never takes
+            models = importlib.import_module("effattn.models")
+            models.model_spec(self.config.model_type).write_code(save_directory)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

@@ -141,6 +141,12 @@ def layer_bytes(ckpt: Checkpoint, family: Family) -> int:
     return sum(ckpt.meta(n)[1].itemsize * torch.Size(ckpt.meta(n)[0]).numel() for n in ckpt.names() if n.startswith(prefix))
 
 
+def readable(value: float) -> str:
+    """A bytes-per-token figure: whole bytes, or two decimals below 100 (a window's cache spread over a long
+    context is a fraction of a byte per token, which whole bytes would print as 0)."""
+    return f"{value:,.0f}" if value >= 100 or value == int(value) else f"{value:,.2f}"
+
+
 def kv_bytes_per_token(config: dict[str, Any], dtype: torch.dtype) -> float:
     """KV bytes per token a standard cache needs for this config (keys + values, every layer); an MLA
     config (kv_lora_rank) caches its latent and its shared rotary key."""
@@ -201,6 +207,11 @@ def convert(
     target = parse_dtype(dtype)
     plan = conversion.plan(ckpt, family, opts, target)
     plan.settings.setdefault("dtype", str(target or ckpt.dtype).replace("torch.", ""))
+    if target is not None and target.is_floating_point and target != ckpt.dtype and plan.kv_bytes_per_token:
+        src, new = (str(d).replace("torch.", "") for d in (ckpt.dtype, target))  # the plan prices both caches at new
+        plan.summary.append(("dtype", f"{src} -> {new}: the KV cache figures above are at {new} for both models; the "
+                                      f"original caches {readable(kv_bytes_per_token(ckpt.config, ckpt.dtype))} "
+                                      f"bytes/token at {src}"))
     if out is None and not dry_run:
         raise EffattnError("no output folder given", "pass -o OUT")
     measuring, skipped = _measurement(ckpt, ref, measure)
@@ -305,9 +316,15 @@ def _measurement(ckpt: Checkpoint, ref: ModelRef, measure: bool | None) -> tuple
         return False, None
     why = tokenizer_missing(ref.path)
     if why is None:
-        return True, None
+        from ..io.load import check_tokenizer_fits, load_tokenizer
+
+        try:
+            check_tokenizer_fits(load_tokenizer(ref), [(ref.display, ckpt.config)])
+            return True, None
+        except EffattnError as exc:
+            why = exc.what
     if measure:
-        raise EffattnError(f"--eval needs the model's tokenizer: {why}",
+        raise EffattnError(f"--eval needs the model's own tokenizer: {why}",
                            "drop --eval (measure later with `effattn eval OUT --baseline MODEL --tokenizer FOLDER`), "
                            "or copy the tokenizer files into the model's folder")
     return False, why

@@ -8,7 +8,9 @@ from every evaluation corpus (data/corpora.py).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,11 +40,12 @@ class CalibSettings:
     # maps) does, and learns only the rotations of the positions it is fitted at.
     positions: int = 0
 
-    def validate(self, folder=None) -> CalibSettings:
+    def validate(self, folder=None, without: str = "") -> CalibSettings:
         """Check everything the calibration will need before any work: the text (not an evaluation
         corpus, not empty) and, given the model's folder, its tokenizer and that the text holds the
         tokens asked for. Returns the settings as they will be used: `tokens` rounded down to whole
-        sequences, `text_chars` for the memory estimate."""
+        sequences, `text_chars` for the memory estimate. `without`: how the conversion runs without
+        calibration, where it can (named in the refusal of a folder with no tokenizer)."""
         for source in text_sources(self.corpus):
             if source in CORPORA and CORPORA[source].role == "eval":
                 raise EffattnError(f"--calib {source} is an evaluation corpus, held out from calibration and training",
@@ -55,14 +58,17 @@ class CalibSettings:
             raise EffattnError(f"calibration text {self.corpus} is empty", "point --calib to a text with content")
         used = self.tokens // self.seq_len * self.seq_len
         if folder is not None:
-            from ..io.load import tokenizer_missing
+            from ..io.load import check_tokenizer_fits, tokenizer_missing
 
             why = tokenizer_missing(folder)
             if why:
                 raise EffattnError(f"calibration needs the model's tokenizer: {why}",
-                                   "copy the tokenizer files of the model it came from into it, or choose a "
-                                   "weight-only method (e.g. --method mean)")
-            held = len(leading_tokens(_tokenizer(folder), text, used))
+                                   "copy the tokenizer files of the model it came from into it" +
+                                   (f", or {without}" if without else ""))
+            tokenizer = _tokenizer(folder)
+            check_tokenizer_fits(tokenizer, [("the model", json.loads((Path(folder) / "config.json").read_text()))],
+                                 "copy the tokenizer files of the model it came from into its folder")
+            held = len(leading_tokens(tokenizer, text, used))
             whole = held // self.seq_len * self.seq_len
             if whole < used:
                 raise EffattnError(f"--calib-tokens {self.tokens:,} is more than {self.corpus!r} holds ({held:,} tokens, "

@@ -476,7 +476,8 @@ class GQAConversion:
         if method.needs_calibration and new_kv == shape.kv_heads:
             pass  # the identity is an exact copy: no calibration to run
         elif method.needs_calibration:
-            calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens).validate(ckpt.folder)
+            calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens).validate(
+                ckpt.folder, without="choose a weight-only method (e.g. --method mean)")
             state["calib"] = calib
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len,
                          "ridge": calib.ridge if method.refit_o else None}

@@ -104,6 +104,7 @@ class RopeScalingConversion:
             new["dtype"] = str(target).replace("torch.", "")
             new.pop("torch_dtype", None)
         check_native(new)
+        replaced = _replaced_scaling(config, parameters, new, trained)
         kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * (target or ckpt.dtype).itemsize
         reach = trained * opts.factor
         return Plan(
@@ -116,6 +117,7 @@ class RopeScalingConversion:
                      ("positions", f"{describe(parameters)}"),
                      ("context", f"trained {trained:,} -> {reach:,.0f} tokens" +
                       (" (dynamic: scaling starts beyond the trained length)" if opts.rope_type == "dynamic" else "")),
+                     *([("replaces", replaced)] if replaced else []),
                      ("weights", "unchanged"),
                      ("KV cache", f"{kv:,.0f} bytes/token, unchanged")],
             kv_bytes_per_token=(kv, kv), est_seconds=read_time(ckpt), est_peak_bytes=streaming_bytes(ckpt, family),
@@ -124,6 +126,23 @@ class RopeScalingConversion:
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:
         passthrough(ckpt, writer, ckpt.names(), plan.state["target"])
+
+
+def _replaced_scaling(config: dict[str, Any], parameters: dict[str, Any], new: dict[str, Any], trained: int) -> str:
+    """What a model that already scales RoPE had, which the new scaling replaces ('' for an unscaled model): the
+    factor multiplies the trained length, not the scaled context. A scaling equal to the model's own is refused."""
+    from ..families import context_positions
+
+    old = rope_settings(config)
+    if old.get("rope_type") in (None, "default"):
+        return ""
+    if all(old.get(k) == v for k, v in parameters.items()) and \
+            new["max_position_embeddings"] == config.get("max_position_embeddings"):
+        raise EffattnError(f"this model already scales RoPE the same way ({old['rope_type']} x{old.get('factor')}, "
+                           f"trained {trained:,}): nothing would change", f"--factor multiplies the trained length "
+                           f"({trained:,}): give a larger one, or another --rope-type")
+    return (f"the model's own {old['rope_type']} x{old.get('factor')} (context {context_positions(config):,}); "
+            f"--factor multiplies the trained length, {trained:,}")
 
 
 def rope_theta(config: dict[str, Any]) -> float:

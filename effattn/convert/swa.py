@@ -32,7 +32,7 @@ from ..families import AttentionShape, Family, family_for, rope_settings, traine
 from ..models import ModelSpec
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
-from .base import Plan, build_native, passthrough, read_time, same_specs
+from .base import Plan, build_native, passthrough, read_time, readable, same_specs
 from .calibrate import CALIB_HELP, CalibSettings, batches
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from ..kernels.sinks import sink_attention
@@ -93,7 +93,8 @@ def parse_layer_ids(text: str, layers: int) -> list[int]:
 
 
 def kv_bytes(config: dict[str, Any], layer_types: list[str], window: int, context: int, dtype: torch.dtype) -> float:
-    """Cache bytes per token at `context` tokens: windowed layers hold `window` tokens, full ones all."""
+    """Cache bytes per token at `context` tokens: windowed layers hold `window` tokens, full ones all. (A window
+    of W keys caches W - 1 of them, and the sinks: each query reads them and itself.)"""
     shape = AttentionShape.of(config)
     per_layer = 2 * shape.kv_heads * shape.head_dim * dtype.itemsize
     held = sum(min(window, context) if t == "sliding_attention" else context for t in layer_types)
@@ -196,7 +197,7 @@ class SWAConversion:
             check_native(new)
         dtype = target or ckpt.dtype
         before = kv_bytes(config, ["full_attention"] * shape.layers, opts.window, trained, dtype)
-        after = kv_bytes(config, provisional, opts.window + opts.sinks, trained, dtype)
+        after = kv_bytes(config, provisional, opts.window - 1 + opts.sinks, trained, dtype)  # the cache's tokens
         n_full = opts.full_layers if ranking else len(full)
         settings: dict[str, Any] = {"window": opts.window, "sinks": opts.sinks, "full_layers": n_full,
                                     "full_layer_ids": ",".join(map(str, full)) if fixed else None}
@@ -214,7 +215,7 @@ class SWAConversion:
                                    f"{seq_len:,} tokens (4 x --window, at least 1,024, at most the trained length)",
                                    f"use --calib-tokens {seq_len} or more")
             calib = CalibSettings(corpus=opts.calib, tokens=opts.calib_tokens, seq_len=seq_len,
-                                  batch_size=1).validate(ckpt.folder)
+                                  batch_size=1).validate(ckpt.folder, without="name the full layers with --full-layer-ids")
             state["calib"] = calib
             settings |= {"calib": calib.corpus, "calib_tokens": calib.tokens, "calib_seq_len": calib.seq_len}
             from ..resources import FORWARD_EFFICIENCY, Dims, compute_seconds
@@ -225,8 +226,9 @@ class SWAConversion:
             est_peak = calibrated_bytes(ckpt, family, calib)
             summary.append(("ranking", f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len:,}: "
                                        "each layer's attention error, windowed against full"))
-        summary.append(("KV cache", f"{before:,.0f} -> {after:,.0f} bytes/token at {trained:,} tokens "
-                                    f"({before / after:.1f}x less)"))
+        summary.append(("KV cache", f"{readable(before)} -> {readable(after)} bytes/token at {trained:,} tokens "
+                                    f"({before / after:.1f}x less; a windowed layer caches {opts.window - 1 + opts.sinks:,} "
+                                    "tokens)"))
         return Plan(conversion=self.name, config=new, specs=same_specs(ckpt, target), settings=settings,
                     summary=summary, kv_bytes_per_token=(before, after), est_seconds=est_seconds,
                     est_peak_bytes=est_peak, state=state)

@@ -70,19 +70,26 @@ def _need_datasets(source: str):
 
 def _jsonl_texts(path: Path, key: str) -> list[str]:
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EffattnError(f"{path} line {n} is not JSON ({exc.msg})", "write one JSON object per line") from None
-            if not isinstance(row, dict) or not isinstance(row.get(key), str):
-                found = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                raise EffattnError(f"{path} line {n} has no text field {key!r} (found: {found})",
-                                   "set data.text_key to the field that holds the text")
-            texts.append(row[key])
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise EffattnError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                           "convert it to UTF-8 (JSON Lines files are UTF-8)") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EffattnError(f"{path} line {n} is not JSON ({exc.msg})", "write one JSON object per line") from None
+        if not isinstance(row, dict) or key not in row:
+            found = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+            raise EffattnError(f"{path} line {n} has no text field {key!r} (found: {found})",
+                               "set data.text_key to the field that holds the text")
+        if not isinstance(row[key], str):
+            raise EffattnError(f"{path} line {n}: field {key!r} holds {type(row[key]).__name__}, not text",
+                               "write the text as a JSON string, or set data.text_key to the field that holds it")
+        texts.append(row[key])
     if not texts:
         raise EffattnError(f"{path} holds no records", "write one JSON object per line")
     return texts
@@ -111,8 +118,14 @@ def source_texts(source: str, text_key: str = "text") -> list[str]:
         return _hub_texts(source, text_key)
     path = Path(source).expanduser()
     if source not in CORPORA and path.suffix == ".jsonl":
-        return _jsonl_texts(path, text_key)
-    return [load_text(source)]
+        documents = _jsonl_texts(path, text_key)
+    else:
+        documents = [load_text(source)]
+    documents = [d for d in documents if d.strip()]  # an empty document would add an EOS token and no text
+    if not documents:
+        raise EffattnError(f"data source {source!r} holds no text (empty, or whitespace only)",
+                           "point data.sources at a file with text")
+    return documents
 
 
 def read_sources(sources: list[str], text_key: str = "text") -> dict[str, list[str]]:

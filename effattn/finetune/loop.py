@@ -61,6 +61,7 @@ from .data import BlockStream, block_start, read_sources, training_blocks
 from .heldout import evaluate_student, held_out_sets, score_teacher
 from .losses import AttentionOutputs, FinalHidden, heal_loss
 from .params import conversion_modules, count_params, native, select_trainable
+from .preflight import in_finetune_terms
 from .report import finetune_card, plot_curves
 from .state import MetricsLog, RunFolder, decide_start, read_state, save_checkpoint
 
@@ -271,7 +272,7 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
     """
     aside: dict[str, Path] = {}  # the folder --force moved aside in this call (main process)
     try:
-        with deterministic_algorithms(recipe.train.deterministic):
+        with deterministic_algorithms(recipe.train.deterministic), in_finetune_terms():
             result = _finetune(recipe, resume=resume, force=force, progress=progress, log=log, command=command,
                                memory_check=memory_check, aside=aside)
     except Exception:  # an error, not an interrupt (which keeps the new run to resume): the old folder comes back

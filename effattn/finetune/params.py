@@ -77,6 +77,7 @@ def select_trainable(model: torch.nn.Module, train: Train) -> torch.nn.Module:
                                "its other embedding (tie_word_embeddings): merging the adapter would change both, and "
                                "the model written would not be the one trained", f"leave {', '.join(tied)} out, or "
                                "train the embeddings with train.params=all")
+        _check_lora_targets(model, train.lora)
         model = _with_lora(model, train)
     else:
         pattern = _attention_pattern(model)
@@ -115,6 +116,28 @@ def _tied_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     embeddings = (model.get_input_embeddings(), model.get_output_embeddings())
     tied = [name for name, m in model.named_modules() if any(m is e for e in embeddings if e is not None)]
     return [t for t in targets if any(n == t or n.endswith("." + t) for n in tied)]
+
+
+def _check_lora_targets(model: torch.nn.Module, lora) -> None:
+    """Every target names modules of the model (peft's rule: the name, or a name ending in .target): peft
+    refuses a list none of whose entries match, and silently skips a misspelt one beside right ones. A rank past
+    every adapted layer's own is refused: each adapter would hold more than its layer and add nothing."""
+    import difflib
+
+    names = [n for n, _ in model.named_modules() if n]
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    for target in lora.target_modules:
+        if not any(n == target or n.endswith("." + target) for n in names):
+            close = difflib.get_close_matches(target, linear, n=1)
+            raise EffattnError(f"train.lora.target_modules: {target!r} names no module of this model",
+                               (f"did you mean {close[0]!r}? " if close else "") +
+                               f"its linear layers are named {', '.join(linear)}")
+    widths = [min(m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+              and any(n == t or n.endswith("." + t) for t in lora.target_modules)]
+    if widths and lora.r > max(widths):
+        raise EffattnError(f"train.lora.r={lora.r} is more than the rank of every layer it adapts (at most "
+                           f"{max(widths)}): each adapter would hold more than its layer",
+                           f"use train.lora.r={max(widths)} or less, or train.params=all")
 
 
 def _with_lora(model: torch.nn.Module, train: Train) -> torch.nn.Module:

@@ -90,6 +90,10 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     student_params = count_params(base)[1]
     strategy = distributed.resolve_strategy(recipe.distributed, student_params, processes)
     distributed.check(recipe, strategy)
+    if strategy == "fsdp" and recipe.distributed.wrap:  # what shard_teacher and accelerate would refuse, loaded
+        check_wrap(base, recipe.distributed.wrap, "the student")
+        if teacher_spec and recipe.distributed.shard_teacher:
+            check_wrap(meta_model(read_config(as_ref(teacher_spec).path)), recipe.distributed.wrap, "the teacher")
     unit_params, tail_params = _units(base, recipe.distributed.wrap)
     teacher_units = _units(meta_model(read_config(as_ref(teacher_spec).path)), recipe.distributed.wrap) \
         if teacher_spec else (0, 0)
@@ -218,6 +222,18 @@ def check_configs(recipe: Recipe, student: dict[str, Any], teacher: dict[str, An
 def _num_params(folder) -> int:
     """Parameters of a checkpoint: from its weight files, or (a config.json alone) from its config."""
     return Checkpoint(folder, shapes_only=True).num_params
+
+
+def check_wrap(model: torch.nn.Module, wrap: list[str], role: str) -> None:
+    """Every class in distributed.wrap names modules of `model` (a meta model): a name that matches nothing
+    shards nothing, and one misspelt among right ones would leave its layers whole in the root unit."""
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in wrap if name not in present]
+    if missing:
+        layers = getattr(model, "_no_split_modules", None) or sorted(present)
+        raise EffattnError(f"distributed.wrap: {role} ({type(model).__name__}) has no modules of the class(es) "
+                           f"{', '.join(missing)}", f"name its decoder layer class ({', '.join(layers)}), or drop "
+                           "distributed.wrap (the default is the decoder layers)")
 
 
 def _units(model: torch.nn.Module, wrap: list[str] | None) -> tuple[int, int]:

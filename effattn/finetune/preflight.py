@@ -15,6 +15,7 @@ plan.plan_finetune, which both paths call too.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..data.corpora import CORPORA, leading_tokens, load_text, shorter_block_fix
@@ -43,8 +44,9 @@ def check_run(recipe: Recipe, *, resume: bool = False, force: bool = False,
         start = Start(None, False, ["no output folder yet: the run needs -o OUT (or output: in the recipe)"])
     else:
         run = RunFolder(recipe.output)
-        check_inputs_outside(run.out, recipe)
         start = decide_start(run, recipe.to_dict(), resume=resume, force=force)
+        # OUT's own recipe.yaml, run again to continue (as a refusal suggests), is safe unless OUT is replaced
+        check_inputs_outside(run.out, recipe, own_recipe=None if start.wipe else run.recipe)
     if tokenizer is None:
         tokenizer = student_tokenizer(recipe)
     if tokenizer is not None:
@@ -52,11 +54,33 @@ def check_run(recipe: Recipe, *, resume: bool = False, force: bool = False,
     return start
 
 
-def check_inputs_outside(out: Path, recipe: Recipe) -> None:
-    """OUT must not be, or hold, a file or folder the run reads."""
+@contextmanager
+def in_finetune_terms():
+    """A refusal from the loading code whose fix names a flag `finetune` does not have (--allow-pickle,
+    --trust-remote-code) names what a fine-tune can do instead."""
+    from ..io.checkpoint import PICKLE_FIX
+    from ..io.load import REMOTE_CODE_FIX
+
+    instead = {PICKLE_FIX: "save a safetensors copy (transformers' save_pretrained) and fine-tune that: finetune "
+                           "reads no pickled weights",
+               REMOTE_CODE_FIX: "finetune runs transformers' and effattn's own model classes only: fine-tune a "
+                                "model of a supported family"}
+    try:
+        yield
+    except EffattnError as exc:
+        if exc.fix in instead:
+            raise EffattnError(exc.what, instead[exc.fix]) from None
+        raise
+
+
+def check_inputs_outside(out: Path, recipe: Recipe, own_recipe: Path | None = None) -> None:
+    """OUT must not be, or hold, a file or folder the run reads (but `own_recipe`, OUT's recipe.yaml, may be
+    the recipe file)."""
     inputs = [("student.model", recipe.student.model), ("teacher.model", recipe.teacher.model)]
     inputs += [("data.sources", s) for s in recipe.data.sources] + [("eval.corpora", c) for c in recipe.eval.corpora]
-    inputs += [("the recipe file", recipe._source)]
+    if recipe._source is not None and not (own_recipe is not None and Path(recipe._source).resolve() ==
+                                           Path(own_recipe).resolve()):
+        inputs += [("the recipe file", recipe._source)]
     out = out.resolve()
     for role, spec in inputs:
         if spec is None or str(spec) in CORPORA or str(spec).startswith("hf:"):
@@ -72,12 +96,24 @@ def check_inputs_outside(out: Path, recipe: Recipe) -> None:
 
 
 def student_tokenizer(recipe: Recipe):
-    """The student's tokenizer (its model's, or the model it is converted from), or None where the folder has
-    none (a config-only folder planned for another machine)."""
-    from ..io.load import as_ref, load_tokenizer, tokenizer_missing
+    """The student's tokenizer (its model's, or the model it is converted from), checked against the model's
+    vocabulary; None where a config-only folder (planned for another machine) has none. A folder with weights
+    and no tokenizer is refused: the run tokenizes its data with the student's."""
+    from ..io.checkpoint import Checkpoint
+    from ..io.load import as_ref, check_tokenizer_fits, load_tokenizer, tokenizer_missing
 
     ref = as_ref(recipe.student.model)
-    return None if tokenizer_missing(ref.path) else load_tokenizer(ref)
+    why = tokenizer_missing(ref.path)
+    ckpt = Checkpoint(ref.path, shapes_only=True)
+    if why:
+        if not ckpt.has_weights:
+            return None
+        raise EffattnError(f"student.model: {why}; the run tokenizes its data with the student's tokenizer",
+                           "copy the tokenizer files of the model it came from into its folder")
+    tokenizer = load_tokenizer(ref)
+    check_tokenizer_fits(tokenizer, [(f"student.model {recipe.student.model}", ckpt.config)],
+                         "copy the tokenizer files of the model it came from into its folder")
+    return tokenizer
 
 
 def check_text_lengths(recipe: Recipe, tokenizer, texts: dict[str, list[str]] | None = None) -> None:

@@ -107,12 +107,14 @@ def load_section(name: str, model_type: str | None) -> list[str]:
     from ..models import model_spec
 
     lines = ["## Load", "", "```python"]
-    if model_spec(model_type):
-        lines.append(f"import effattn  # registers {model_type}; or pass trust_remote_code=True (code bundled here)")
-    return lines + [
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'model = AutoModelForCausalLM.from_pretrained("{name}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
-        "```",
-        "",
-    ]
+    custom = model_spec(model_type) is not None
+    if custom:
+        lines.append(f"import effattn  # registers {model_type}; without it, pass trust_remote_code=True to both "
+                     "calls below (the code is bundled here)")
+    lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer",
+              f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+              f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+              "```", ""]
+    if custom:  # the kernels keep one position per token: a padded batch is refused (README, Outputs)
+        lines += ["Batches must hold sequences of equal length: this attention takes no padding mask.", ""]
+    return lines

@@ -20,6 +20,10 @@ from ..errors import EffattnError
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
+# The fix a pickle refusal names; commands without --allow-pickle (finetune) name their own (finetune/preflight.py).
+PICKLE_FIX = "convert them to safetensors, or pass --allow-pickle if you trust this checkpoint"
+
+
 class Checkpoint:
     """A checkpoint folder: its config.json and a lazy view of its tensors.
 
@@ -72,7 +76,7 @@ class Checkpoint:
         if pickles and not allow_pickle:
             raise EffattnError(
                 f"{folder} holds only pickled weights ({pickles[0].name}), which can run code when loaded",
-                "convert them to safetensors, or pass --allow-pickle if you trust this checkpoint",
+                PICKLE_FIX,
             )
         if pickles:
             self._pickled = {}

@@ -29,6 +29,9 @@ def as_ref(model: str | Path | ModelRef, *, trust_remote_code: bool = False) -> 
     return model if isinstance(model, ModelRef) else resolve_model(str(model), trust_remote_code=trust_remote_code)
 
 
+# The fix a refusal of a checkpoint's own code names; finetune, which has no such flag, names its own.
+REMOTE_CODE_FIX = "pass --trust-remote-code if you trust it"
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model",
                    "vocab.txt", "tekken.json")
 
@@ -53,6 +56,18 @@ def load_tokenizer(source: str | Path | ModelRef, *, trust_remote_code: bool = F
     return AutoTokenizer.from_pretrained(str(ref.path), trust_remote_code=trust_remote_code)
 
 
+def check_tokenizer_fits(tokenizer, models, fix: str = "tokenize with the tokenizer of the model it came from") -> None:
+    """Refuse a tokenizer whose ids reach past a model's embedding (another model's tokenizer, a vocabulary cut
+    down): the first such id would fail deep inside a forward. `models` holds (name, config dict) pairs. The
+    base vocabulary is compared: added tokens (a pad token some tokenizers add past the embedding) do not turn
+    up in text."""
+    size = tokenizer.vocab_size
+    for name, config in models:
+        vocab = config.get("vocab_size")
+        if vocab is not None and size > vocab:
+            raise EffattnError(f"the tokenizer has {size:,} tokens, more than {name}'s vocabulary of {vocab:,}", fix)
+
+
 ATTN_IMPLEMENTATIONS = ("sdpa", "flex_attention", "eager")
 
 
@@ -68,7 +83,7 @@ def check_loadable(model: str | Path | ModelRef, *, trust_remote_code: bool = Fa
     verify_checkpoint(ckpt)
     if ckpt.config.get("auto_map") and not trust_remote_code and not _registered(ckpt.config.get("model_type")):
         raise EffattnError(f"{ref.display} needs its own modeling code (auto_map in config.json)",
-                           "pass --trust-remote-code if you trust it")
+                           REMOTE_CODE_FIX)
     if attn_implementation is not None:
         from ..models import model_spec
 
