@@ -61,6 +61,14 @@ REFUSED = {
                                                             "student.model {root}/small's vocabulary of 200"]),
     "student-pickled": (["student.model={root}/pickled"], ["holds only pickled weights", "save a safetensors copy",
                                                            "finetune reads no pickled weights"]),
+    "sgd-betas": (["optimizer.name=sgd", "optimizer.betas=[0.5,0.6]"],
+                  ["optimizer.betas = (0.5, 0.6): optimizer.name sgd does not read it"]),
+    "constant-ratio": (["schedule.name=constant", "schedule.min_lr_ratio=0.5"],
+                       ["schedule.min_lr_ratio = 0.5: a constant schedule does not read it"]),
+    "temperature-without-kl": (["loss.kl=0", "loss.ce=1", "loss.temperature=4"],
+                               ["loss.temperature = 4.0: it scales the KL term, whose weight loss.kl is 0"]),
+    "lora-without-lora": (["train.lora.r=2"], ["train.lora.r = 2: train.params is all, not lora"]),
+    "source-twice": (["data.sources=[{root}/train.txt,{root}/train.txt]"], ["train.txt' twice"]),
 }
 
 
@@ -98,6 +106,17 @@ def test_the_dry_run_refuses_what_the_run_refuses_before_converting(heal, capsys
                            *[o.format(root=heal.root) for o in overrides], *(["--dry-run"] if dry else []))
     assert_one_line_error(code, err, *[n.format(root=heal.root) for n in needles])
     assert code == 2 and not out.exists()
+
+
+def test_defaults_spelt_out_do_not_stop_a_switch(heal, capsys):
+    """The built-in recipes spell out defaults (min_lr_ratio 0.1, temperature 1.0): switching the option that reads
+    them must stay possible from the command line."""
+    spelt = ["optimizer.betas=[0.9,0.95]", "optimizer.eps=1e-8", "schedule.min_lr_ratio=0.1", "loss.temperature=1.0",
+             "train.lora.r=16"]
+    for switch in (["optimizer.name=sgd"], ["schedule.name=constant"], ["loss.kl=0", "loss.ce=1"]):
+        code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", heal.root / "out", "--dry-run", *spelt,
+                               *switch)
+        assert code == 0, err
 
 
 def test_a_wrap_class_the_models_lack_is_refused_by_the_plan(heal, capsys):

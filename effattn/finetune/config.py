@@ -328,6 +328,33 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def ignored_settings(recipe: Recipe) -> list[str]:
+    """Values the recipe sets away from their defaults that its other choices never read (SGD has no betas, a
+    constant schedule no final ratio, ...): a run would ignore them without a word. Defaults pass, so a recipe
+    that spells them out (the built-in ones) can still switch, e.g. optimizer.name=sgd."""
+    def changed(section: BaseModel, *keys: str) -> list[str]:
+        fields = type(section).model_fields
+        return [k for k in keys if getattr(section, k) != fields[k].get_default(call_default_factory=True)]
+
+    found = []
+    opt, sched, loss, train = recipe.optimizer, recipe.schedule, recipe.loss, recipe.train
+    unread = {"sgd": ("betas", "eps"), "adamw": ("momentum",)}[opt.name]
+    found += [f"optimizer.{k} = {getattr(opt, k)}: optimizer.name {opt.name} does not read it"
+              for k in changed(opt, *unread)]
+    if sched.name == "constant":
+        found += [f"schedule.{k} = {getattr(sched, k)}: a constant schedule does not read it"
+                  for k in changed(sched, "min_lr_ratio")]
+    if loss.kl == 0:
+        found += [f"loss.{k} = {getattr(loss, k)}: it scales the KL term, whose weight loss.kl is 0"
+                  for k in changed(loss, "temperature")]
+    if train.params != "lora":
+        found += [f"train.lora.{k} = {getattr(train.lora, k)}: train.params is {train.params}, not lora"
+                  for k in changed(train.lora, *type(train.lora).model_fields)]
+    twice = sorted({s for s in recipe.data.sources if recipe.data.sources.count(s) > 1})
+    found += [f"data.sources lists {s!r} twice (each source is read once)" for s in twice]
+    return found
+
+
 def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
     try:
         recipe = Recipe.model_validate(data)
@@ -335,6 +362,9 @@ def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
         problems = [_explain(e) for e in exc.errors()]
         raise EffattnError(f"{source} is invalid: " + "; ".join(problems),
                            "fix these keys (`effattn recipes cp heal-gqa FILE` shows every section)") from None
+    if ignored := ignored_settings(recipe):
+        raise EffattnError(f"{source} is invalid: " + "; ".join(ignored),
+                           "drop those keys (or set them back to their defaults), or choose the option that reads them")
     step = recipe.student.convert
     if step is not None:  # the conversion's own options model checks its options, as on the command line
         from ..convert.options import recipe_key, resolve
