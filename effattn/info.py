@@ -40,7 +40,7 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
         "trained_length": trained_length(ckpt.config),
         "context_length": context_length(ckpt.config),
         "tie_word_embeddings": bool(ckpt.config.get("tie_word_embeddings", False)),
-        "parameters": ckpt.num_params,
+        "parameters": _parameters(ckpt),
         "dtype": str(dtype).replace("torch.", ""),
         "weights_bytes": ckpt.nbytes,
         "kv_bytes_per_token": per_token,
@@ -73,6 +73,17 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
         info["kv_bytes_at_context"] = None if info["kv_bytes_per_token"] is None else \
             cache_bytes_at(ckpt.config, dtype, context)
     return info
+
+
+def _parameters(ckpt) -> int:
+    """The model's parameters: counted on the model its config builds (meta device), so that stored buffers (VQ's
+    codebooks and key means) are not counted; the checkpoint's tensors where transformers cannot build it."""
+    from .io.verify import meta_model
+
+    try:
+        return sum(p.numel() for p in meta_model(ckpt.config).parameters())
+    except Exception:  # noqa: BLE001 - an unregistered type, a config transformers refuses: the stored tensors
+        return ckpt.num_params
 
 
 def _applies(conversion, config: dict[str, Any], family) -> str:

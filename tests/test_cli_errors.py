@@ -254,3 +254,13 @@ def test_rerope_far_position_defaults_inside_the_trained_context(capsys, tiny, t
                                "--dry-run", "--json")
         far[window] = json.loads(out)["settings"]["far_position"]
     assert far == {256: 1024, 2000: 4095}
+
+
+def test_inspect_counts_parameters_not_the_buffers_a_checkpoint_stores(capsys, tiny, tmp_path):
+    """A ReRoPE/VQ output stores its codebooks and key means beside the weights: inspect counted them."""
+    src = tiny("llama")
+    code, _, err = run_cli(capsys, "convert", src, "--to", "rerope", "--window", "8", "--no-eval", "-o", tmp_path / "r")
+    assert code == 0, err
+    source = json.loads(run_cli(capsys, "inspect", src, "--json")[1])["parameters"]
+    converted = json.loads(run_cli(capsys, "inspect", tmp_path / "r", "--json")[1])["parameters"]
+    assert converted == source == json.loads((tmp_path / "r" / "effattn.json").read_text())["source"]["num_params"]
