@@ -52,7 +52,7 @@ from ..io.save import save_model
 from ..models import export_code_for
 from ..io.checkpoint import read_config
 from ..io.verify import meta_model
-from ..io.writer import finish_interrupted_swap, write_json, write_text
+from ..io.writer import finish_interrupted_swap, remove_path, write_json, write_text
 from ..killpoints import kill_point
 from ..resources import release_free_heap
 from . import distributed
@@ -282,7 +282,10 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
                 log(f"the run failed: {aside['out']} holds the folder --force was replacing again")
         raise
     if result.out is not None:  # the main process, the model written: the replaced folder goes
-        shutil.rmtree(RunFolder(result.out).replaced, ignore_errors=True)
+        run = RunFolder(recipe.output)
+        remove_path(run.replaced)
+        if run.link_replaced is not None and run.link_replaced.is_symlink():  # an earlier version's leftover
+            run.link_replaced.unlink()
     release_process_group_at_exit()
     return result
 
@@ -374,7 +377,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     procs.wait_for_everyone()
     if main:
         if start.wipe and force and not run.started():  # the folder --force replaces: kept aside until the end
-            shutil.rmtree(run.replaced, ignore_errors=True)
+            remove_path(run.replaced)
             run.out.rename(run.replaced)
             if aside is not None:
                 aside.update(out=run.out, replaced=run.replaced)
