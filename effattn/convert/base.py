@@ -191,12 +191,12 @@ def convert(
     shard_bytes = parse_size(max_shard_size)  # a bad size is refused by the dry run too
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle, shapes_only=dry_run)  # a dry run plans from config.json alone too
-    verify_checkpoint(ckpt)
     made_by_us = model_spec(ckpt.config.get("model_type"))
     if made_by_us:
         raise EffattnError(f"{ref.spec} is already an effattn model ({made_by_us.description})",
                            "convert the model it came from (see its effattn.json), or chain the conversions in another order")
-    family = family_for(ckpt.config)
+    family = family_for(ckpt.config)  # before the tensors: a family effattn does not convert is refused as such
+    verify_checkpoint(ckpt)
     check_applies(conversion, ckpt.config, family, ref.spec)
     target = parse_dtype(dtype)
     plan = conversion.plan(ckpt, family, opts, target)

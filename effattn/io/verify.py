@@ -10,6 +10,7 @@ remote code defines is not checked.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -45,6 +46,25 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]] | Non
     return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
 
 
+def stored_under_other_names(model_type: str | None) -> list[re.Pattern]:
+    """Patterns of the model's tensor names that its checkpoints store otherwise: transformers renames or fuses
+    them while loading (its checkpoint conversion mapping: a Mixtral's block_sparse_moe.experts.N.w1 become
+    mlp.experts.gate_up_proj). Such names cannot be looked up in the checkpoint, so they go unchecked here."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers without conversion mappings loads names as stored
+        return []
+    patterns = []
+    for rule in get_checkpoint_conversion_mapping(model_type) or []:
+        targets = getattr(rule, "target_patterns", None) or []
+        for target in [targets] if isinstance(targets, str) else targets:
+            try:
+                patterns.append(re.compile(target))
+            except (re.error, TypeError):
+                patterns.append(re.compile(re.escape(str(target))))
+    return patterns
+
+
 def verify_checkpoint(ckpt) -> None:
     """Refuse a checkpoint that lacks a tensor its config.json implies or holds one of another shape,
     naming the tensor. A checkpoint whose names follow another scheme altogether (fewer than half the
@@ -52,6 +72,8 @@ def verify_checkpoint(ckpt) -> None:
     expected = expected_tensors(ckpt.config)
     if not expected:
         return
+    renamed = stored_under_other_names(ckpt.config.get("model_type"))
+    expected = {name: shape for name, shape in expected.items() if not any(p.search(name) for p in renamed)}
     present = set(ckpt.names())
     missing = [name for name in expected if name not in present]
     if len(missing) > len(expected) / 2:
