@@ -117,3 +117,77 @@ def test_a_moe_checkpoint_missing_an_attention_tensor_is_still_named(capsys, tmp
     save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
     code, _, err = run_cli(capsys, "eval", src, "--no-speed", "--dry-run")
     assert_one_line_error(code, err, "lacks tensor model.layers.1.self_attn.k_proj.weight")
+
+
+def write_gguf(src, path):
+    """A GGUF file (float32, llama) holding the tiny llama checkpoint in folder `src`."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    config = json.loads((src / "config.json").read_text())
+    vocab = json.loads((src / "tokenizer.json").read_text())
+    ids = {**vocab["model"]["vocab"], **{t["content"]: t["id"] for t in vocab["added_tokens"]}}
+    tokens = [t for t, _ in sorted(ids.items(), key=lambda item: item[1])]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_token_merges([])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    parts = [("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"),
+             ("self_attn.o_proj", "attn_output"), ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
+             ("mlp.down_proj", "ffn_down"), ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm")]
+    for layer in range(config["num_hidden_layers"]):
+        for ours, theirs in parts:
+            names[f"model.layers.{layer}.{ours}.weight"] = f"blk.{layer}.{theirs}.weight"
+    for name, tensor in load_file(src / "model.safetensors").items():
+        writer.add_tensor(names[name], tensor.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def gguf_model(tiny, tmp_path, monkeypatch):
+    """A tiny llama as a .gguf file, with a cache of its own."""
+    monkeypatch.setenv("EFFATTN_CACHE", str(tmp_path / "cache"))
+    return write_gguf(tiny("llama"), tmp_path / "tiny.gguf")
+
+
+def test_a_model_converted_from_a_gguf_names_the_file_and_finetune_reads_it_again(capsys, gguf_model, tmp_path):
+    """The record named the GGUF's cached copy as the source; finetune took it as the teacher and failed with a
+    "not found" for a cache path once the cache was pruned."""
+    import json
+    import shutil
+
+    out = tmp_path / "gg"
+    code, _, err = run_cli(capsys, "convert", gguf_model, "--to", "mqa", "--method", "mean", "-o", out, "--no-eval")
+    assert code in (0, None), err
+    source = json.loads((out / "effattn.json").read_text())["source"]
+    assert source["kind"] == "gguf" and source["path"] == str(gguf_model)
+    shutil.rmtree(source["cache"])  # pruned
+    args = ["finetune", "heal-gqa", "-o", tmp_path / "ft", "--dry-run", f"student.model={out}", "student.convert=null",
+            *FINETUNE]
+    code, _, err = run_cli(capsys, *args)
+    assert code in (0, None), err
+    gguf_model.unlink()
+    code, _, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, f"converted from the GGUF file {gguf_model}, which is no longer there",
+                          "set teacher.model=")

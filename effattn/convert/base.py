@@ -245,7 +245,9 @@ def convert(
             "command": command,
             "reproduce": reproduce_command(ref.spec, out, to, opts, plan.settings, dtype=dtype,
                                            max_shard_size=max_shard_size),
-            "source": {"model": ref.spec, "kind": ref.kind, "path": str(ref.path), "model_type": ckpt.config.get("model_type"),
+            # a GGUF's path is the file (its cached copy may be pruned; finetune's teacher reads the file again)
+            "source": {"model": ref.spec, "kind": ref.kind, "path": str(ref.source),
+                       **({"cache": str(ref.path)} if ref.file else {}), "model_type": ckpt.config.get("model_type"),
                        "num_key_value_heads": ckpt.config.get("num_key_value_heads"), "num_params": ckpt.num_params},
             "conversion": {"to": plan.conversion, **plan.settings, **plan.measured.get("settings", {})},
             "seconds": round(seconds, 1),

@@ -143,7 +143,21 @@ def resolve_teacher(recipe: Recipe, student_record: dict[str, Any] | None, stude
     if not source:
         raise EffattnError(f"no teacher: {student_path} has no effattn.json naming the model it was converted from",
                            "set teacher.model, or loss.kl=0 and loss.attn_out=0 to train on cross-entropy alone")
+    if source.get("kind") == "gguf":
+        return gguf_teacher(source, student_path)
     return source["model"] if source.get("kind") in ("builtin", "hub") else source["path"]
+
+
+def gguf_teacher(source: dict[str, Any], student_path: Path) -> str:
+    """The teacher of a student converted from a GGUF file: the file (dequantized again if its cached copy was
+    pruned). Records before the file was kept name the cached copy, used while it is still there."""
+    path = Path(source["path"])
+    if path.is_file() or (path / "config.json").is_file():
+        return str(path)
+    gguf = source["path"] if path.suffix == ".gguf" else source.get("model", source["path"])
+    raise EffattnError(f"no teacher: {student_path} was converted from the GGUF file {gguf}, which is no longer there",
+                       "set teacher.model=... (that GGUF file or the model it came from), or loss.kl=0 and "
+                       "loss.attn_out=0 to train on cross-entropy alone")
 
 
 def prepare_student(student: Student, run: RunFolder, accelerator, say, command: str | None) -> Path:

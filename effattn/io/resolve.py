@@ -50,6 +50,12 @@ class ModelRef:
     spec: str  # what the user typed
     path: Path  # local checkpoint folder
     kind: str  # "builtin", "folder", "gguf" or "hub"
+    file: Path | None = None  # the .gguf file (kind "gguf"): `path` is its dequantized copy in the cache
+
+    @property
+    def source(self) -> Path:
+        """What the model was read from, to name in a record: the .gguf file, else the folder."""
+        return self.file or self.path
 
     @property
     def display(self) -> str:
@@ -80,7 +86,7 @@ def resolve_model(spec: str, *, trust_remote_code: bool = False) -> ModelRef:
         return ModelRef(spec, path.absolute(), "folder")
     if path.is_file():
         if path.suffix == ".gguf":
-            return ModelRef(spec, gguf_folder(path), "gguf")
+            return ModelRef(spec, gguf_folder(path), "gguf", file=path.absolute())
         raise EffattnError(f"{path} is a file but not a .gguf model",
                            "pass a model folder, a .gguf file, a hub id or a built-in name (llama, smollm2)")
     if _looks_like_hub_id(spec):
