@@ -191,3 +191,29 @@ def test_a_model_converted_from_a_gguf_names_the_file_and_finetune_reads_it_agai
     code, _, err = run_cli(capsys, *args)
     assert_one_line_error(code, err, f"converted from the GGUF file {gguf_model}, which is no longer there",
                           "set teacher.model=")
+
+
+def llama_config_as(src, **changes):
+    import json
+
+    config = json.loads((src / "config.json").read_text()) | changes
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+def test_an_unsupported_family_gets_one_plain_list_and_a_remote_code_note(capsys, tiny, tmp_path):
+    """It said "supported model types: valid: llama, ... (did you mean 'llama'?)": the list twice introduced and a
+    guess no option can act on."""
+    src = llama_config_as(tiny("llama"), model_type="myllama", architectures=["MyLlamaForCausalLM"],
+                          auto_map={"AutoModelForCausalLM": "modeling_myllama.MyLlamaForCausalLM"})
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "model_type 'myllama' is not a supported family",
+                          "auto_map", "converts these model types only: llama, ministral, mistral, qwen2, qwen3")
+    assert "valid:" not in err and "did you mean" not in err
+
+
+def test_a_remote_code_model_that_is_not_a_causal_lm_says_its_code_is_remote(capsys, tiny, tmp_path):
+    src = llama_config_as(tiny("llama"), architectures=["EvilModel"], auto_map={"AutoModel": "evil.EvilModel"})
+    code, _, err = run_cli(capsys, "inspect", src)
+    assert_one_line_error(code, err, "is not a causal LM (architectures: EvilModel; its modeling code is remote",
+                          "--trust-remote-code does not change that", "llama, ministral")
