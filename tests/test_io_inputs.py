@@ -217,3 +217,10 @@ def test_a_remote_code_model_that_is_not_a_causal_lm_says_its_code_is_remote(cap
     code, _, err = run_cli(capsys, "inspect", src)
     assert_one_line_error(code, err, "is not a causal LM (architectures: EvilModel; its modeling code is remote",
                           "--trust-remote-code does not change that", "llama, ministral")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_file_of_a_model_folder_as_model_suggests_the_folder(capsys, tiny, name):
+    src = tiny("llama")
+    code, _, err = run_cli(capsys, "inspect", src / name)
+    assert_one_line_error(code, err, f"{name} is a file, not a model folder", f"pass the folder that holds it: {src}")

@@ -87,6 +87,9 @@ def resolve_model(spec: str, *, trust_remote_code: bool = False) -> ModelRef:
     if path.is_file():
         if path.suffix == ".gguf":
             return ModelRef(spec, gguf_folder(path), "gguf", file=path.absolute())
+        if (path.absolute().parent / "config.json").is_file():  # e.g. model.safetensors or config.json given
+            raise EffattnError(f"{path} is a file, not a model folder or a .gguf model",
+                               f"pass the folder that holds it: {path.absolute().parent}")
         raise EffattnError(f"{path} is a file but not a .gguf model",
                            "pass a model folder, a .gguf file, a hub id or a built-in name (llama, smollm2)")
     if _looks_like_hub_id(spec):
