@@ -224,3 +224,29 @@ def test_a_file_of_a_model_folder_as_model_suggests_the_folder(capsys, tiny, nam
     src = tiny("llama")
     code, _, err = run_cli(capsys, "inspect", src / name)
     assert_one_line_error(code, err, f"{name} is a file, not a model folder", f"pass the folder that holds it: {src}")
+
+
+def test_library_messages_are_shortened_between_words():
+    from effattn.errors import clip
+
+    sentence = "Cannot find an appropriate cached snapshot folder for the specified revision on the local disk."
+    more = " To enable look-ups, set HF_HUB_OFFLINE=0."
+    assert clip(sentence + more * 3, 160) == sentence + more  # the whole sentences that fit
+    long_words = "word " * 60
+    assert clip(long_words, 100) == ("word " * 20).strip() + " ..."
+    assert clip("short  text\n", 100) == "short text"
+
+
+def test_a_hub_error_is_not_cut_inside_a_word(capsys, monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise huggingface_hub.errors.LocalEntryNotFoundError(
+            "Cannot find an appropriate cached snapshot folder for the specified revision on the local disk and "
+            "outgoing traffic has been disabled. To enable repo look-ups and downloads online, pass "
+            "'local_files_only=False' as input.")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    code, _, err = run_cli(capsys, "inspect", "some-org/some-model")
+    assert_one_line_error(code, err, "outgoing traffic has been disabled.)", "pass a local folder")
+    assert "To enable" not in err

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import __version__
-from ..errors import EffattnError
+from ..errors import EffattnError, clip
 from ..families import Family, family_for
 from ..io.checkpoint import Checkpoint
 from ..io.verify import verify_checkpoint
@@ -160,7 +160,7 @@ def build_native(config: dict[str, Any], what: str, fix: str):
     try:
         return CONFIG_MAPPING[config["model_type"]].from_dict(config)
     except Exception as exc:  # noqa: BLE001 - transformers' own checks, said in one line
-        raise EffattnError(f"transformers rejects {what} ({' '.join(str(exc).split())[:200]})", fix) from None
+        raise EffattnError(f"transformers rejects {what} ({clip(exc)})", fix) from None
 
 
 def convert(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import EffattnError
+from ..errors import EffattnError, clip
 from .checkpoint import Checkpoint
 from .verify import verify_checkpoint
 from .resolve import ModelRef, hub_kernels, resolve_model
@@ -114,7 +114,7 @@ def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", t
     except EffattnError:
         raise
     except Exception as exc:  # noqa: BLE001 - one line for the user, --debug shows the rest
-        raise EffattnError(f"transformers could not load {ref.display} ({type(exc).__name__}: {str(exc)[:200]})",
+        raise EffattnError(f"transformers could not load {ref.display} ({type(exc).__name__}: {clip(exc)})",
                            "check the checkpoint is complete and matches its config.json") from exc
     lm.to(device).eval()
     from ..attention.mla import absorb, is_mla

@@ -18,7 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EffattnError
+from ..errors import EffattnError, clip
 from .cache import cache_dir, cache_lock
 from .pypi import fetch_pinned
 
@@ -223,6 +223,7 @@ def hub_folder(repo_id: str, *, trust_remote_code: bool = False) -> Path:
             + (["*.py"] if trust_remote_code else []),
         )
     except Exception as exc:  # noqa: BLE001
-        raise EffattnError(f"could not download {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: {str(exc)[:160]})",
+        raise EffattnError(f"could not download {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: "
+                           f"{clip(exc, 160)})",
                            "check the id and your network/HF_TOKEN, or pass a local folder") from None
     return Path(path)

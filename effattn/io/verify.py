@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EffattnError
+from ..errors import EffattnError, clip
 
 
 def meta_model(config: dict[str, Any]):
@@ -41,7 +41,7 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]] | Non
     except Exception as exc:  # noqa: BLE001 - transformers' own checks of the config, said in one line
         reason = " ".join(str(exc).split())
         reason = reason.split("validate_architecture'")[-1].strip(" :.'") or type(exc).__name__
-        raise EffattnError(f"transformers rejects this config.json ({reason[:200]})", "fix or re-download it") from None
+        raise EffattnError(f"transformers rejects this config.json ({clip(reason)})", "fix or re-download it") from None
     tied = {k for k in getattr(model, "_tied_weights_keys", None) or {}} if config.get("tie_word_embeddings", True) else set()
     return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
 
