@@ -250,3 +250,19 @@ def test_a_hub_error_is_not_cut_inside_a_word(capsys, monkeypatch):
     code, _, err = run_cli(capsys, "inspect", "some-org/some-model")
     assert_one_line_error(code, err, "outgoing traffic has been disabled.)", "pass a local folder")
     assert "To enable" not in err
+
+
+def test_a_dry_run_on_a_gguf_plans_from_its_metadata_without_dequantizing(capsys, gguf_model, tmp_path):
+    """The dry run wrote a full float32 copy of the model into the cache."""
+    from effattn.io.resolve import prune_gguf_cache
+
+    cache = tmp_path / "cache"
+    args = ["convert", gguf_model, "--to", "mqa", "--method", "mean", "-o", tmp_path / "out"]
+    code, out, err = run_cli(capsys, *args, "--dry-run")
+    assert code in (0, None), err
+    assert "planned from its metadata" in " ".join(out.split()) and not list(cache.rglob("*.safetensors"))
+    assert not (tmp_path / "out").exists()
+    plan_entry = next((cache / "gguf").glob("*-plan"))
+    assert (plan_entry / "config.json").is_file() and (plan_entry / "tokenizer.json").is_file()
+    gguf_model.unlink()  # an entry of a GGUF that is gone is pruned, the metadata one too
+    assert plan_entry in prune_gguf_cache()

@@ -189,7 +189,7 @@ def convert(
     """
     conversion, opts = resolve(to, dict(options or {}))
     shard_bytes = parse_size(max_shard_size)  # a bad size is refused by the dry run too
-    ref = as_ref(model, trust_remote_code=trust_remote_code)
+    ref = as_ref(model, trust_remote_code=trust_remote_code, plan_only=dry_run)  # a dry run dequantizes no GGUF
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle, shapes_only=dry_run)  # a dry run plans from config.json alone too
     made_by_us = model_spec(ckpt.config.get("model_type"))
     if made_by_us:
@@ -211,7 +211,10 @@ def convert(
     if out is not None:  # a dry run refuses what the run would
         check_output(out, force=force, needed_bytes=plan.output_bytes, inputs=[ref.path])
     if dry_run:
-        if not ckpt.has_weights:  # a plan for another machine: say so, since the run here would refuse
+        if ref.file is not None and not ckpt.has_weights:  # planned from the GGUF's metadata
+            plan.summary.append(("weights", f"in {ref.file}: planned from its metadata; the run dequantizes it "
+                                            "(once, into the cache)"))
+        elif not ckpt.has_weights:  # a plan for another machine: say so, since the run here would refuse
             plan.summary.append(("weights", f"none in {ref.path}: planned from config.json alone; the run needs them"))
         return ConvertResult(None, plan)
     out = Path(out).expanduser().absolute()  # now: `-o .` names the folder the run replaces, cwd included

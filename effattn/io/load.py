@@ -25,8 +25,10 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def as_ref(model: str | Path | ModelRef, *, trust_remote_code: bool = False) -> ModelRef:
-    return model if isinstance(model, ModelRef) else resolve_model(str(model), trust_remote_code=trust_remote_code)
+def as_ref(model: str | Path | ModelRef, *, trust_remote_code: bool = False, plan_only: bool = False) -> ModelRef:
+    if isinstance(model, ModelRef):
+        return model
+    return resolve_model(str(model), trust_remote_code=trust_remote_code, plan_only=plan_only)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model",
