@@ -36,3 +36,16 @@ def one_of(word: str, choices: Iterable[str]) -> str:
     """'valid: a, b, c (did you mean b?)' — the tail of an unknown-name message."""
     choices = sorted(choices)
     return f"valid: {', '.join(choices)}{did_you_mean(word, choices)}"
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """`text` (a library's message) on one line and at most about `limit` characters, never cut inside a word:
+    its whole sentences where enough fit, else its words up to the limit and '...'."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    end = text.rfind(". ", 0, limit)
+    if end >= limit // 3:  # whole sentences, enough of them
+        return text[:end + 1]
+    words = text[:limit + 1].rsplit(" ", 1)[0] if " " in text[:limit + 1] else text[:limit]
+    return words.rstrip(" ,;:(") + " ..."

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import EffattnError, one_of
+from .errors import EffattnError
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,14 @@ def family_for(config: dict[str, Any]) -> Family:
         model_type = config.get("base_model_type")
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]
-    raise EffattnError(
-        f"model_type {model_type!r} is not a supported family",
-        f"supported model types: {one_of(str(model_type), _BY_MODEL_TYPE)}",
-    )
+    remote = " (its modeling code is remote: auto_map in config.json)" if config.get("auto_map") else ""
+    raise EffattnError(f"model_type {model_type!r} is not a supported family{remote}",
+                       f"effattn converts these model types only: {supported_types()}")
+
+
+def supported_types() -> str:
+    """The model types effattn converts, as one list."""
+    return ", ".join(sorted(_BY_MODEL_TYPE))
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
                   allow_pickle: bool = False) -> dict[str, Any]:
     ref = as_ref(model, trust_remote_code=trust_remote_code)
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)
-    verify_checkpoint(ckpt)
     mla = bool(ckpt.config.get("kv_lora_rank"))
-    family = family_for(ckpt.config) if not mla else None
+    family = family_for(ckpt.config) if not mla else None  # first: an unsupported family is refused as such
+    verify_checkpoint(ckpt)
     shape = AttentionShape.of(ckpt.config)
     dtype = ckpt.dtype
     per_token = kv_bytes_per_token(ckpt.config, dtype)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import __version__
-from ..errors import EffattnError
+from ..errors import EffattnError, clip
 from ..families import Family, family_for
 from ..io.checkpoint import Checkpoint
 from ..io.verify import verify_checkpoint
@@ -166,7 +166,7 @@ def build_native(config: dict[str, Any], what: str, fix: str):
     try:
         return CONFIG_MAPPING[config["model_type"]].from_dict(config)
     except Exception as exc:  # noqa: BLE001 - transformers' own checks, said in one line
-        raise EffattnError(f"transformers rejects {what} ({' '.join(str(exc).split())[:200]})", fix) from None
+        raise EffattnError(f"transformers rejects {what} ({clip(exc)})", fix) from None
 
 
 def convert(
@@ -195,14 +195,14 @@ def convert(
     """
     conversion, opts = resolve(to, dict(options or {}))
     shard_bytes = parse_size(max_shard_size)  # a bad size is refused by the dry run too
-    ref = as_ref(model, trust_remote_code=trust_remote_code)
+    ref = as_ref(model, trust_remote_code=trust_remote_code, plan_only=dry_run)  # a dry run dequantizes no GGUF
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle, shapes_only=dry_run)  # a dry run plans from config.json alone too
-    verify_checkpoint(ckpt)
     made_by_us = model_spec(ckpt.config.get("model_type"))
     if made_by_us:
         raise EffattnError(f"{ref.spec} is already an effattn model ({made_by_us.description})",
                            "convert the model it came from (see its effattn.json), or chain the conversions in another order")
-    family = family_for(ckpt.config)
+    family = family_for(ckpt.config)  # before the tensors: a family effattn does not convert is refused as such
+    verify_checkpoint(ckpt)
     check_applies(conversion, ckpt.config, family, ref.spec)
     target = parse_dtype(dtype)
     plan = conversion.plan(ckpt, family, opts, target)
@@ -222,7 +222,10 @@ def convert(
     if out is not None:  # a dry run refuses what the run would
         check_output(out, force=force, needed_bytes=plan.output_bytes, inputs=[ref.path])
     if dry_run:
-        if not ckpt.has_weights:  # a plan for another machine: say so, since the run here would refuse
+        if ref.file is not None and not ckpt.has_weights:  # planned from the GGUF's metadata
+            plan.summary.append(("weights", f"in {ref.file}: planned from its metadata; the run dequantizes it "
+                                            "(once, into the cache)"))
+        elif not ckpt.has_weights:  # a plan for another machine: say so, since the run here would refuse
             plan.summary.append(("weights", f"none in {ref.path}: planned from config.json alone; the run needs them"))
         return ConvertResult(None, plan)
     out = Path(out).expanduser().absolute()  # now: `-o .` names the folder the run replaces, cwd included
@@ -256,7 +259,9 @@ def convert(
             "command": command,
             "reproduce": reproduce_command(ref.spec, out, to, opts, plan.settings, dtype=dtype,
                                            max_shard_size=max_shard_size),
-            "source": {"model": ref.spec, "kind": ref.kind, "path": str(ref.path), "model_type": ckpt.config.get("model_type"),
+            # a GGUF's path is the file (its cached copy may be pruned; finetune's teacher reads the file again)
+            "source": {"model": ref.spec, "kind": ref.kind, "path": str(ref.source),
+                       **({"cache": str(ref.path)} if ref.file else {}), "model_type": ckpt.config.get("model_type"),
                        "num_key_value_heads": ckpt.config.get("num_key_value_heads"), "num_params": ckpt.num_params},
             "conversion": {"to": plan.conversion, **plan.settings, **plan.measured.get("settings", {})},
             "seconds": round(seconds, 1),

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from ..errors import EffattnError
+from ..errors import EffattnError, clip
 from ..families import AttentionShape, Family, rope_settings, trained_length
 from ..io.checkpoint import Checkpoint
 from ..io.writer import SafetensorsWriter
@@ -223,11 +223,11 @@ def check_native(config: dict[str, Any]) -> None:
         cfg = CONFIG_MAPPING[model_type].from_dict(config)
         ROPE_INIT_FUNCTIONS[config["rope_parameters"]["rope_type"]](cfg, torch.device("cpu"))
     except Exception as exc:  # noqa: BLE001 - transformers' own checks, said in one line
-        raise EffattnError(f"transformers rejects these RoPE parameters ({' '.join(str(exc).split())[:200]})",
+        raise EffattnError(f"transformers rejects these RoPE parameters ({clip(exc)})",
                            "see `effattn convert --to rope-scaling --help`") from None
     finally:
         for lg in loggers:
             lg.removeHandler(handler)
     if records:
-        raise EffattnError(f"transformers warns about these RoPE parameters: {' '.join(records[0].split())[:240]}",
+        raise EffattnError(f"transformers warns about these RoPE parameters: {clip(records[0], 240)}",
                            "adjust the options it names")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..data.corpora import CORPORA, corpus_names, load_text
-from ..errors import EffattnError
+from ..errors import EffattnError, clip
 
 
 def _source_key(source: str) -> str:
@@ -103,7 +103,7 @@ def _hub_texts(source: str, key: str) -> list[str]:
     try:
         ds = datasets.load_dataset(name, config, split=split or "train")
     except Exception as exc:  # noqa: BLE001 - network, missing dataset, bad split: one line
-        raise EffattnError(f"could not load the hub dataset {name!r} ({type(exc).__name__}: {str(exc)[:160]})",
+        raise EffattnError(f"could not load the hub dataset {name!r} ({type(exc).__name__}: {clip(exc, 160)})",
                            "check the name, split and network, or export the text to a .jsonl file") from None
     if key not in ds.column_names:
         raise EffattnError(f"hub dataset {name!r} has no column {key!r} (columns: {', '.join(ds.column_names)})",

@@ -52,7 +52,7 @@ from ..io.save import save_model
 from ..models import export_code_for
 from ..io.checkpoint import read_config
 from ..io.verify import meta_model
-from ..io.writer import finish_interrupted_swap, write_json, write_text
+from ..io.writer import finish_interrupted_swap, remove_path, write_json, write_text
 from ..killpoints import kill_point
 from ..resources import release_free_heap
 from . import distributed
@@ -144,7 +144,21 @@ def resolve_teacher(recipe: Recipe, student_record: dict[str, Any] | None, stude
     if not source:
         raise EffattnError(f"no teacher: {student_path} has no effattn.json naming the model it was converted from",
                            "set teacher.model, or loss.kl=0 and loss.attn_out=0 to train on cross-entropy alone")
+    if source.get("kind") == "gguf":
+        return gguf_teacher(source, student_path)
     return source["model"] if source.get("kind") in ("builtin", "hub") else source["path"]
+
+
+def gguf_teacher(source: dict[str, Any], student_path: Path) -> str:
+    """The teacher of a student converted from a GGUF file: the file (dequantized again if its cached copy was
+    pruned). Records before the file was kept name the cached copy, used while it is still there."""
+    path = Path(source["path"])
+    if path.is_file() or (path / "config.json").is_file():
+        return str(path)
+    gguf = source["path"] if path.suffix == ".gguf" else source.get("model", source["path"])
+    raise EffattnError(f"no teacher: {student_path} was converted from the GGUF file {gguf}, which is no longer there",
+                       "set teacher.model=... (that GGUF file or the model it came from), or loss.kl=0 and "
+                       "loss.attn_out=0 to train on cross-entropy alone")
 
 
 def prepare_student(student: Student, run: RunFolder, accelerator, say, command: str | None) -> Path:
@@ -283,7 +297,10 @@ def finetune(recipe: Recipe, *, resume: bool = False, force: bool = False, progr
                 log(f"the run failed: {aside['out']} holds the folder --force was replacing again")
         raise
     if result.out is not None:  # the main process, the model written: the replaced folder goes
-        shutil.rmtree(RunFolder(result.out).replaced, ignore_errors=True)
+        run = RunFolder(recipe.output)
+        remove_path(run.replaced)
+        if run.link_replaced is not None and run.link_replaced.is_symlink():  # an earlier version's leftover
+            run.link_replaced.unlink()
     release_process_group_at_exit()
     return result
 
@@ -375,7 +392,7 @@ def _finetune(recipe: Recipe, *, resume: bool, force: bool, progress, log: Calla
     procs.wait_for_everyone()
     if main:
         if start.wipe and force and not run.started():  # the folder --force replaces: kept aside until the end
-            shutil.rmtree(run.replaced, ignore_errors=True)
+            remove_path(run.replaced)
             run.out.rename(run.replaced)
             if aside is not None:
                 aside.update(out=run.out, replaced=run.replaced)

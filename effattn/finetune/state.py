@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EffattnError
-from ..io.writer import clean_leftovers, disk_error, write_json, write_text
+from ..io.writer import clean_leftovers, disk_error, output_folder, write_json, write_text
 from ..killpoints import kill_point, watching_checkpoint_files
 from .config import recipe_diff
 
@@ -35,7 +35,8 @@ RUN_MARKER = ".effattn-finetune"  # in OUT from a run's start until the final mo
 
 class RunFolder:
     def __init__(self, out: str | Path):
-        self.out = Path(out).expanduser().absolute()
+        # a symbolic link OUT is the folder it leads to: --force replaces that folder and the link stays
+        self.out = output_folder(out)
         self.checkpoints = self.out / "checkpoints"
         self.metrics = self.out / "metrics.jsonl"
         self.recipe = self.out / "recipe.yaml"
@@ -46,6 +47,8 @@ class RunFolder:
         # --force keeps the folder it replaces here, beside OUT, until the run has written its model (then it goes) or
         # has failed with an error (then it comes back); an interrupted run leaves it for the next one to finish
         self.replaced = self.out.with_name(f".{self.out.name}.replaced-by-effattn")
+        given = Path(out).expanduser().absolute()  # an earlier effattn renamed a link OUT itself aside, to here:
+        self.link_replaced = given.with_name(f".{given.name}.replaced-by-effattn") if given != self.out else None
 
     def started(self) -> bool:
         """OUT is a run of ours that has not finished (its marker, written before anything else)."""

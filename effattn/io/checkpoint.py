@@ -218,6 +218,13 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise EffattnError(f"{path}: 'architectures' is {archs!r}, not a list of class names", "fix or re-download it")
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
+        if config.get("auto_map"):  # --trust-remote-code would not help: say so
+            from ..families import supported_types
+
+            raise EffattnError(f"{folder} is not a causal LM (architectures: {', '.join(archs)}; its modeling code "
+                               "is remote: auto_map in config.json)",
+                               "effattn reads decoder-only *ForCausalLM checkpoints and converts these model types "
+                               f"only: {supported_types()}; --trust-remote-code does not change that")
         raise EffattnError(f"{folder} is not a causal LM (architectures: {', '.join(archs)})",
                            "effattn converts decoder-only *ForCausalLM checkpoints")
     for key in ("num_attention_heads", "hidden_size", "num_hidden_layers"):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import EffattnError
+from ..errors import EffattnError, clip
 from .checkpoint import Checkpoint
 from .verify import verify_checkpoint
 from .resolve import ModelRef, hub_kernels, resolve_model
@@ -25,8 +25,10 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def as_ref(model: str | Path | ModelRef, *, trust_remote_code: bool = False) -> ModelRef:
-    return model if isinstance(model, ModelRef) else resolve_model(str(model), trust_remote_code=trust_remote_code)
+def as_ref(model: str | Path | ModelRef, *, trust_remote_code: bool = False, plan_only: bool = False) -> ModelRef:
+    if isinstance(model, ModelRef):
+        return model
+    return resolve_model(str(model), trust_remote_code=trust_remote_code, plan_only=plan_only)
 
 
 # The fix a refusal of a checkpoint's own code names; finetune, which has no such flag, names its own.
@@ -129,7 +131,7 @@ def load_model(model: str | Path | ModelRef, *, dtype: str | None = "float32", t
     except EffattnError:
         raise
     except Exception as exc:  # noqa: BLE001 - one line for the user, --debug shows the rest
-        raise EffattnError(f"transformers could not load {ref.display} ({type(exc).__name__}: {str(exc)[:200]})",
+        raise EffattnError(f"transformers could not load {ref.display} ({type(exc).__name__}: {clip(exc)})",
                            "check the checkpoint is complete and matches its config.json") from exc
     lm.to(device).eval()
     from ..attention.mla import absorb, is_mla

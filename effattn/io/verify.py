@@ -10,11 +10,12 @@ remote code defines is not checked.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 
-from ..errors import EffattnError
+from ..errors import EffattnError, clip
 
 
 def meta_model(config: dict[str, Any]):
@@ -40,9 +41,28 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]] | Non
     except Exception as exc:  # noqa: BLE001 - transformers' own checks of the config, said in one line
         reason = " ".join(str(exc).split())
         reason = reason.split("validate_architecture'")[-1].strip(" :.'") or type(exc).__name__
-        raise EffattnError(f"transformers rejects this config.json ({reason[:200]})", "fix or re-download it") from None
+        raise EffattnError(f"transformers rejects this config.json ({clip(reason)})", "fix or re-download it") from None
     tied = {k for k in getattr(model, "_tied_weights_keys", None) or {}} if config.get("tie_word_embeddings", True) else set()
     return {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
+
+
+def stored_under_other_names(model_type: str | None) -> list[re.Pattern]:
+    """Patterns of the model's tensor names that its checkpoints store otherwise: transformers renames or fuses
+    them while loading (its checkpoint conversion mapping: a Mixtral's block_sparse_moe.experts.N.w1 become
+    mlp.experts.gate_up_proj). Such names cannot be looked up in the checkpoint, so they go unchecked here."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # a transformers without conversion mappings loads names as stored
+        return []
+    patterns = []
+    for rule in get_checkpoint_conversion_mapping(model_type) or []:
+        targets = getattr(rule, "target_patterns", None) or []
+        for target in [targets] if isinstance(targets, str) else targets:
+            try:
+                patterns.append(re.compile(target))
+            except (re.error, TypeError):
+                patterns.append(re.compile(re.escape(str(target))))
+    return patterns
 
 
 def verify_checkpoint(ckpt) -> None:
@@ -52,6 +72,8 @@ def verify_checkpoint(ckpt) -> None:
     expected = expected_tensors(ckpt.config)
     if not expected:
         return
+    renamed = stored_under_other_names(ckpt.config.get("model_type"))
+    expected = {name: shape for name, shape in expected.items() if not any(p.search(name) for p in renamed)}
     present = set(ckpt.names())
     missing = [name for name in expected if name not in present]
     if len(missing) > len(expected) / 2:

@@ -29,11 +29,27 @@ from ..killpoints import kill_point
 from .checkpoint import SAFETENSORS_DTYPE
 
 
+def output_folder(out: Path | str) -> Path:
+    """The folder an output path names: its absolute path, or where it leads when it is a symbolic link (a
+    link to a folder, or a dangling one). Outputs are written there, so a link OUT keeps pointing at the new
+    output, and nothing that replaces OUT ever renames or deletes the link itself."""
+    out = Path(out).expanduser().absolute()
+    return out.resolve() if out.is_symlink() else out
+
+
+def remove_path(path: Path) -> None:
+    """Delete a folder, or a file or symbolic link (shutil.rmtree refuses a link, silently with ignore_errors)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def check_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0, inputs=()) -> Path:
     """Everything `atomic_output` refuses, checked without writing (a dry run calls it too): an existing
     OUT without force, OUT not a folder, too little disk, and OUT being (or holding) one of the run's
-    `inputs`, which replacing it would destroy."""
-    out = Path(out).expanduser().absolute()
+    `inputs`, which replacing it would destroy. A symbolic link OUT is checked as the folder it leads to."""
+    out = output_folder(out)
     for source in inputs:
         source = Path(source).expanduser().absolute()
         if out.resolve() == source.resolve() or source.resolve().is_relative_to(out.resolve()):
@@ -144,9 +160,13 @@ def atomic_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0
 
     An existing `out` (with force) is replaced by two renames, out -> .NAME.old-X and
     .NAME.tmp-X -> out, and the old folder is deleted last; `finish_interrupted_swap` completes a
-    replacement that a kill cut short, so no moment leaves `out` missing for good.
+    replacement that a kill cut short, so no moment leaves `out` missing for good. A symbolic link `out` is
+    written through: the folder it leads to is replaced and the link stays (`output_folder`).
     """
-    out = Path(out).expanduser().absolute()
+    given = Path(out).expanduser().absolute()
+    out = output_folder(given)
+    if out != given:  # what an earlier effattn, which swapped the link itself, left beside it
+        finish_interrupted_swap(given)
     finish_interrupted_swap(out)
     clean_leftovers(out)
     check_output(out, force=force, needed_bytes=needed_bytes, inputs=inputs)
@@ -184,7 +204,7 @@ def atomic_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0
     _unlock(lock, lock_file)
     if old is not None:
         kill_point(f"output.swapped:{out.name}")
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
 
 
 def _unlock(fd: int, lock_file: Path) -> None:
@@ -204,19 +224,20 @@ def finish_interrupted_swap(out: Path) -> str | None:
     Only a temporary folder whose old counterpart exists was complete when the swap began, so:
     `out` missing, .NAME.old-X and .NAME.tmp-X present -> the new folder is renamed into place;
     `out` missing and only .NAME.old-X -> the old folder goes back; `out` present -> the old one is
-    deleted (the swap had finished).
+    deleted (the swap had finished). An old entry may be a symbolic link (an earlier effattn renamed a link
+    OUT aside): the link is removed, never what it leads to.
     """
     out = Path(out).expanduser().absolute()
     done = None
     for old in sorted(out.parent.glob(f".{out.name}.old-*")):
         if out.exists():
-            shutil.rmtree(old, ignore_errors=True)
+            remove_path(old)
             continue
         tag = old.name.rpartition(".old-")[2]
         new = out.with_name(f".{out.name}.tmp-{tag}")
         if new.is_dir():
             new.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
+            remove_path(old)
             done = f"finished writing {out}, which a kill interrupted while it replaced the old folder"
         else:
             old.rename(out)
