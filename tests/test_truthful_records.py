@@ -203,6 +203,43 @@ def test_the_reproduce_line_reproduces_the_output(tiny, tmp_path):
     assert record(again)["reproduce"].replace(str(again), str(out)) == line
 
 
+def test_the_reproduce_line_works_from_any_folder_and_keeps_allow_pickle(capsys, tiny, tmp_path, monkeypatch):
+    """The line kept the model as typed (a path relative to where it ran) and dropped --allow-pickle, so it was
+    refused when run; base_model named a local path where Hub metadata expects a hub id."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny("llama")
+    torch.save(AutoModelForCausalLM.from_pretrained(src).state_dict(), src / "pytorch_model.bin")
+    (src / "model.safetensors").unlink()
+    monkeypatch.chdir(src.parent)
+    code, _, err = run_cli(capsys, "convert", src.name, "--to", "mqa", "--method", "mean", "--no-eval",
+                           "--allow-pickle", "-o", tmp_path / "out")
+    assert code == 0, err
+    argv = shlex.split(record(tmp_path / "out")["reproduce"])
+    assert argv[2] == str(src) and "--allow-pickle" in argv
+    assert "base_model" not in (tmp_path / "out" / "README.md").read_text()
+    monkeypatch.chdir(tmp_path)
+    argv[argv.index("-o") + 1] = str(tmp_path / "again")
+    code, _, err = run_cli(capsys, *argv[1:], "--no-eval")
+    assert code == 0, err
+
+
+def test_a_cards_base_model_is_a_hub_id():
+    from effattn.io.resolve import ModelRef
+
+    assert ModelRef("llama", Path("/x"), "builtin").hub_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert ModelRef("org/name", Path("/x"), "hub").hub_id == "org/name"
+    assert ModelRef("m", Path("/x/m"), "folder").hub_id is None
+
+
+def test_an_mla_output_is_refused_as_such(capsys, tiny, tmp_path):
+    code, _, err = run_cli(capsys, "convert", tiny("llama"), "--to", "mla", "--kv-size", "16", "--refine-steps", "0",
+                           "--calib-tokens", "1024", "--no-eval", "-o", tmp_path / "mla")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "convert", tmp_path / "mla", "--to", "gqa", "--kv-heads", "1", "-o", tmp_path / "x")
+    assert_one_line_error(code, err, "is an MLA model (a latent KV cache)", "convert the model it came from")
+
+
 def test_a_vq_card_measures_at_long_context_and_states_the_break_even(tiny, tmp_path):
     from effattn.convert import convert
 

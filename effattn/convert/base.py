@@ -201,6 +201,9 @@ def convert(
     if made_by_us:
         raise EffattnError(f"{ref.spec} is already an effattn model ({made_by_us.description})",
                            "convert the model it came from (see its effattn.json), or chain the conversions in another order")
+    if ckpt.config.get("kv_lora_rank"):  # as inspect says: DeepseekV3 is no family effattn converts from
+        raise EffattnError(f"{ref.spec} is an MLA model (a latent KV cache): effattn converts from GQA/MHA families",
+                           "convert the model it came from (see its effattn.json)")
     family = family_for(ckpt.config)  # before the tensors: a family effattn does not convert is refused as such
     verify_checkpoint(ckpt)
     check_applies(conversion, ckpt.config, family, ref.spec)
@@ -257,10 +260,11 @@ def convert(
             "effattn_version": __version__,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": command,
-            "reproduce": reproduce_command(ref.spec, out, to, opts, plan.settings, dtype=dtype,
-                                           max_shard_size=max_shard_size),
+            "reproduce": reproduce_command(ref.portable, out, to, opts, plan.settings, dtype=dtype,
+                                           max_shard_size=max_shard_size, trust_remote_code=trust_remote_code,
+                                           allow_pickle=allow_pickle),
             # a GGUF's path is the file (its cached copy may be pruned; finetune's teacher reads the file again)
-            "source": {"model": ref.spec, "kind": ref.kind, "path": str(ref.source),
+            "source": {"model": ref.spec, "kind": ref.kind, "path": str(ref.source), "hub_id": ref.hub_id,
                        **({"cache": str(ref.path)} if ref.file else {}), "model_type": ckpt.config.get("model_type"),
                        "num_key_value_heads": ckpt.config.get("num_key_value_heads"), "num_params": ckpt.num_params},
             "conversion": {"to": plan.conversion, **plan.settings, **plan.measured.get("settings", {})},
@@ -269,7 +273,7 @@ def convert(
             "resources": side_by_side(plan.est_seconds, plan.est_peak_bytes, time.perf_counter() - t0, peak),
         }
         if skipped:
-            record["measurement_skipped"] = f"{skipped}; measure later: effattn eval {out} --baseline {ref.spec} --tokenizer FOLDER"
+            record["measurement_skipped"] = f"{skipped}; measure later: effattn eval {out} --baseline {ref.portable} --tokenizer FOLDER"
         run_record = {k: v for k, v in plan.measured.items() if k not in ("config", "settings")}
         if run_record:  # what the run measured on the way (e.g. per-layer refinement losses)
             record["conversion_run"] = run_record
@@ -361,7 +365,7 @@ def _add_estimates(plan: Plan, ckpt: Checkpoint, *, measure: bool, eval_tokens: 
 
 
 def reproduce_command(source: str, out: Path, to: str, opts: ConversionOptions, settings: dict[str, Any], *,
-                      dtype, max_shard_size) -> str:
+                      dtype, max_shard_size, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
     """The `effattn convert` command line that makes this output again: every option that mattered
     spelled out (those the user gave, and those the plan recorded as used, at the value used), so a
     later change of a default does not change what it makes."""
@@ -384,6 +388,7 @@ def reproduce_command(source: str, out: Path, to: str, opts: ConversionOptions, 
             parts.append(flag(name) if value else "--no-" + flag(name)[2:])
         else:
             parts += [flag(name), shlex.quote(str(value))]
+    parts += ["--trust-remote-code"] * trust_remote_code + ["--allow-pickle"] * allow_pickle
     parts += ["--dtype", str(dtype or "auto"), "--max-shard-size", str(max_shard_size), "-o", shlex.quote(str(out))]
     return " ".join(parts)
 

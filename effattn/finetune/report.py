@@ -62,7 +62,7 @@ def finetune_card(name: str, record: dict[str, Any], model_type: str | None = No
             if conv else f"fine-tuned from `{ft['student']}`")
     lines = [
         "---",
-        *([f"base_model: {src['model']}"] if src.get("model") else []),
+        *([f"base_model: {src['hub_id']}"] if src.get("hub_id") else []),  # Hub metadata: a hub id, not a path
         "library_name: transformers",
         f"tags: [effattn, finetune{', ' + conv['to'] if conv else ''}]",
         "---",

@@ -49,7 +49,7 @@ def model_card(name: str, record: dict[str, Any], plan) -> str:
                          for k, v in conv.items())  # tables (e.g. per-head errors) stay in the record
     lines = [
         "---",
-        f"base_model: {src['model']}",
+        *([f"base_model: {src['hub_id']}"] if src.get("hub_id") else []),  # Hub metadata: a hub id, not a path
         "library_name: transformers",
         f"tags: [effattn, {conv['to']}]",
         "---",

