@@ -512,13 +512,15 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
 
     settings = settings or EvalSettings()
     cuda = check_device(device).startswith("cuda")
-    ref = as_ref(model, trust_remote_code=trust_remote_code)
-    base_ref = as_ref(baseline, trust_remote_code=trust_remote_code) if baseline is not None else None
+    # a dry run plans a .gguf from its metadata: it dequantizes nothing (convert --dry-run does the same)
+    ref = as_ref(model, trust_remote_code=trust_remote_code, plan_only=dry_run)
+    base_ref = as_ref(baseline, trust_remote_code=trust_remote_code, plan_only=dry_run) if baseline is not None \
+        else None
     ckpts = [check_loadable(ref, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                            attn_implementation=attn_implementation, dtype=dtype)]
+                            attn_implementation=attn_implementation, dtype=dtype, plan_only=dry_run)]
     if base_ref is not None:
         ckpts.append(check_loadable(base_ref, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                                    dtype=dtype))
+                                    dtype=dtype, plan_only=dry_run))
         check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))
     tok = load_tokenizer(tokenizer or ref, trust_remote_code=trust_remote_code)  # the one measured with
     check_tokenizer_fits(tok, zip([ref.display] + ([base_ref.display] if base_ref is not None else []),

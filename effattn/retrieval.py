@@ -275,9 +275,12 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
 
     settings = (settings or RetrievalSettings()).validate()
     cuda = check_device(device).startswith("cuda")
-    refs = [as_ref(m, trust_remote_code=trust_remote_code) for m in (model, baseline) if m is not None]
+    # a dry run plans a .gguf from its metadata: it dequantizes nothing (convert --dry-run does the same)
+    refs = [as_ref(m, trust_remote_code=trust_remote_code, plan_only=dry_run) for m in (model, baseline)
+            if m is not None]
     ckpts = [check_loadable(r, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                            attn_implementation=attn_implementation if i == 0 else None, dtype=dtype)
+                            attn_implementation=attn_implementation if i == 0 else None, dtype=dtype,
+                            plan_only=dry_run)
              for i, r in enumerate(refs)]
     if len(ckpts) == 2:  # the baseline reads MODEL's prompts
         check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))

@@ -266,3 +266,26 @@ def test_a_dry_run_on_a_gguf_plans_from_its_metadata_without_dequantizing(capsys
     assert (plan_entry / "config.json").is_file() and (plan_entry / "tokenizer.json").is_file()
     gguf_model.unlink()  # an entry of a GGUF that is gone is pruned, the metadata one too
     assert plan_entry in prune_gguf_cache()
+
+
+def test_evals_dry_runs_on_a_gguf_dequantize_nothing_and_plan_what_the_run_measures(capsys, gguf_model, tmp_path):
+    """eval's and passkey's dry runs dequantized the file into the cache, as convert's did."""
+    import json
+
+    cache = tmp_path / "cache"
+    for task in (["--corpus", "shakespeare", "--max-tokens", "128", "--context", "64", "--no-speed"],
+                 ["--task", "passkey", "--lengths", "300", "--depths", "0.5", "--samples", "1"]):
+        code, out, err = run_cli(capsys, "eval", gguf_model, *task, "--dry-run", "--json")
+        assert code in (0, None), err
+        assert not list(cache.rglob("*.safetensors"))
+    planned = json.loads(out)
+    code, out, err = run_cli(capsys, "eval", gguf_model, "--task", "passkey", "--lengths", "300", "--depths", "0.5",
+                             "--samples", "1", "--json")
+    assert code in (0, None), err
+    assert list(cache.rglob("*.safetensors"))  # the run dequantizes it
+    code, out, err = run_cli(capsys, "eval", gguf_model, "--task", "passkey", "--lengths", "300", "--depths", "0.5",
+                             "--samples", "1", "--dry-run", "--json")
+    again = json.loads(out)  # the same plan from the metadata as from the dequantized copy, named by the file
+    assert again["model"] == planned["model"] == str(gguf_model)
+    assert {k: v for k, v in again.items() if k != "est_peak_bytes"} == \
+        {k: v for k, v in planned.items() if k != "est_peak_bytes"}  # (the estimate counts the process's own memory)

@@ -74,14 +74,18 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "flex_attention", "eager")
 
 
 def check_loadable(model: str | Path | ModelRef, *, trust_remote_code: bool = False, allow_pickle: bool = False,
-                   attn_implementation: str | None = None, dtype: str | None = None) -> Checkpoint:
+                   attn_implementation: str | None = None, dtype: str | None = None,
+                   plan_only: bool = False) -> Checkpoint:
     """The checks `load_model` makes before it reads any weights: the checkpoint's tensors against its config,
     pickles, a checkpoint's own code, the attention kernel, the dtype it is to run in. Returns the checkpoint
-    (headers and config only); dry runs call it to refuse what the run would."""
+    (headers and config only); dry runs call it to refuse what the run would, with `plan_only`: a .gguf not
+    dequantized yet is then planned from its metadata (the tensors' shapes from its config), as `convert
+    --dry-run` plans it."""
     import effattn.attention  # noqa: F401 - registers effattn's own model classes with transformers
 
-    ref = as_ref(model, trust_remote_code=trust_remote_code)
-    ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)  # validates weights and refuses pickles
+    ref = as_ref(model, trust_remote_code=trust_remote_code, plan_only=plan_only)
+    # validates weights and refuses pickles
+    ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle, shapes_only=plan_only and ref.kind == "gguf")
     verify_checkpoint(ckpt)
     if ckpt.config.get("auto_map") and not trust_remote_code and not _registered(ckpt.config.get("model_type")):
         raise EffattnError(f"{ref.display} needs its own modeling code (auto_map in config.json)",

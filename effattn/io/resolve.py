@@ -61,7 +61,8 @@ class ModelRef:
 
     @property
     def display(self) -> str:
-        return self.spec if self.kind in ("builtin", "hub") else str(self.path)
+        """The model in messages: the name or hub id, else the path (the .gguf file, not its copy in the cache)."""
+        return self.spec if self.kind in ("builtin", "hub") else str(self.source)
 
     @property
     def portable(self) -> str:
