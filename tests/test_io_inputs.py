@@ -187,6 +187,7 @@ def test_a_model_converted_from_a_gguf_names_the_file_and_finetune_reads_it_agai
             *FINETUNE]
     code, _, err = run_cli(capsys, *args)
     assert code in (0, None), err
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.safetensors"))  # metadata only
     gguf_model.unlink()
     code, _, err = run_cli(capsys, *args)
     assert_one_line_error(code, err, f"converted from the GGUF file {gguf_model}, which is no longer there",

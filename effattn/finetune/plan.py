@@ -69,7 +69,7 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     student = recipe.student
     if (recipe.eval.bos and recipe.eval.corpora) or recipe.data.bos:
         # the prefix token exists (a config-only folder, planned for another machine, has no tokenizer to ask)
-        ref = as_ref(student.model)
+        ref = as_ref(student.model, plan_only=True)
         if tokenizer_missing(ref.path) is None:
             prefix_token(load_tokenizer(ref))
     if student.convert is not None:
@@ -80,11 +80,14 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
             raise in_recipe_terms(exc) from None
         config, conversion, record, path = plan.config, dict(plan.summary), None, None
     else:
-        path = as_ref(student.model).path
+        path = as_ref(student.model, plan_only=True).path
         config, conversion, record = read_config(path), None, read_record(path)
     teacher_spec = resolve_teacher(recipe, record, path)
-    teacher_params = _num_params(as_ref(teacher_spec).path) if teacher_spec else 0
-    check_configs(recipe, config, read_config(as_ref(teacher_spec).path) if teacher_spec else None, teacher_spec)
+    # sizes and configs only: a .gguf teacher is planned from its metadata, not dequantized
+    teacher_path = as_ref(teacher_spec, plan_only=True).path if teacher_spec else None
+    teacher_config = read_config(teacher_path) if teacher_path else None
+    teacher_params = _num_params(teacher_path) if teacher_path else 0
+    check_configs(recipe, config, teacher_config, teacher_spec)
 
     base = meta_model(config)
     student_params = count_params(base)[1]
@@ -93,10 +96,9 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     if strategy == "fsdp" and recipe.distributed.wrap:  # what shard_teacher and accelerate would refuse, loaded
         check_wrap(base, recipe.distributed.wrap, "the student")
         if teacher_spec and recipe.distributed.shard_teacher:
-            check_wrap(meta_model(read_config(as_ref(teacher_spec).path)), recipe.distributed.wrap, "the teacher")
+            check_wrap(meta_model(teacher_config), recipe.distributed.wrap, "the teacher")
     unit_params, tail_params = _units(base, recipe.distributed.wrap)
-    teacher_units = _units(meta_model(read_config(as_ref(teacher_spec).path)), recipe.distributed.wrap) \
-        if teacher_spec else (0, 0)
+    teacher_units = _units(meta_model(teacher_config), recipe.distributed.wrap) if teacher_config else (0, 0)
     model = select_trainable(base, recipe.train)
     trainable, total = count_params(model)
     embed = model.get_input_embeddings().weight.numel()

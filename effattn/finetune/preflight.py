@@ -102,7 +102,7 @@ def student_tokenizer(recipe: Recipe):
     from ..io.checkpoint import Checkpoint
     from ..io.load import as_ref, check_tokenizer_fits, load_tokenizer, tokenizer_missing
 
-    ref = as_ref(recipe.student.model)
+    ref = as_ref(recipe.student.model, plan_only=True)
     why = tokenizer_missing(ref.path)
     ckpt = Checkpoint(ref.path, shapes_only=True)
     if why:
