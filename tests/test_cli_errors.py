@@ -230,6 +230,7 @@ def test_inspect_shows_the_refusals_convert_makes_on_a_biased_llama(capsys, tiny
     assert code == 0
     clean = json.loads(run_cli(capsys, "inspect", tiny("llama"), "--json")[1])["conversions"]
     assert "Only with --sinks" not in clean["swa"] and not clean["mla"].startswith("refused")
+    assert "the cache holds W - 1 + S tokens per windowed layer" in clean["swa"]  # it said W + S
 
 
 @pytest.mark.parametrize("to, flags, needles", [

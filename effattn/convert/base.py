@@ -260,7 +260,7 @@ def convert(
             "effattn_version": __version__,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": command,
-            "reproduce": reproduce_command(ref.portable, out, to, opts, plan.settings, dtype=dtype,
+            "reproduce": reproduce_command(ref.display, out, to, opts, plan.settings, dtype=dtype,
                                            max_shard_size=max_shard_size, trust_remote_code=trust_remote_code,
                                            allow_pickle=allow_pickle),
             # a GGUF's path is the file (its cached copy may be pruned; finetune's teacher reads the file again)
@@ -273,7 +273,7 @@ def convert(
             "resources": side_by_side(plan.est_seconds, plan.est_peak_bytes, time.perf_counter() - t0, peak),
         }
         if skipped:
-            record["measurement_skipped"] = f"{skipped}; measure later: effattn eval {out} --baseline {ref.portable} --tokenizer FOLDER"
+            record["measurement_skipped"] = f"{skipped}; measure later: effattn eval {out} --baseline {ref.display} --tokenizer FOLDER"
         run_record = {k: v for k, v in plan.measured.items() if k not in ("config", "settings")}
         if run_record:  # what the run measured on the way (e.g. per-layer refinement losses)
             record["conversion_run"] = run_record

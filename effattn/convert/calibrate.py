@@ -8,7 +8,6 @@ from every evaluation corpus (data/corpora.py).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,6 +57,7 @@ class CalibSettings:
             raise EffattnError(f"calibration text {self.corpus} is empty", "point --calib to a text with content")
         used = self.tokens // self.seq_len * self.seq_len
         if folder is not None:
+            from ..io.checkpoint import read_config
             from ..io.load import check_tokenizer_fits, tokenizer_missing
 
             why = tokenizer_missing(folder)
@@ -66,7 +66,7 @@ class CalibSettings:
                                    "copy the tokenizer files of the model it came from into it" +
                                    (f", or {without}" if without else ""))
             tokenizer = _tokenizer(folder)
-            check_tokenizer_fits(tokenizer, [("the model", json.loads((Path(folder) / "config.json").read_text()))],
+            check_tokenizer_fits(tokenizer, [("the model", read_config(Path(folder)))],
                                  "copy the tokenizer files of the model it came from into its folder")
             held = len(leading_tokens(tokenizer, text, used))
             whole = held // self.seq_len * self.seq_len

@@ -92,12 +92,12 @@ def parse_layer_ids(text: str, layers: int) -> list[int]:
     return ids
 
 
-def kv_bytes(config: dict[str, Any], layer_types: list[str], window: int, context: int, dtype: torch.dtype) -> float:
-    """Cache bytes per token at `context` tokens: windowed layers hold `window` tokens, full ones all. (A window
+def kv_bytes(config: dict[str, Any], layer_types: list[str], cached: int, context: int, dtype: torch.dtype) -> float:
+    """Cache bytes per token at `context` tokens: windowed layers hold `cached` tokens, full ones all. (A window
     of W keys caches W - 1 of them, and the sinks: each query reads them and itself.)"""
     shape = AttentionShape.of(config)
     per_layer = 2 * shape.kv_heads * shape.head_dim * dtype.itemsize
-    held = sum(min(window, context) if t == "sliding_attention" else context for t in layer_types)
+    held = sum(min(cached, context) if t == "sliding_attention" else context for t in layer_types)
     return per_layer * held / context
 
 
@@ -145,7 +145,7 @@ class SWAConversion:
     def targets(self, config: dict[str, Any]) -> str:
         trained = trained_length(config)
         text = (f"--window W [--sinks S] [--full-layers N]: each query attends to its last W keys (W < {trained:,}, "
-                f"the trained context) and the first S; the cache holds W + S tokens per windowed layer")
+                f"the trained context) and the first S; the cache holds W - 1 + S tokens per windowed layer")
         try:
             native_config(config, family_for(config), 1, ["sliding_attention"])
         except EffattnError as exc:
@@ -197,7 +197,8 @@ class SWAConversion:
             check_native(new)
         dtype = target or ckpt.dtype
         before = kv_bytes(config, ["full_attention"] * shape.layers, opts.window, trained, dtype)
-        after = kv_bytes(config, provisional, opts.window - 1 + opts.sinks, trained, dtype)  # the cache's tokens
+        cached = opts.window - 1 + opts.sinks  # what transformers' sliding cache and the sinks cache hold
+        after = kv_bytes(config, provisional, cached, trained, dtype)
         n_full = opts.full_layers if ranking else len(full)
         settings: dict[str, Any] = {"window": opts.window, "sinks": opts.sinks, "full_layers": n_full,
                                     "full_layer_ids": ",".join(map(str, full)) if fixed else None}
@@ -227,8 +228,7 @@ class SWAConversion:
             summary.append(("ranking", f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len:,}: "
                                        "each layer's attention error, windowed against full"))
         summary.append(("KV cache", f"{readable(before)} -> {readable(after)} bytes/token at {trained:,} tokens "
-                                    f"({before / after:.1f}x less; a windowed layer caches {opts.window - 1 + opts.sinks:,} "
-                                    "tokens)"))
+                                    f"({before / after:.1f}x less; a windowed layer caches {cached:,} tokens)"))
         return Plan(conversion=self.name, config=new, specs=same_specs(ckpt, target), settings=settings,
                     summary=summary, kv_bytes_per_token=(before, after), est_seconds=est_seconds,
                     est_peak_bytes=est_peak, state=state)

@@ -319,9 +319,10 @@ class VQConversion(_ReRoPEBase):
         key_means = c.config["vq_key_means"]
         D, per_code = shape.head_dim, shape.head_dim * (2 if key_means else 1) + 1
         heavy = c.config["vq_heavy_keys"]
+        exact_far = heavy + c.block if heavy else 0  # heavy hitters' far keys, at most, per quantized KV head
         quantized = shape.layers * shape.kv_heads - exact_heads
         if heavy:
-            per_head = (window - 1) * (3 * D * 4 + 8 + 4) + (heavy + c.block) * (2 * D * 4 + 8 + 4 + 8)
+            per_head = (window - 1) * (3 * D * 4 + 8 + 4) + exact_far * (2 * D * 4 + 8 + 4 + 8)
             rope_rows = 0
         else:
             per_head = (window - 1) * (2 * D * 4 + 8) + sinks * 2 * D * 4
@@ -375,7 +376,7 @@ class VQConversion(_ReRoPEBase):
             state={"shape": shape, "target": c.target, "size": size, "calib": calib, "metric": metric,
                    "kmeans": method, "seed": opts.seed, "exact_heads": exact_heads, "refine": refine,
                    # a query reads its window's keys, the sinks and one summary per code
-                   "attention_span": lambda context: window + sinks + (heavy + c.block if heavy else 0) + size},
+                   "attention_span": lambda context: window + sinks + exact_far + size},
         )
 
     def run(self, ckpt: Checkpoint, family: Family, plan: Plan, writer: SafetensorsWriter, progress) -> None:

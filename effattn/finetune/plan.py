@@ -86,6 +86,7 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     # sizes and configs only: a .gguf teacher is planned from its metadata, not dequantized
     teacher_path = as_ref(teacher_spec, plan_only=True).path if teacher_spec else None
     teacher_config = read_config(teacher_path) if teacher_path else None
+    teacher_meta = meta_model(teacher_config) if teacher_config else None
     teacher_params = _num_params(teacher_path) if teacher_path else 0
     check_configs(recipe, config, teacher_config, teacher_spec)
 
@@ -96,9 +97,9 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     if strategy == "fsdp" and recipe.distributed.wrap:  # what shard_teacher and accelerate would refuse, loaded
         check_wrap(base, recipe.distributed.wrap, "the student")
         if teacher_spec and recipe.distributed.shard_teacher:
-            check_wrap(meta_model(teacher_config), recipe.distributed.wrap, "the teacher")
+            check_wrap(teacher_meta, recipe.distributed.wrap, "the teacher")
     unit_params, tail_params = _units(base, recipe.distributed.wrap)
-    teacher_units = _units(meta_model(teacher_config), recipe.distributed.wrap) if teacher_config else (0, 0)
+    teacher_units = _units(teacher_meta, recipe.distributed.wrap) if teacher_meta is not None else (0, 0)
     model = select_trainable(base, recipe.train)
     trainable, total = count_params(model)
     embed = model.get_input_embeddings().weight.numel()

@@ -61,13 +61,8 @@ class ModelRef:
 
     @property
     def display(self) -> str:
-        """The model in messages: the name or hub id, else the path (the .gguf file, not its copy in the cache)."""
-        return self.spec if self.kind in ("builtin", "hub") else str(self.source)
-
-    @property
-    def portable(self) -> str:
-        """How a command names this model from any folder: the built-in name or hub id, else the absolute path
-        (of the .gguf file for a GGUF)."""
+        """The model in messages and in commands to run from any folder: the name or hub id, else the absolute path
+        (of the .gguf file, not its copy in the cache)."""
         return self.spec if self.kind in ("builtin", "hub") else str(self.source)
 
     @property
