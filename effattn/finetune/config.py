@@ -35,6 +35,17 @@ class _Section(BaseModel):
             raise ValueError("a number is expected, not a boolean")
         return value
 
+    def _unread(self, prefix: str, keys, why: str):
+        """Refuse the `keys` set away from their defaults, which the section's other choices never read (`why`):
+        a run would ignore them without a word. Defaults pass, so a recipe that spells them out (the built-in
+        ones) can still switch (e.g. optimizer.name=sgd)."""
+        fields = type(self).model_fields
+        changed = [f"{prefix}.{k} = {getattr(self, k)}" for k in keys
+                   if getattr(self, k) != fields[k].get_default(call_default_factory=True)]
+        if changed:
+            raise ValueError(f"{', '.join(changed)}: {why}")
+        return self
+
 
 def _numeric(annotation) -> bool:
     """int or float, alone or in a union with None (not bool, which is an int subclass)."""
@@ -94,6 +105,8 @@ class Data(_Section):
     def _not_empty(cls, v):
         if not v:
             raise ValueError("list at least one training source")
+        if twice := sorted({s for s in v if v.count(s) > 1}):
+            raise ValueError(f"lists {', '.join(map(repr, twice))} twice (each source is read once)")
         return v
 
 
@@ -125,6 +138,8 @@ class Train(_Section):
     def _steps_or_tokens(self):
         if (self.max_steps is None) == (self.max_tokens is None):
             raise ValueError("set exactly one of train.max_steps and train.max_tokens")
+        if self.params != "lora":
+            self.lora._unread("train.lora", Lora.model_fields, f"train.params is {self.params}, not lora")
         return self
 
 
@@ -143,11 +158,21 @@ class Optimizer(_Section):
             raise ValueError("each beta must be in [0, 1), e.g. [0.9, 0.95]")
         return v
 
+    @model_validator(mode="after")
+    def _read_by_the_optimizer(self):
+        unread = {"sgd": ("betas", "eps"), "adamw": ("momentum",)}[self.name]
+        return self._unread("optimizer", unread, f"optimizer.name {self.name} does not read it")
+
 
 class Schedule(_Section):
     name: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for cosine and linear")
+
+    @model_validator(mode="after")
+    def _read_by_the_schedule(self):
+        return self._unread("schedule", ("min_lr_ratio",), "a constant schedule does not read it") \
+            if self.name == "constant" else self
 
 
 class Loss(_Section):
@@ -165,6 +190,8 @@ class Loss(_Section):
     def _something_to_learn(self):
         if self.kl == 0 and self.ce == 0 and self.attn_out == 0:
             raise ValueError("loss.kl, loss.ce and loss.attn_out are all 0; give at least one a positive weight")
+        if self.kl == 0:
+            self._unread("loss", ("temperature",), "it scales the KL term, whose weight loss.kl is 0")
         return self
 
 
@@ -328,33 +355,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def ignored_settings(recipe: Recipe) -> list[str]:
-    """Values the recipe sets away from their defaults that its other choices never read (SGD has no betas, a
-    constant schedule no final ratio, ...): a run would ignore them without a word. Defaults pass, so a recipe
-    that spells them out (the built-in ones) can still switch, e.g. optimizer.name=sgd."""
-    def changed(section: BaseModel, *keys: str) -> list[str]:
-        fields = type(section).model_fields
-        return [k for k in keys if getattr(section, k) != fields[k].get_default(call_default_factory=True)]
-
-    found = []
-    opt, sched, loss, train = recipe.optimizer, recipe.schedule, recipe.loss, recipe.train
-    unread = {"sgd": ("betas", "eps"), "adamw": ("momentum",)}[opt.name]
-    found += [f"optimizer.{k} = {getattr(opt, k)}: optimizer.name {opt.name} does not read it"
-              for k in changed(opt, *unread)]
-    if sched.name == "constant":
-        found += [f"schedule.{k} = {getattr(sched, k)}: a constant schedule does not read it"
-                  for k in changed(sched, "min_lr_ratio")]
-    if loss.kl == 0:
-        found += [f"loss.{k} = {getattr(loss, k)}: it scales the KL term, whose weight loss.kl is 0"
-                  for k in changed(loss, "temperature")]
-    if train.params != "lora":
-        found += [f"train.lora.{k} = {getattr(train.lora, k)}: train.params is {train.params}, not lora"
-                  for k in changed(train.lora, *type(train.lora).model_fields)]
-    twice = sorted({s for s in recipe.data.sources if recipe.data.sources.count(s) > 1})
-    found += [f"data.sources lists {s!r} twice (each source is read once)" for s in twice]
-    return found
-
-
 def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
     try:
         recipe = Recipe.model_validate(data)
@@ -362,9 +362,6 @@ def validate_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
         problems = [_explain(e) for e in exc.errors()]
         raise EffattnError(f"{source} is invalid: " + "; ".join(problems),
                            "fix these keys (`effattn recipes cp heal-gqa FILE` shows every section)") from None
-    if ignored := ignored_settings(recipe):
-        raise EffattnError(f"{source} is invalid: " + "; ".join(ignored),
-                           "drop those keys (or set them back to their defaults), or choose the option that reads them")
     step = recipe.student.convert
     if step is not None:  # the conversion's own options model checks its options, as on the command line
         from ..convert.options import recipe_key, resolve
