@@ -329,9 +329,7 @@ def eval_(
         if corpus:
             raise EffattnError(f"--corpus applies to perplexity; --task {task} reads its prompts' filler from --filler",
                                "drop --corpus, or pass --filler FILE")
-        return _eval_retrieval(model, baseline, task=task, lengths=lengths or "2048,4096,8192",
-                               depths=depths or "0,0.25,0.5,0.75,1", samples=4 if samples is None else samples,
-                               seed=0 if seed is None else seed,
+        return _eval_retrieval(model, baseline, task=task, lengths=lengths, depths=depths, samples=samples, seed=seed,
                                filler=filler, plot=plot, dtype=dtype, tokenizer=tokenizer, as_json=as_json,
                                trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                                memory_check=memory_check,
@@ -416,9 +414,11 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
     from .bench import check_plot_path
     from .retrieval import RetrievalSettings, evaluate_retrieval, plot_heatmap
 
-    settings = RetrievalSettings(task=task, lengths=_number_list(lengths, "--lengths"),
-                                 depths=_number_list(depths, "--depths", float), samples=samples, seed=seed,
-                                 filler=filler).validate()
+    given = {"lengths": None if lengths is None else _number_list(lengths, "--lengths"),
+             "depths": None if depths is None else _number_list(depths, "--depths", float),
+             "samples": samples, "seed": seed}
+    settings = RetrievalSettings(task=task, filler=filler,  # the options not given keep RetrievalSettings' defaults
+                                 **{k: v for k, v in given.items() if v is not None}).validate()
     if plot is not None:
         check_plot_path(plot)
     if dry_run:
