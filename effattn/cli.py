@@ -21,7 +21,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from .convert.base import EVAL_TOKENS
 from .errors import EffattnError
+from .retrieval import DEFAULT_FILLER, RetrievalSettings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Attention surgery on pretrained LLMs: convert, measure, heal.")
@@ -43,8 +45,14 @@ MemoryCheckOpt = typer.Option(True, "--memory-check/--no-memory-check",
                                    "default), naming the option that shrinks it; --no-memory-check runs it anyway")
 DryRunOpt = typer.Option(False, "--dry-run", help="show what would be done; write nothing")
 MeasureOpt = typer.Option(None, "--eval/--no-eval", help="measure original vs converted for the card (default: models up to 3B)")
-EvalTokensOpt = typer.Option(None, "--eval-tokens", min=1, help="tokens per corpus for that measurement (default 4096)")
+EvalTokensOpt = typer.Option(None, "--eval-tokens", min=1, help="tokens per corpus for that measurement "
+                              f"(default {EVAL_TOKENS})")
 ShardOpt = typer.Option("2GB", "--max-shard-size")
+
+
+def _csv(values) -> str:
+    """Numbers as a help string writes them: 0,0.25,1 (not 0.0,0.25,1.0)."""
+    return ",".join(f"{v:g}" for v in values)
 
 
 @contextmanager
@@ -230,7 +238,7 @@ def _run_conversion(model, output, to, options, *, dtype, force, dry_run, max_sh
     options = {k: v for k, v in options.items() if v is not None}
     if measure is False and eval_tokens is not None:
         raise EffattnError("--eval-tokens sizes the measurement that --no-eval turns off", "drop one of the two")
-    eval_tokens = 4096 if eval_tokens is None else eval_tokens
+    eval_tokens = EVAL_TOKENS if eval_tokens is None else eval_tokens
     command = "effattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with progress_bar(not as_json) as progress:
         result = run_convert(model, output, to=to, options=options, dtype=dtype, force=force, dry_run=dry_run,
@@ -294,17 +302,18 @@ def eval_(
     task: str = typer.Option("perplexity", "--task", help="perplexity (with agreement, KL, KV bytes, speed), or a "
                                                           "long-context retrieval grid: passkey, needle"),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="passkey/needle: prompt lengths in tokens "
-                                                                  "(default 2048,4096,8192)"),
+                                                                  f"(default {_csv(RetrievalSettings.lengths)})"),
     depths: Optional[str] = typer.Option(None, "--depths", help="passkey/needle: where the fact sits (0 = start, "
                                                                 "1 = just before the question; default "
-                                                                "0,0.25,0.5,0.75,1)"),
+                                                                f"{_csv(RetrievalSettings.depths)})"),
     samples: Optional[int] = typer.Option(None, "--samples", help="passkey/needle: prompts per length and depth "
-                                                                   "(default 4)"),
+                                                                   f"(default {RetrievalSettings.samples})"),
     seed: Optional[int] = typer.Option(None, "--seed", help="passkey/needle: seed of keys and filler positions "
-                                                            "(default 0)"),
+                                                            f"(default {RetrievalSettings.seed})"),
     filler: Optional[str] = typer.Option(None, "--filler", help="passkey/needle: what the fact hides in: repeat (the "
                                                                 "passkey papers' repeated sentences; passkey's "
-                                                                "default), a corpus or text file (needle: britannica)"),
+                                                                "default), a corpus or text file (needle: "
+                                                                f"{DEFAULT_FILLER['needle']})"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="passkey/needle: save the accuracy heatmap here (PNG)"),
     attn_implementation: Optional[str] = typer.Option(None, "--attn-implementation",
                                                       help="MODEL's attention kernel in transformers: sdpa (default), "

@@ -522,7 +522,7 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
         ckpts.append(check_loadable(base_ref, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                                     dtype=dtype, plan_only=dry_run))
         check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))
-    tok = load_tokenizer(tokenizer or ref, trust_remote_code=trust_remote_code)  # the one measured with
+    tok = load_tokenizer(tokenizer or ref, trust_remote_code=trust_remote_code, plan_only=dry_run)  # measured with
     check_tokenizer_fits(tok, zip([ref.display] + ([base_ref.display] if base_ref is not None else []),
                                   [c.config for c in ckpts]), TOKENIZER_FIX)
     if settings.bos:

@@ -304,7 +304,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                  options=[("--lengths values of", max(settings.lengths), peak_at, 128, 1)], check=memory_check,
                  device=device if cuda else None)
 
-    tok = load_tokenizer(tokenizer or refs[0], trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(tokenizer or refs[0], trust_remote_code=trust_remote_code, plan_only=dry_run)
     check_tokenizer_fits(tok, zip([r.display for r in refs], [c.config for c in ckpts]), TOKENIZER_FIX)
     prompts = PromptBuilder(tok, settings).prompts()  # a bad length or filler is refused before the model loads
     plan = EvalPlan(task=settings.task, model=refs[0].display, baseline=refs[1].display if baseline else None,

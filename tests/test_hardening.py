@@ -595,3 +595,21 @@ def test_a_dry_run_on_a_config_alone_says_the_run_needs_the_weights(capsys, tiny
     assert code in (0, None) and "planned from config.json alone; the run needs them" in " ".join(out.split()), err
     code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--method", "mean", "-o", tmp_path / "o")
     assert code == 2 and "no weights" in err
+
+
+def test_help_states_the_defaults_the_settings_hold(capsys):
+    """eval's passkey/needle help and convert's --eval-tokens help wrote the defaults out as text beside the values
+    the code uses; they are read from RetrievalSettings and EVAL_TOKENS now."""
+    from effattn.convert.base import EVAL_TOKENS
+    from effattn.retrieval import DEFAULT_FILLER, RetrievalSettings
+
+    code, out, _ = run_cli(capsys, "eval", "--help")
+    text = "".join(out.replace("│", " ").split())  # rich wraps lines anywhere: compare without spaces
+    assert code in (0, None)
+    defaults = RetrievalSettings()
+    depths = ",".join(f"{d:g}" for d in defaults.depths)
+    for shown in (",".join(map(str, defaults.lengths)), depths, f"(default{defaults.samples})",
+                  f"(default{defaults.seed})", f"(needle:{DEFAULT_FILLER['needle']})"):
+        assert shown in text, shown
+    code, out, _ = run_cli(capsys, "convert", "--help")
+    assert f"(default{EVAL_TOKENS})" in "".join(out.replace("│", " ").split())

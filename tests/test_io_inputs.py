@@ -290,3 +290,17 @@ def test_evals_dry_runs_on_a_gguf_dequantize_nothing_and_plan_what_the_run_measu
     assert again["model"] == planned["model"] == str(gguf_model)
     assert {k: v for k, v in again.items() if k != "est_peak_bytes"} == \
         {k: v for k, v in planned.items() if k != "est_peak_bytes"}  # (the estimate counts the process's own memory)
+
+
+def test_a_gguf_tokenizer_is_read_from_its_metadata_by_a_dry_run(capsys, gguf_model, tiny, tmp_path):
+    """`--tokenizer FILE.gguf` was dequantized by eval's and passkey's dry runs (the models were not)."""
+    cache = tmp_path / "cache"
+    for task in (["--corpus", "shakespeare", "--max-tokens", "128", "--context", "64", "--no-speed"],
+                 ["--task", "passkey", "--lengths", "300", "--depths", "0.5", "--samples", "1"]):
+        code, out, err = run_cli(capsys, "eval", tiny("llama"), "--tokenizer", gguf_model, *task, "--dry-run")
+        assert code in (0, None), err
+        assert "dry run" in out and not list(cache.rglob("*.safetensors"))
+    code, out, err = run_cli(capsys, "eval", tiny("llama"), "--tokenizer", gguf_model, "--task", "passkey",
+                             "--lengths", "300", "--depths", "0.5", "--samples", "1")
+    assert code in (0, None), err
+    assert list(cache.rglob("*.safetensors"))  # the run reads the tokenizer of the dequantized copy

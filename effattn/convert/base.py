@@ -33,6 +33,8 @@ from ..resources import (FORWARD_EFFICIENCY, MEMORY_MARGIN, MODEL_LOAD_SECONDS, 
                          compute_seconds, disk_seconds, held, memory_budget, read_seconds, side_by_side)
 from .options import ConversionOptions, flag, resolve
 
+EVAL_TOKENS = 4096  # tokens per corpus for the quick measurement the card reports (--eval-tokens)
+
 
 @dataclass
 class Plan:
@@ -180,7 +182,7 @@ def convert(
     dry_run: bool = False,
     max_shard_size: str | int = "2GB",
     measure: bool | None = None,
-    eval_tokens: int = 4096,
+    eval_tokens: int = EVAL_TOKENS,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     progress=None,

@@ -46,12 +46,14 @@ def tokenizer_missing(folder: Path) -> str | None:
     return f"{Path(folder).name} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...)"
 
 
-def load_tokenizer(source: str | Path | ModelRef, *, trust_remote_code: bool = False, option: str = "--tokenizer"):
-    """The tokenizer of MODEL-like `source` (a folder, a built-in name, a hub id); refuses a folder
-    that has none, naming `option` as the way to give one."""
+def load_tokenizer(source: str | Path | ModelRef, *, trust_remote_code: bool = False, option: str = "--tokenizer",
+                   plan_only: bool = False):
+    """The tokenizer of MODEL-like `source` (a folder, a built-in name, a hub id, a .gguf file); refuses a folder
+    that has none, naming `option` as the way to give one. `plan_only` (dry runs): a .gguf file gives the
+    tokenizer in its metadata without being dequantized (`resolve_model`)."""
     from transformers import AutoTokenizer
 
-    ref = as_ref(source, trust_remote_code=trust_remote_code)
+    ref = as_ref(source, trust_remote_code=trust_remote_code, plan_only=plan_only)
     why = tokenizer_missing(ref.path)
     if why:
         raise EffattnError(why, f"pass {option} FOLDER_OR_MODEL (e.g. the model it came from) or copy its tokenizer files there")
