@@ -69,6 +69,10 @@ REFUSED = {
                                ["loss.temperature = 4.0: it scales the KL term, whose weight loss.kl is 0"]),
     "lora-without-lora": (["train.lora.r=2"], ["train.lora.r = 2: train.params is all, not lora"]),
     "source-twice": (["data.sources=[{root}/train.txt,{root}/train.txt]"], ["train.txt' twice"]),
+    "fsdp-option-under-ddp": (["distributed.strategy=ddp", "distributed.cpu_offload=true"],
+                              ["distributed.cpu_offload = True: distributed.strategy is ddp, and only fsdp reads it"]),
+    "auto-option-under-fsdp": (["distributed.strategy=fsdp", "distributed.fsdp_min_params=5"],
+                               ["distributed.fsdp_min_params = 5: only strategy auto reads it (it is fsdp)"]),
 }
 
 
@@ -117,6 +121,24 @@ def test_defaults_spelt_out_do_not_stop_a_switch(heal, capsys):
         code, _, err = run_cli(capsys, "finetune", heal.recipe_file, "-o", heal.root / "out", "--dry-run", *spelt,
                                *switch)
         assert code == 0, err
+
+
+def test_fsdp_options_auto_may_not_read_are_named_by_the_plan(heal, capsys):
+    """With strategy auto, the fsdp-only options are read only if fsdp runs; when ddp (or one process) runs, the plan
+    says they are not read rather than dropping them without a word."""
+    import json
+
+    base = ["finetune", heal.recipe_file, "-o", heal.root / "out", "--dry-run", "--json", "distributed.cpu_offload=true",
+            "distributed.wrap=[LlamaDecoderLayer]"]
+    for processes in ([], ["--processes", "2"]):  # one process; two, a tiny student below fsdp_min_params: ddp
+        code, out, err = run_cli(capsys, *base, *processes)
+        assert code in (0, None), err
+        line = json.loads(out)["distributed"]
+        assert "distributed.cpu_offload, distributed.wrap not read (fsdp only)" in line, line
+    code, out, err = run_cli(capsys, *base, "--processes", "2", "distributed.fsdp_min_params=0",
+                             "distributed.cpu_offload=false")
+    assert code in (0, None), err
+    assert "not read" not in json.loads(out)["distributed"]  # fsdp runs: it reads them
 
 
 def test_a_wrap_class_the_models_lack_is_refused_by_the_plan(heal, capsys):

@@ -235,6 +235,22 @@ class Distributed(_Section):
     wrap: list[str] | None = Field(None, description="fsdp: module classes sharded as one unit each (default: the "
                                                       "model's decoder layers, its _no_split_modules)")
 
+    @model_validator(mode="after")
+    def _read_by_the_strategy(self):
+        if self.strategy == "ddp":
+            self._unread("distributed", FSDP_ONLY, "distributed.strategy is ddp, and only fsdp reads it")
+        if self.strategy != "auto":
+            self._unread("distributed", ("fsdp_min_params",), f"only strategy auto reads it (it is {self.strategy})")
+        return self
+
+    def fsdp_only_set(self) -> list[str]:
+        """The fsdp-only keys set away from their defaults: read only where fsdp runs (auto decides at run time)."""
+        fields = type(self).model_fields
+        return [f"distributed.{k}" for k in FSDP_ONLY if getattr(self, k) != fields[k].get_default()]
+
+
+FSDP_ONLY = ("reshard_after_forward", "cpu_offload", "shard_teacher", "wrap")
+
 
 class Recipe(_Section):
     description: str = ""

@@ -71,6 +71,9 @@ def describe(cfg: Distributed, strategy: str, processes: int, student_params: in
         what += f"; auto: student {student_params / 1e9:,.2f}B {side} fsdp_min_params {cfg.fsdp_min_params / 1e9:,.2f}B"
     if cfg.activation_checkpointing:
         what += "; activation checkpointing"
+    unread = cfg.fsdp_only_set() if strategy != "fsdp" else []
+    if unread:
+        what += f"; {', '.join(unread)} not read (fsdp only)"
     return what
 
 
