@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .convert.base import EVAL_TOKENS
+from .data.sample import SampleSettings
 from .errors import EffattnError
 from .retrieval import DEFAULT_FILLER, RetrievalSettings
 
@@ -473,6 +474,58 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
     out.print(f"{mean} over {len(report.samples)} prompts, {settings.samples} per cell, seed {settings.seed}", highlight=False)
     if plot is not None:
         out.print(f"[green]wrote[/] {escape(str(plot))}")
+
+
+@app.command()
+def sample(
+    model: str = ModelArg,
+    output: Path = typer.Option(..., "-o", "--output", help="the text file to write (UTF-8; sequences joined by blank "
+                                                            "lines)"),
+    tokens: int = typer.Option(SampleSettings.tokens, "--tokens", help="tokens to sample, rounded up to whole "
+                                                                      "sequences"),
+    seq_len: int = typer.Option(SampleSettings.seq_len, "--seq-len", help="tokens per sequence, the start token "
+                                                                         "included"),
+    batch_size: int = typer.Option(SampleSettings.batch_size, "--batch-size", help="sequences sampled side by side"),
+    seed: int = typer.Option(SampleSettings.seed, "--seed", help="the same model, settings and seed give the same "
+                                                                "text"),
+    temperature: float = typer.Option(SampleSettings.temperature, "--temperature",
+                                      help="1.0 samples the model's own distribution"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    force: bool = typer.Option(False, "--force", help="replace an existing output file"),
+    as_json: bool = JsonOpt,
+    trust_remote_code: bool = TrustOpt,
+    allow_pickle: bool = PickleOpt,
+    memory_check: bool = MemoryCheckOpt,
+    dry_run: bool = typer.Option(False, "--dry-run", help="check the model, its tokenizer, the output file and the "
+                                                          "memory, show the estimate; load no weights"),
+):
+    """Text sampled from MODEL itself, for calibration where the text it will read is not at hand:
+    `effattn convert MODEL ... --calib calib,FILE` (data-free calibration, as LLM-QAT's)."""
+    from .data.sample import sample as run_sample
+    from .resources import gib, process_age
+
+    settings = SampleSettings(tokens=tokens, seq_len=seq_len, batch_size=batch_size, seed=seed, temperature=temperature)
+    if dry_run:
+        plan = run_sample(model, output, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                          allow_pickle=allow_pickle, memory_check=memory_check, force=force, dry_run=True)
+        if as_json:
+            return _print_json({"dry_run": True, **plan.to_dict()})
+        rows = [("model", plan.model), ("output", plan.output), ("dtype", plan.dtype),
+                ("sequences", f"{plan.sequences:,} of {plan.seq_len:,} tokens ({plan.tokens:,} in all)"),
+                ("estimated time", f"~{plan.est_seconds:,.0f} s (+ ~{process_age():,.0f} s to start, as this dry run "
+                                   "did)"),
+                ("estimated peak memory", f"~{gib(plan.est_peak_bytes)} (the process's resident set)")]
+        rows += [("warning", note) for note in plan.notes] + [("written", "nothing (dry run)")]
+        return out.print(_kv_table(rows, title="effattn sample --dry-run"))
+    with progress_bar(not as_json) as progress:
+        task = progress.add_task("sampling", total=settings.validate().sequences)
+        report = run_sample(model, output, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                            allow_pickle=allow_pickle, memory_check=memory_check, force=force,
+                            progress=lambda done: progress.advance(task, done))
+    if as_json:
+        return _print_json(report.to_dict())
+    out.print(f"[green]wrote[/] {escape(report.output)}: {report.sequences:,} sequences, {report.tokens:,} sampled "
+              f"tokens, {report.characters:,} characters in {report.seconds:,.1f} s", highlight=False)
 
 
 @app.command()

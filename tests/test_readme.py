@@ -53,7 +53,7 @@ COMMANDS = readme_commands()
 
 def test_the_readme_shows_commands_of_every_kind():
     names = {args[0] for args in COMMANDS if args}
-    assert {"inspect", "convert", "vq-init", "eval", "bench", "finetune", "recipes"} <= names, names
+    assert {"inspect", "convert", "vq-init", "eval", "bench", "finetune", "recipes", "sample"} <= names, names
     assert len(COMMANDS) > 50
 
 

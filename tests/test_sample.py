@@ -1,0 +1,125 @@
+"""`effattn sample`: text sampled from a model itself, for calibration without a corpus (data/sample.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from effattn.errors import EffattnError
+from tests.test_cli_errors import assert_one_line_error, leftovers, run_cli
+
+
+def sample_args(model, out, *extra):
+    return ["sample", model, "-o", out, "--tokens", "96", "--seq-len", "32", "--batch-size", "2", *extra]
+
+
+def test_samples_are_whole_sequences_the_seed_repeats(capsys, tiny, tmp_path):
+    from transformers import AutoTokenizer
+
+    src = tiny("llama")
+    out = tmp_path / "a.txt"
+    rng = torch.random.get_rng_state()
+    code, stdout, err = run_cli(capsys, *sample_args(src, out, "--json"))
+    assert code in (0, None), err
+    assert torch.equal(rng, torch.random.get_rng_state())  # the caller's random stream is left as it was
+    report = json.loads(stdout)
+    assert report["sequences"] == 3 and report["tokens"] == 3 * 31  # 96 tokens: 3 sequences of 32, start included
+    text = out.read_text(encoding="utf-8")
+    assert report["characters"] == len(text) and text.strip()
+    assert not leftovers(tmp_path)  # no partial file left beside it
+    tok = AutoTokenizer.from_pretrained(src)
+    # the tiny tokenizer is byte-level: the text re-tokenizes to about the tokens sampled (special tokens dropped)
+    assert 0.5 * report["tokens"] < len(tok(text, add_special_tokens=False)["input_ids"]) <= 2 * report["tokens"]
+    again = tmp_path / "b.txt"
+    run_cli(capsys, *sample_args(src, again))
+    assert again.read_text(encoding="utf-8") == text  # same model, settings and seed: the same text
+    other = tmp_path / "c.txt"
+    run_cli(capsys, *sample_args(src, other, "--seed", "1"))
+    assert other.read_text(encoding="utf-8") != text
+    # the batch size does not decide how many sequences, nor their length
+    code, stdout, err = run_cli(capsys, *sample_args(src, tmp_path / "d.txt", "--batch-size", "3", "--json"))
+    assert json.loads(stdout)["sequences"] == 3
+
+
+def test_a_sample_calibrates_a_conversion_beside_a_corpus(capsys, tiny, tmp_path):
+    src = tiny("llama", heads=4, kv_heads=2)
+    text = tmp_path / "self.txt"
+    code, _, err = run_cli(capsys, "sample", src, "-o", text, "--tokens", "1024", "--seq-len", "128")
+    assert code in (0, None), err
+    out = tmp_path / "mqa"
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--calib", f"calib,{text}", "--calib-tokens", "1024",
+                           "--refine-steps", "1", "-o", out, "--no-eval")
+    assert code in (0, None), err
+    assert json.loads((out / "effattn.json").read_text())["conversion"]["calib"] == f"calib,{text}"
+
+
+def test_the_dry_run_plans_and_writes_nothing(capsys, tiny, tmp_path):
+    out = tmp_path / "s.txt"
+    code, stdout, err = run_cli(capsys, *sample_args(tiny("llama"), out, "--dry-run", "--json"))
+    assert code in (0, None), err
+    plan = json.loads(stdout)
+    assert plan["dry_run"] and plan["sequences"] == 3 and plan["tokens"] == 96
+    assert plan["est_seconds"] > 0 and plan["est_peak_bytes"] > 0
+    assert not out.exists()
+    code, stdout, err = run_cli(capsys, *sample_args(tiny("llama"), out, "--dry-run"))
+    assert code in (0, None) and "nothing (dry run)" in stdout and not out.exists()
+
+
+def test_bad_input_is_one_line_and_writes_nothing(capsys, tiny, tmp_path, monkeypatch):
+    src = tiny("llama")
+    (tmp_path / "there.txt").write_text("keep me")
+    notok = shutil.copytree(src, tmp_path / "notok")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (notok / name).unlink(missing_ok=True)
+    cases = [
+        (sample_args(src, tmp_path / "there.txt"), ["there.txt exists", "--force"]),
+        (sample_args(src, tmp_path), ["is a folder; sample writes one text file"]),
+        (sample_args(src, tmp_path / "there.txt" / "s.txt"), ["there.txt is a file, so", "cannot be written"]),
+        (sample_args(src, tmp_path / "s.txt", "--tokens", "0"), ["--tokens must be at least 1"]),
+        (sample_args(src, tmp_path / "s.txt", "--seq-len", "1"), ["--seq-len must be at least 2"]),
+        (sample_args(src, tmp_path / "s.txt", "--batch-size", "0"), ["--batch-size must be at least 1"]),
+        (sample_args(src, tmp_path / "s.txt", "--temperature", "0"), ["--temperature must be a positive number"]),
+        (sample_args(src, tmp_path / "s.txt", "--temperature", "nan"), ["--temperature must be a positive number"]),
+        (sample_args(notok, tmp_path / "s.txt"), ["notok has no tokenizer files", "copy the tokenizer files"]),
+    ]
+    for dry in ([], ["--dry-run"]):
+        for args, needles in cases:
+            code, _, err = run_cli(capsys, *args, *dry)
+            assert_one_line_error(code, err, *needles)
+            assert code == 2
+    assert (tmp_path / "there.txt").read_text() == "keep me" and not (tmp_path / "s.txt").exists()
+    code, _, err = run_cli(capsys, *sample_args(src, tmp_path / "there.txt", "--force"))
+    assert code in (0, None), err
+    assert (tmp_path / "there.txt").read_text() != "keep me"
+    code, _, err = run_cli(capsys, *sample_args(src, tmp_path / "new" / "s.txt"))  # missing folders are made
+    assert code in (0, None) and (tmp_path / "new" / "s.txt").is_file(), err
+    monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", "1MB")  # refused before loading, naming what shrinks it
+    code, _, err = run_cli(capsys, *sample_args(src, tmp_path / "s.txt"))
+    assert_one_line_error(code, err, "sampling 2 sequences of 32 tokens at once", "--no-memory-check")
+    assert not (tmp_path / "s.txt").exists()
+
+
+def test_samples_start_from_bos_else_eos():
+    from types import SimpleNamespace
+
+    from effattn.data.sample import start_token
+
+    assert start_token(SimpleNamespace(bos_token_id=1, eos_token_id=2)) == 1
+    assert start_token(SimpleNamespace(bos_token_id=None, eos_token_id=2)) == 2
+    with pytest.raises(EffattnError, match="neither a BOS nor an EOS"):
+        start_token(SimpleNamespace(bos_token_id=None, eos_token_id=None))
+
+
+def test_the_estimates_grow_with_the_work(tiny):
+    from effattn.data.sample import SampleSettings, sample_peak_bytes, sample_seconds
+    from effattn.io.checkpoint import read_config
+
+    config = read_config(tiny("llama"))
+    one, more = SampleSettings(tokens=512, seq_len=64, batch_size=4), SampleSettings(tokens=1024, seq_len=64,
+                                                                                       batch_size=4)
+    assert sample_seconds(config, 10**6, more) > sample_seconds(config, 10**6, one)
+    wide = SampleSettings(tokens=512, seq_len=64, batch_size=8)
+    assert sample_peak_bytes(config, 10**6, wide, weight_bytes=4) > sample_peak_bytes(config, 10**6, one, weight_bytes=4)
