@@ -304,3 +304,16 @@ def test_a_gguf_tokenizer_is_read_from_its_metadata_by_a_dry_run(capsys, gguf_mo
                              "--lengths", "300", "--depths", "0.5", "--samples", "1")
     assert code in (0, None), err
     assert list(cache.rglob("*.safetensors"))  # the run reads the tokenizer of the dequantized copy
+
+
+def test_a_missing_relative_folder_read_as_a_hub_id_says_no_folder_exists(capsys, monkeypatch, tmp_path):
+    """`out/x` before it was written read as a failed hub download, with no word of the folder the user meant."""
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("outgoing traffic has been disabled.")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, "inspect", "out/llama-mqa")
+    assert_one_line_error(code, err, "could not download 'out/llama-mqa'", "no local folder out/llama-mqa exists either")

@@ -316,3 +316,14 @@ def test_row_scale_parametrization_is_exact_and_folds_back(tiny, tmp_path):
     assert unscale_latent_rows(model) == 2
     with pytest.raises(EffattnError, match="kv_a_proj_with_mqa.*target q_proj"):
         select_trainable(model, Train(max_steps=1, params="lora", lora={"target_modules": ["q_proj", "kv_a_proj_with_mqa"]}))
+
+
+def test_the_plan_names_the_refinement_it_runs(tiny, tmp_path):
+    """MLA refines 30 steps by default, and its dry run said nothing of it (GQA's and VQ's plans do)."""
+    src = tiny("llama", heads=6, kv_heads=3, head_dim=8)
+    plan = convert(src, tmp_path / "out", to="mla", options={"kv_size": 16}, measure=False, dry_run=True).plan
+    row = dict(plan.summary)["refinement"]
+    assert row.startswith("30 Adam steps per layer") and "activations after the layer" in row
+    plan = convert(src, tmp_path / "out", to="mla", options={"kv_size": 16, "refine_steps": 0}, measure=False,
+                   dry_run=True).plan
+    assert dict(plan.summary)["refinement"].startswith("none")

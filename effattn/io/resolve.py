@@ -281,7 +281,8 @@ def hub_folder(repo_id: str, *, trust_remote_code: bool = False) -> Path:
             + (["*.py"] if trust_remote_code else []),
         )
     except Exception as exc:  # noqa: BLE001
+        local = "" if Path(repo_id).expanduser().exists() else f"; no local folder {repo_id} exists either"
         raise EffattnError(f"could not download {repo_id!r} from the Hugging Face Hub ({type(exc).__name__}: "
-                           f"{clip(exc, 160)})",
+                           f"{clip(exc, 160)}){local}",
                            "check the id and your network/HF_TOKEN, or pass a local folder") from None
     return Path(path)
