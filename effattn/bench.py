@@ -39,6 +39,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -346,6 +347,10 @@ def check_settings(
     for name, value in {**positive, **{f"length {n}": n for n in lengths}}.items():
         if value < 1:
             raise BenchSettingsError(f"{name} must be at least 1, got {value}", "pass a positive value")
+    cores = os.cpu_count() or 1
+    if threads is not None and threads > cores:  # more threads than cores measures contention (and 1e5 crashes torch)
+        raise BenchSettingsError(f"threads {threads} is more than this machine's {cores} cores",
+                                 f"pass {cores} or fewer (1 gives timings that hold on a shared machine)")
     if sinks < 0:
         raise BenchSettingsError(f"sinks must be 0 or more, got {sinks}", "pass 0 for no sinks")
     if "vq_heavy" in kinds and heavy_keys < 1:
@@ -407,6 +412,11 @@ def check_plot_path(path: str | Path) -> Path:
     if path.suffix.lstrip(".").lower() not in formats:
         raise BenchSettingsError(f"cannot tell the image format of the plot {path} from its suffix",
                                  f"end the file name with .png ({one_of(path.suffix.lstrip('.'), formats)})")  # fmt: skip
+    try:  # before any measurement: a folder nothing can be written in (permissions, /proc, a read-only disk)
+        Path(tempfile.mkdtemp(prefix=".effattn-probe-", dir=path.parent)).rmdir()
+    except OSError as exc:
+        raise BenchSettingsError(f"cannot write the plot {path}: {exc.strerror or exc}",
+                                 "pick a path in a writable folder") from None
     return path
 
 

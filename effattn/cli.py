@@ -481,8 +481,8 @@ def sample(
     model: str = ModelArg,
     output: Path = typer.Option(..., "-o", "--output", help="the text file to write (UTF-8; sequences joined by blank "
                                                             "lines)"),
-    tokens: int = typer.Option(SampleSettings.tokens, "--tokens", help="tokens to sample, rounded up to whole "
-                                                                      "sequences"),
+    tokens: int = typer.Option(SampleSettings.tokens, "--tokens", help="tokens in all, each sequence's start token "
+                                                                      "included, rounded up to whole sequences"),
     seq_len: int = typer.Option(SampleSettings.seq_len, "--seq-len", help="tokens per sequence, the start token "
                                                                          "included"),
     batch_size: int = typer.Option(SampleSettings.batch_size, "--batch-size", help="sequences sampled side by side"),
@@ -522,10 +522,12 @@ def sample(
         report = run_sample(model, output, settings, dtype=dtype, trust_remote_code=trust_remote_code,
                             allow_pickle=allow_pickle, memory_check=memory_check, force=force,
                             progress=lambda done: progress.advance(task, done))
+    for note in report.notes:
+        err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False)
     if as_json:
         return _print_json(report.to_dict())
-    out.print(f"[green]wrote[/] {escape(report.output)}: {report.sequences:,} sequences, {report.tokens:,} sampled "
-              f"tokens, {report.characters:,} characters in {report.seconds:,.1f} s", highlight=False)
+    out.print(f"[green]wrote[/] {escape(report.output)}: {report.sequences:,} sequences, {report.sampled_tokens:,} "
+              f"sampled tokens, {report.characters:,} characters in {report.seconds:,.1f} s", highlight=False)
 
 
 @app.command()

@@ -92,6 +92,9 @@ def test_bench_sparse_patterns_report_their_density(capsys):
     (["--heavy-keys", "-1"], ["heavy_keys must be 0 or more"]),
     (["--attention", "vq_heavy", "--heavy-keys", "0"], ["heavy_keys must be at least 1 for vq_heavy"]),
     (["--plot", "."], ["the plot . is a folder"]),
+    # the second bug bash of 2026-12-07: both passed the dry run and failed after measuring
+    (["--plot", "/proc/effattn-bench.png"], ["cannot write the plot /proc/effattn-bench.png"]),
+    (["--threads", "100000"], ["threads 100000 is more than this machine's", "cores"]),
 ])
 def test_bench_bad_input_is_one_line(capsys, args, needles):
     for dry in ([], ["--dry-run"]):

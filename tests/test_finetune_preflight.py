@@ -71,6 +71,10 @@ REFUSED = {
     "source-twice": (["data.sources=[{root}/train.txt,{root}/train.txt]"], ["train.txt' twice"]),
     "fsdp-option-under-ddp": (["distributed.strategy=ddp", "distributed.cpu_offload=true"],
                               ["distributed.cpu_offload = True: distributed.strategy is ddp, and only fsdp reads it"]),
+    "boolean-conversion-option": (["student.convert.to=gqa", "student.convert.kv_heads=true"],
+                                  ["student.convert.kv_heads = True: a number is expected, not a boolean"]),
+    "boolean-alias-preset": (["student.convert.kv_heads=true"], ["fixes student.convert.kv_heads to 1, but True"]),
+    "boolean-refine-steps": (["student.convert.refine_steps=false"], ["student.convert.refine_steps = False"]),
     "auto-option-under-fsdp": (["distributed.strategy=fsdp", "distributed.fsdp_min_params=5"],
                                ["distributed.fsdp_min_params = 5: only strategy auto reads it (it is fsdp)"]),
 }

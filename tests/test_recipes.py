@@ -154,6 +154,8 @@ def test_recipes_ls_and_cp(capsys, tmp_path):
     assert_one_line_error(code, err, "already exists", "--force")
     code, _, err = run_cli(capsys, "recipes", "cp", "heal-gq", tmp_path / "x.yaml")
     assert_one_line_error(code, err, "unknown built-in recipe 'heal-gq'", "did you mean 'heal-gqa'")
+    code, _, err = run_cli(capsys, "recipes", "cp", "heal-gqa", "")  # wrote ./heal-gqa.yaml
+    assert_one_line_error(code, err, "the destination is empty", "heal-gqa.yaml")
 
 
 def test_bad_yaml_names_the_line(capsys, tmp_path):

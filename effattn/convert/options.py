@@ -17,15 +17,29 @@ import types
 from collections.abc import Callable
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..errors import EffattnError, did_you_mean, one_of
 
 
+def is_numeric(annotation) -> bool:
+    """int or float, alone or in a union with None (not bool, which is an int subclass)."""
+    args = get_args(annotation) if get_origin(annotation) in (Union, type(int | None)) else (annotation,)
+    return any(a in (int, float) for a in args) and bool not in args
+
+
 class ConversionOptions(BaseModel):
-    """Base of every conversion's options: unknown keys are refused, values are frozen."""
+    """Base of every conversion's options: unknown keys are refused, values are frozen, and a boolean given for a
+    number is refused (`student.convert.kv_heads: true` is a typo, not 1; the command line refuses it too)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value, info):
+        if isinstance(value, bool) and is_numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError("a number is expected, not a boolean")
+        return value
 
     def given(self) -> set[str]:
         """The options the user set (as opposed to defaults)."""
@@ -68,7 +82,8 @@ def resolve(to: str, values: dict[str, Any], *, name: Callable[[str], str] = fla
     if to in ALIASES:
         to, preset = ALIASES[to]
         for key, value in preset.items():
-            if key in values and values[key] != value:
+            # (a boolean is not the preset's number: True == 1 in Python, and `kv_heads: true` is a typo)
+            if key in values and (values[key] != value or isinstance(values[key], bool) != isinstance(value, bool)):
                 raise EffattnError(f"{what} {asked} fixes {name(key)} to {value}, but {values[key]} was given",
                                    f"drop {name(key)} or use {what} {to}")
             values[key] = value

@@ -24,16 +24,20 @@ import torch
 
 from ..errors import EffattnError
 
-# Seconds of one sampling step (every sequence of a batch one token further), priced as its FLOPs (the weights' for
-# each sequence, and the attention over the cache) at this fraction of the float32 probe: the built-in model in
-# float32 on 2 idle cores (AMD EPYC, probe ~235 GFLOP/s) sampled 16 sequences of 512 tokens in 55.3 s, the load
-# included (`effattn sample llama -o FILE`; priced 92 s at 0.11 before this fit).
-SAMPLE_EFFICIENCY = 0.19
+# Seconds of one sampling step (every sequence of a batch one token further): a batch-1 decode step's price
+# (`decode_seconds`: bound by reading the weights) times SAMPLE_DECODE_FACTOR (generate's own loop, the sampling over
+# the vocabulary), plus every sequence's FLOPs at FORWARD_EFFICIENCY. Fitted on the built-in model in float32 on 2 idle
+# cores (AMD EPYC, probe 233 GFLOP/s): `effattn sample llama -o FILE` took 55.3 s for 16 sequences of 512 tokens in
+# one batch (a step 0.104 s) and 37.3 s for 2 in one batch (0.069 s), the load included.
+SAMPLE_DECODE_FACTOR = 2.35
+
+
+TEMPERATURES = (0.01, 100.0)  # the temperatures sampling takes
 
 
 @dataclass(frozen=True)
 class SampleSettings:
-    tokens: int = 8192  # sampled tokens in all, rounded up to whole sequences
+    tokens: int = 8192  # tokens in all, each sequence's start token included, rounded up to whole sequences
     seq_len: int = 512
     batch_size: int = 16  # sequences sampled side by side
     seed: int = 0
@@ -49,9 +53,12 @@ class SampleSettings:
                 flag = "--" + name.replace("_", "-")
                 raise EffattnError(f"{flag} must be at least {lowest}, got {getattr(self, name)}",
                                    f"use e.g. {flag} {getattr(SampleSettings, name)}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise EffattnError(f"--temperature must be a positive number, got {self.temperature}",
-                               "use e.g. --temperature 1.0 (the model's own distribution)")
+        if not 0 <= self.seed < 2**63:
+            raise EffattnError(f"--seed {self.seed} is outside torch's seeds (0 to 2**63 - 1)", "use e.g. --seed 0")
+        if not (math.isfinite(self.temperature) and TEMPERATURES[0] <= self.temperature <= TEMPERATURES[1]):
+            # beyond these the logits over the temperature overflow float32 (or flatten to nothing), and sampling fails
+            raise EffattnError(f"--temperature must be from {TEMPERATURES[0]:g} to {TEMPERATURES[1]:g}, got "
+                               f"{self.temperature:g}", "use e.g. --temperature 1.0 (the model's own distribution)")
         return self
 
 
@@ -76,10 +83,12 @@ class SampleReport:
     model: str
     output: str
     sequences: int
-    tokens: int  # sampled, the start tokens left out
+    tokens: int  # as --tokens counts them: each sequence's start token included
+    sampled_tokens: int  # the start tokens left out: what the text holds
     characters: int
     seconds: float
     settings: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,33 +120,51 @@ def sample_peak_bytes(config: dict, params: int, settings: SampleSettings, *, we
 
 
 def sample_seconds(config: dict, params: int, settings: SampleSettings) -> float:
-    """Seconds of sampling on this CPU (idle): every batch takes seq_len - 1 steps; a step runs every weight for each
-    sequence and attends over the cache (at half the length on average), at SAMPLE_EFFICIENCY of the float32 probe."""
-    from ..resources import MODEL_LOAD_SECONDS, Dims, compute_seconds, input_embedding_params
+    """Seconds of sampling on this CPU (idle): every batch takes seq_len - 1 steps, each priced as SAMPLE_DECODE_FACTOR
+    says (the attention over the cache at the full length: an upper bound)."""
+    from ..resources import (FORWARD_EFFICIENCY, MODEL_LOAD_SECONDS, Dims, compute_seconds, decode_seconds,
+                             input_embedding_params)
 
     dims = Dims.of(config)
-    steps = settings.seq_len - 1
-    weights = 2 * max(params - input_embedding_params(config), 0)
-    seconds = 0.0
-    left = settings.sequences
-    while left > 0:
-        batch = min(settings.batch_size, left)
-        flops = steps * batch * (weights + dims.layers * dims.scores_flops(1, settings.seq_len))
-        seconds += compute_seconds(flops, SAMPLE_EFFICIENCY)
-        left -= batch
-    return MODEL_LOAD_SECONDS + seconds
+    steps = (settings.seq_len - 1) * math.ceil(settings.sequences / settings.batch_size)  # every batch's steps
+    per_sequence = 2 * max(params - input_embedding_params(config), 0) + dims.layers * dims.scores_flops(1, settings.seq_len)
+    flops = (settings.seq_len - 1) * settings.sequences * per_sequence
+    step = SAMPLE_DECODE_FACTOR * decode_seconds(config, params, settings.seq_len // 2)
+    return MODEL_LOAD_SECONDS + steps * step + compute_seconds(flops, FORWARD_EFFICIENCY)
 
 
-def check_output_file(output: Path, force: bool) -> Path:
-    output = Path(output).expanduser()
+def check_output_file(output: Path, force: bool, model: Path | None = None) -> Path:
+    """The file the text goes to (where a symbolic link leads), refused before any work: a folder, an existing file
+    without --force, one of the model's own files, a name too long for the temporary file beside it, a path under a
+    file, a folder nothing can be written in."""
+    from ..io.writer import _check_writable
+
+    given = Path(output).expanduser()
+    if given.is_symlink() and not force:  # a dangling link too: replacing it is replacing something
+        raise EffattnError(f"{given} exists (a symbolic link)", "pass --force to write where it leads, or name another file")
+    output = given.resolve() if given.is_symlink() else given.absolute()
     if output.is_dir():
-        raise EffattnError(f"{output} is a folder; sample writes one text file", f"name a file, e.g. {output / 'samples.txt'}")
+        raise EffattnError(f"{given} is a folder; sample writes one text file", f"name a file, e.g. {given / 'samples.txt'}")
     if output.exists() and not force:
-        raise EffattnError(f"{output} exists", "pass --force to replace it, or name another file")
-    for parent in output.absolute().parents:  # missing folders are made when the text is written
-        if parent.exists() and not parent.is_dir():
-            raise EffattnError(f"{parent} is a file, so {output} cannot be written", "name a file in a folder")
+        raise EffattnError(f"{given} exists", "pass --force to replace it, or name another file")
+    if model is not None and output.exists() and output.resolve().is_relative_to(Path(model).resolve()):
+        raise EffattnError(f"{given} is one of the model's own files: writing it would destroy the input",
+                           "name a file outside the model's folder")
+    if len(_partial_name(output)) > 255:
+        raise EffattnError(f"the file name {output.name[:40]}... is too long ({len(output.name)} characters)",
+                           f"use a name of at most {255 - len(_partial_name(output)) + len(output.name)} characters")
+    for parent in output.parents:  # missing folders are made when the text is written
+        if parent.exists():
+            if not parent.is_dir():
+                raise EffattnError(f"{parent} is a file, so {given} cannot be written", "name a file in a folder")
+            _check_writable(parent, given)
+            break
     return output
+
+
+def _partial_name(output: Path) -> str:
+    """The temporary file's name beside `output`, renamed to it once the text is whole."""
+    return f".{output.name}.partial-{os.getpid()}"
 
 
 def plan_sample(model, output: Path, settings: SampleSettings, *, dtype: str = "float32",
@@ -151,8 +178,8 @@ def plan_sample(model, output: Path, settings: SampleSettings, *, dtype: str = "
     from ..resources import check_memory, rss
 
     settings = settings.validate()
-    output = check_output_file(output, force)
     ref = as_ref(model, trust_remote_code=trust_remote_code, plan_only=True)
+    output = check_output_file(output, force, ref.source)  # the .gguf file, or the model's folder
     ckpt = check_loadable(ref, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, dtype=dtype,
                           plan_only=True)
     why = tokenizer_missing(ref.path)
@@ -227,13 +254,24 @@ def sample(model, output: Path, settings: SampleSettings | None = None, *, dtype
     texts = sample_texts(lm, tokenizer, settings, progress=progress)
     text = "\n\n".join(texts) + "\n"
     output = Path(plan.output)
-    partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
-    output.parent.mkdir(parents=True, exist_ok=True)
+    made = [p for p in [output.parent, *output.parent.parents] if not p.exists()]  # removed again on a failure
+    partial = output.with_name(_partial_name(output))
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(text, encoding="utf-8")
         os.replace(partial, output)
-    finally:
+    except OSError as exc:
+        from ..io.writer import disk_error
+
         partial.unlink(missing_ok=True)
+        for folder in made:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise (disk_error(exc, output) or EffattnError(f"could not write {output}: {exc.strerror or exc}",
+                                                       "choose another -o")) from None
     return SampleReport(model=ref.display, output=str(output), sequences=len(texts),
-                        tokens=len(texts) * (settings.seq_len - 1), characters=len(text),
-                        seconds=round(time.perf_counter() - began, 1), settings=asdict(settings))
+                        tokens=len(texts) * settings.seq_len, sampled_tokens=len(texts) * (settings.seq_len - 1),
+                        characters=len(text), seconds=round(time.perf_counter() - began, 1),
+                        settings=asdict(settings), notes=plan.notes)

@@ -21,6 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from ..convert.options import is_numeric
 from ..errors import EffattnError, did_you_mean
 
 
@@ -31,7 +32,7 @@ class _Section(BaseModel):
     @classmethod
     def _no_booleans_for_numbers(cls, value, info):
         """`train.max_steps: true` is a typo, not 1: pydantic's lax mode would read a boolean as 1 or 0."""
-        if isinstance(value, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+        if isinstance(value, bool) and is_numeric(cls.model_fields[info.field_name].annotation):
             raise ValueError("a number is expected, not a boolean")
         return value
 
@@ -45,12 +46,6 @@ class _Section(BaseModel):
         if changed:
             raise ValueError(f"{', '.join(changed)}: {why}")
         return self
-
-
-def _numeric(annotation) -> bool:
-    """int or float, alone or in a union with None (not bool, which is an int subclass)."""
-    args = get_args(annotation) if get_origin(annotation) in (Union, type(int | None)) else (annotation,)
-    return any(a in (int, float) for a in args) and bool not in args
 
 
 class ConvertStep(BaseModel):

@@ -32,6 +32,9 @@ def copy_recipe(name: str, dest: str | Path, *, force: bool = False) -> Path:
     recipes = builtin_recipes()
     if name not in recipes:
         raise EffattnError(f"unknown built-in recipe {name!r}", one_of(name, recipes))
+    if not str(dest).strip():
+        raise EffattnError("the destination is empty (it would mean the current folder)",
+                           f"name a file or folder, e.g. {name}.yaml or ./")
     folder = str(dest).endswith(("/", "\\"))  # `recipes cp heal-gqa recipes/`: a folder, made if need be
     dest = Path(dest).expanduser()
     if dest.is_dir() or folder:
