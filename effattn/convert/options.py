@@ -28,9 +28,10 @@ def is_numeric(annotation) -> bool:
     return any(a in (int, float) for a in args) and bool not in args
 
 
-class ConversionOptions(BaseModel):
-    """Base of every conversion's options: unknown keys are refused, values are frozen, and a boolean given for a
-    number is refused (`student.convert.kv_heads: true` is a typo, not 1; the command line refuses it too)."""
+class StrictModel(BaseModel):
+    """Settings read from a command line or a recipe: unknown keys refused, values frozen, no inf or NaN, and no
+    boolean for a number (`train.max_steps: true` or `student.convert.kv_heads: true` is a typo, not 1: pydantic's
+    lax mode would read a boolean as 1 or 0)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -40,6 +41,10 @@ class ConversionOptions(BaseModel):
         if isinstance(value, bool) and is_numeric(cls.model_fields[info.field_name].annotation):
             raise ValueError("a number is expected, not a boolean")
         return value
+
+
+class ConversionOptions(StrictModel):
+    """Base of every conversion's options (StrictModel's rules)."""
 
     def given(self) -> set[str]:
         """The options the user set (as opposed to defaults)."""

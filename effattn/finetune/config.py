@@ -21,20 +21,12 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from ..convert.options import is_numeric
+from ..convert.options import StrictModel
 from ..errors import EffattnError, did_you_mean
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, value, info):
-        """`train.max_steps: true` is a typo, not 1: pydantic's lax mode would read a boolean as 1 or 0."""
-        if isinstance(value, bool) and is_numeric(cls.model_fields[info.field_name].annotation):
-            raise ValueError("a number is expected, not a boolean")
-        return value
+class _Section(StrictModel):
+    """A recipe section (StrictModel's rules)."""
 
     def _unread(self, prefix: str, keys, why: str):
         """Refuse the `keys` set away from their defaults, which the section's other choices never read (`why`):
