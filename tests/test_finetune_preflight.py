@@ -132,8 +132,8 @@ def test_fsdp_options_auto_may_not_read_are_named_by_the_plan(heal, capsys):
     says they are not read rather than dropping them without a word."""
     import json
 
-    base = ["finetune", heal.recipe_file, "-o", heal.root / "out", "--dry-run", "--json", "distributed.cpu_offload=true",
-            "distributed.wrap=[LlamaDecoderLayer]"]
+    base = ["finetune", heal.recipe_file, "-o", heal.root / "out", "--dry-run", "--json",
+            "distributed.cpu_offload=true", "distributed.wrap=[LlamaDecoderLayer]"]
     for processes in ([], ["--processes", "2"]):  # one process; two, a tiny student below fsdp_min_params: ddp
         code, out, err = run_cli(capsys, *base, *processes)
         assert code in (0, None), err

@@ -316,4 +316,5 @@ def test_a_missing_relative_folder_read_as_a_hub_id_says_no_folder_exists(capsys
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(capsys, "inspect", "out/llama-mqa")
-    assert_one_line_error(code, err, "could not download 'out/llama-mqa'", "no local folder out/llama-mqa exists either")
+    assert_one_line_error(code, err, "could not download 'out/llama-mqa'",
+                          "no local folder out/llama-mqa exists either")

@@ -137,7 +137,8 @@ def test_the_estimates_grow_with_the_work(tiny):
                                                                                        batch_size=4)
     assert sample_seconds(config, 10**6, more) > sample_seconds(config, 10**6, one)
     wide = SampleSettings(tokens=512, seq_len=64, batch_size=8)
-    assert sample_peak_bytes(config, 10**6, wide, weight_bytes=4) > sample_peak_bytes(config, 10**6, one, weight_bytes=4)
+    assert sample_peak_bytes(config, 10**6, wide, weight_bytes=4) > \
+        sample_peak_bytes(config, 10**6, one, weight_bytes=4)
 
 
 def test_a_huge_token_count_is_priced_at_once(tiny):

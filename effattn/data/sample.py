@@ -127,7 +127,8 @@ def sample_seconds(config: dict, params: int, settings: SampleSettings) -> float
 
     dims = Dims.of(config)
     steps = (settings.seq_len - 1) * math.ceil(settings.sequences / settings.batch_size)  # every batch's steps
-    per_sequence = 2 * max(params - input_embedding_params(config), 0) + dims.layers * dims.scores_flops(1, settings.seq_len)
+    per_sequence = (2 * max(params - input_embedding_params(config), 0)
+                    + dims.layers * dims.scores_flops(1, settings.seq_len))
     flops = (settings.seq_len - 1) * settings.sequences * per_sequence
     step = SAMPLE_DECODE_FACTOR * decode_seconds(config, params, settings.seq_len // 2)
     return MODEL_LOAD_SECONDS + steps * step + compute_seconds(flops, FORWARD_EFFICIENCY)
@@ -141,10 +142,12 @@ def check_output_file(output: Path, force: bool, model: Path | None = None) -> P
 
     given = Path(output).expanduser()
     if given.is_symlink() and not force:  # a dangling link too: replacing it is replacing something
-        raise EffattnError(f"{given} exists (a symbolic link)", "pass --force to write where it leads, or name another file")
+        raise EffattnError(f"{given} exists (a symbolic link)",
+                           "pass --force to write where it leads, or name another file")
     output = given.resolve() if given.is_symlink() else given.absolute()
     if output.is_dir():
-        raise EffattnError(f"{given} is a folder; sample writes one text file", f"name a file, e.g. {given / 'samples.txt'}")
+        raise EffattnError(f"{given} is a folder; sample writes one text file",
+                           f"name a file, e.g. {given / 'samples.txt'}")
     if output.exists() and not force:
         raise EffattnError(f"{given} exists", "pass --force to replace it, or name another file")
     if model is not None and output.exists() and output.resolve().is_relative_to(Path(model).resolve()):
@@ -169,9 +172,9 @@ def _partial_name(output: Path) -> str:
 
 def plan_sample(model, output: Path, settings: SampleSettings, *, dtype: str = "float32",
                 trust_remote_code: bool = False, allow_pickle: bool = False, memory_check: bool = True,
-                force: bool = False):
+                force: bool = False) -> SamplePlan:
     """Check everything a sampling run needs before any weights load (the output file, the model, its tokenizer
-    and start token, the memory) and price it; returns (SamplePlan, the model's ModelRef, its tokenizer)."""
+    and start token, the memory) and price it."""
     from ..evaluate import load_cast_bytes
     from ..families import beyond_positions
     from ..io.load import as_ref, check_loadable, check_tokenizer_fits, load_tokenizer, parse_dtype, tokenizer_missing
@@ -200,19 +203,18 @@ def plan_sample(model, output: Path, settings: SampleSettings, *, dtype: str = "
 
     check_memory(peak(settings.batch_size), what=f"sampling {settings.batch_size} sequences of {settings.seq_len:,} "
                  "tokens at once", options=[("--batch-size", settings.batch_size, peak, 1, 1)], check=memory_check)
-    plan = SamplePlan(model=ref.display, output=str(output), dtype=str(runs_in).removeprefix("torch."),
+    return SamplePlan(model=ref.display, output=str(output), dtype=str(runs_in).removeprefix("torch."),
                       sequences=settings.sequences, seq_len=settings.seq_len,
                       tokens=settings.sequences * settings.seq_len,
                       est_seconds=sample_seconds(ckpt.config, ckpt.num_params, settings),
                       est_peak_bytes=peak(settings.batch_size), notes=notes)
-    return plan, ref, tokenizer
 
 
 @torch.no_grad()
 def sample_texts(model: torch.nn.Module, tokenizer, settings: SampleSettings, progress=None) -> list[str]:
     """`settings.sequences` texts sampled from `model` (see the module docstring), in batches."""
     start = start_token(tokenizer)
-    generator_seed = torch.random.get_rng_state()
+    caller_rng = torch.random.get_rng_state()
     torch.manual_seed(settings.seed)
     texts: list[str] = []
     try:
@@ -230,7 +232,7 @@ def sample_texts(model: torch.nn.Module, tokenizer, settings: SampleSettings, pr
             if progress is not None:
                 progress(batch)
     finally:
-        torch.random.set_rng_state(generator_seed)
+        torch.random.set_rng_state(caller_rng)
     return texts
 
 
@@ -243,8 +245,8 @@ def sample(model, output: Path, settings: SampleSettings | None = None, *, dtype
     from ..io.load import load_model
 
     settings = settings or SampleSettings()
-    plan, _, _ = plan_sample(model, output, settings, dtype=dtype, trust_remote_code=trust_remote_code,
-                               allow_pickle=allow_pickle, memory_check=memory_check, force=force)
+    plan = plan_sample(model, output, settings, dtype=dtype, trust_remote_code=trust_remote_code,
+                       allow_pickle=allow_pickle, memory_check=memory_check, force=force)
     if dry_run:
         return plan
     began = time.perf_counter()
