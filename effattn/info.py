@@ -19,7 +19,8 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
     ckpt = Checkpoint(ref.path, allow_pickle=allow_pickle)
     mla = bool(ckpt.config.get("kv_lora_rank"))
     family = family_for(ckpt.config) if not mla else None  # first: an unsupported family is refused as such
-    verify_checkpoint(ckpt)
+    meta = _meta_model(ckpt.config)  # built once: for the checkpoint's verification and the parameter count
+    verify_checkpoint(ckpt, meta)
     shape = AttentionShape.of(ckpt.config)
     dtype = ckpt.dtype
     per_token = kv_bytes_per_token(ckpt.config, dtype)
@@ -40,7 +41,7 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
         "trained_length": trained_length(ckpt.config),
         "context_length": context_length(ckpt.config),
         "tie_word_embeddings": bool(ckpt.config.get("tie_word_embeddings", False)),
-        "parameters": _parameters(ckpt),
+        "parameters": _parameters(ckpt, meta),
         "dtype": str(dtype).replace("torch.", ""),
         "weights_bytes": ckpt.nbytes,
         "kv_bytes_per_token": per_token,
@@ -75,15 +76,22 @@ def inspect_model(model: str, *, context: int | None = None, trust_remote_code: 
     return info
 
 
-def _parameters(ckpt) -> int:
-    """The model's parameters: counted on the model its config builds (meta device), so that stored buffers (VQ's
-    codebooks and key means) are not counted; the checkpoint's tensors where transformers cannot build it."""
+def _meta_model(config: dict[str, Any]):
+    """The meta model `config` builds, or None where transformers cannot build it (an unregistered type, a config it
+    refuses: verify_checkpoint then says why, or leaves the checkpoint to transformers)."""
     from .io.verify import meta_model
 
     try:
-        return sum(p.numel() for p in meta_model(ckpt.config).parameters())
-    except Exception:  # noqa: BLE001 - an unregistered type, a config transformers refuses: the stored tensors
-        return ckpt.num_params
+        return meta_model(config)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+
+
+def _parameters(ckpt, meta) -> int:
+    """The model's parameters: counted on the model its config builds (`meta`, on the meta device), so that stored
+    buffers (VQ's codebooks and key means) are not counted; the checkpoint's tensors where transformers cannot
+    build it."""
+    return sum(p.numel() for p in meta.parameters()) if meta is not None else ckpt.num_params
 
 
 def _applies(conversion, config: dict[str, Any], family) -> str:

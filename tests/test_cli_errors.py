@@ -265,3 +265,15 @@ def test_inspect_counts_parameters_not_the_buffers_a_checkpoint_stores(capsys, t
     source = json.loads(run_cli(capsys, "inspect", src, "--json")[1])["parameters"]
     converted = json.loads(run_cli(capsys, "inspect", tmp_path / "r", "--json")[1])["parameters"]
     assert converted == source == json.loads((tmp_path / "r" / "effattn.json").read_text())["source"]["num_params"]
+
+
+def test_inspect_builds_the_meta_model_once(capsys, tiny, monkeypatch):
+    """The checkpoint's verification and the parameter count each built the model on the meta device."""
+    import effattn.io.verify as verify
+
+    built = []
+    real = verify.meta_model
+    monkeypatch.setattr(verify, "meta_model", lambda config: built.append(1) or real(config))
+    code, out, err = run_cli(capsys, "inspect", tiny("llama"), "--json")
+    assert code in (0, None), err
+    assert len(built) == 1 and json.loads(out)["parameters"] > 0

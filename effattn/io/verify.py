@@ -29,15 +29,15 @@ def meta_model(config: dict[str, Any]):
         return AutoModelForCausalLM.from_config(cfg)
 
 
-def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:
+def expected_tensors(config: dict[str, Any], model=None) -> dict[str, tuple[int, ...]] | None:
     """Name -> shape of every tensor a checkpoint of `config` holds (tied output weights excluded), or
-    None where the model type is not registered here."""
+    None where the model type is not registered here. `model`: config's meta model, where the caller built it."""
     from transformers import CONFIG_MAPPING
 
     if config.get("model_type") not in CONFIG_MAPPING:
         return None
     try:
-        model = meta_model(config)
+        model = model if model is not None else meta_model(config)
     except Exception as exc:  # noqa: BLE001 - transformers' own checks of the config, said in one line
         reason = " ".join(str(exc).split())
         reason = reason.split("validate_architecture'")[-1].strip(" :.'") or type(exc).__name__
@@ -65,11 +65,12 @@ def stored_under_other_names(model_type: str | None) -> list[re.Pattern]:
     return patterns
 
 
-def verify_checkpoint(ckpt) -> None:
+def verify_checkpoint(ckpt, model=None) -> None:
     """Refuse a checkpoint that lacks a tensor its config.json implies or holds one of another shape,
     naming the tensor. A checkpoint whose names follow another scheme altogether (fewer than half the
-    expected names present) is left to transformers' own key mapping."""
-    expected = expected_tensors(ckpt.config)
+    expected names present) is left to transformers' own key mapping. `model`: the config's meta model, where the
+    caller built it already."""
+    expected = expected_tensors(ckpt.config, model)
     if not expected:
         return
     renamed = stored_under_other_names(ckpt.config.get("model_type"))
