@@ -218,3 +218,37 @@ def test_bad_pattern_options_are_refused_in_one_line(tiny, tmp_path, capsys, arg
     code, _, err = run_cli(capsys, "convert", tiny("llama", layers=2), "--to", "sparse", *args, "-o", out)
     assert_one_line_error(code, err, needle)
     assert code == 2 and not out.exists()
+
+
+@pytest.mark.parametrize("args", [["--pattern", "strided", "--stride", "3", "--local", "2"],
+                                  ["--pattern", "longformer", "--window", "3", "--global-tokens", "2"],
+                                  ["--pattern", "bigbird", "--block", "2", "--window-blocks", "2"]],
+                         ids=["strided", "longformer", "bigbird"])
+def test_a_left_padded_batch_reads_as_each_prompt_alone(tiny, tmp_path, capsys, args):
+    """The sparse model refused padding: a batch of prompts of different lengths (generate() pads them in front)
+    could not run. Each row's pattern now starts at its first real token, and no real query reads padding."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sparse"
+    code, _, err = run_cli(capsys, "convert", tiny("llama", layers=2), "--to", "sparse", *args, "-o", out, "--no-eval")
+    assert code in (0, None), err
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=g) for n in (11, 6, 9)]
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]) for p in prompts]).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        for row, p in enumerate(prompts):
+            alone = model(input_ids=p[None]).logits[0]
+            torch.testing.assert_close(batch[row, width - len(p):], alone, rtol=1e-9, atol=1e-9)
+        generated = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        for row, p in enumerate(prompts):
+            alone = model.generate(p[None], max_new_tokens=5, do_sample=False, pad_token_id=0)
+            assert torch.equal(generated[row, width:], alone[0, len(p):])
+        holes = mask.clone()
+        holes[0, 5] = 0
+        with pytest.raises(ValueError, match="not between them"):
+            model(input_ids=ids, attention_mask=holes)

@@ -129,6 +129,8 @@ def test_the_cards_load_lines_name_trust_remote_code_for_both_calls_and_no_paddi
     assert "pass trust_remote_code=True to both calls below" in custom and "equal length" in custom
     native = "\n".join(load_section("OUT", "llama"))
     assert "trust_remote_code" not in native and "equal length" not in native
+    sparse = "\n".join(load_section("OUT", "effattn_sparse"))  # takes a batch padded in front
+    assert "pad its sequences in front" in sparse and "equal length" not in sparse
 
 
 def test_a_failing_measurement_does_not_fail_the_conversion(tiny, tmp_path, monkeypatch):

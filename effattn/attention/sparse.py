@@ -27,6 +27,7 @@ SPARSE_DEFAULTS = {
 _PATTERNS: dict[str, Pattern] = {}
 # prefills shorter than this run the reference: compiling a kernel costs more than it saves there
 FLEX_MIN_LENGTH = 512
+LEFT_PAD = "effattn_left_pad"  # the keyword that carries a batch's left padding (B,) down to the attention function
 
 
 def pattern_of(settings: dict) -> Pattern:
@@ -45,10 +46,12 @@ def sparse_attention_forward(module, query, key, value, attention_mask, scaling=
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     fresh = query.shape[2] == key.shape[2]
     flex_dtype = query.dtype in (torch.float32, torch.float16, torch.bfloat16)  # FlexAttention's (float64: reference)
-    if fresh and flex_dtype and getattr(config, "sparse_kernel", "flex") == "flex" and query.shape[2] >= FLEX_MIN_LENGTH:
+    left_pad = kwargs.get(LEFT_PAD)  # a left-padded batch: the reference, each row's pattern from its first token
+    if left_pad is None and fresh and flex_dtype and getattr(config, "sparse_kernel", "flex") == "flex" \
+            and query.shape[2] >= FLEX_MIN_LENGTH:
         out = flex_attention_pattern(query, key, value, pattern, scale)
     else:
-        out = naive_attention(query, key, value, pattern, scale)
+        out = naive_attention(query, key, value, pattern, scale, left_pad=left_pad)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -87,9 +90,9 @@ class EffattnSparseForCausalLM(WrappedCausalLM):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
         cache = cache if cache is not None else past_key_values
-        self.check_no_padding(attention_mask, "EffattnSparseForCausalLM")
+        pad = self.left_padding(attention_mask, "EffattnSparseForCausalLM")
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
-                         use_cache=use_cache)
+                         use_cache=use_cache, **({LEFT_PAD: pad} if pad is not None else {}))
         logits, loss = self.logits_and_loss(out.last_hidden_state, logits_to_keep, labels, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=getattr(out, "cache", None))
 

@@ -166,6 +166,21 @@ class WrappedCausalLM(PreTrainedModel, GenerationMixin):
         return position_ids
 
     @staticmethod
+    def left_padding(attention_mask, name: str):
+        """Each row's padding tokens in front, (B,), for a model whose attention takes them (a batch of prompts
+        of different lengths, as generate() pads them); None when no row is padded in front. Padding behind the
+        tokens needs nothing (no real token reads a later one); padding between tokens is refused."""
+        if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.all()):
+            return None
+        mask = attention_mask.bool()
+        pad = (mask.long().cumsum(-1) == 0).sum(-1)  # the zeros before each row's first real token
+        real = mask.sum(-1)
+        last = mask.shape[1] - mask.flip(-1).long().argmax(-1)  # one past each row's last real token
+        if bool(((pad + real) != last).any()):
+            raise ValueError(f"{name} takes padding in front of the tokens (or behind them), not between them")
+        return pad if bool(pad.any()) else None
+
+    @staticmethod
     def check_no_padding(attention_mask, name: str) -> None:
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             raise ValueError(f"{name} does not support padding: pass sequences of equal length "

@@ -107,7 +107,8 @@ def load_section(name: str, model_type: str | None) -> list[str]:
     from ..models import model_spec
 
     lines = ["## Load", "", "```python"]
-    custom = model_spec(model_type) is not None
+    spec = model_spec(model_type)
+    custom = spec is not None
     if custom:
         lines.append(f"import effattn  # registers {model_type}; without it, pass trust_remote_code=True to both "
                      "calls below (the code is bundled here)")
@@ -115,6 +116,9 @@ def load_section(name: str, model_type: str | None) -> list[str]:
               f'model = AutoModelForCausalLM.from_pretrained("{name}")',
               f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
               "```", ""]
-    if custom:  # the kernels keep one position per token: a padded batch is refused (README, Outputs)
+    if custom and spec.left_padding:  # README, Outputs
+        lines += ["A batch may pad its sequences in front (as `generate` pads prompts of different lengths); "
+                  "padding between tokens is refused.", ""]
+    elif custom:  # the kernels keep one position per token: a padded batch is refused (README, Outputs)
         lines += ["Batches must hold sequences of equal length: this attention takes no padding mask.", ""]
     return lines

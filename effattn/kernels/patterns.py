@@ -147,9 +147,12 @@ def density(pattern: Pattern, length: int, chunk: int = 2048) -> float:
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float,
-                    chunk: int = 1024) -> torch.Tensor:
+                    chunk: int = 1024, left_pad: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: q (B, H, Tq, D), k, v (B, G, Tk, D), rotated; queries are the last Tq positions.
-    Scores, the pattern's mask, softmax (float32 or wider), in query chunks. -> (B, H, Tq, D)."""
+    Scores, the pattern's mask, softmax (float32 or wider), in query chunks. -> (B, H, Tq, D).
+    `left_pad` (B,): each row's padding tokens in front (a batch of prompts of different lengths); the pattern
+    then starts at each row's first real token, and no real query reads a padding key. A padding query reads
+    itself alone (its output is never used, and a row with no key would be NaN)."""
     B, H, Tq, D = q.shape
     Tk, rep = k.shape[2], H // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -158,10 +161,18 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: 
     out = q.new_empty(B, H, Tq, D)
     kv = torch.arange(Tk, device=q.device)[None]
     mask = pattern.mask_mod(q.device, q_offset=Tk - Tq)
+    pad = None if left_pad is None else left_pad.to(q.device).view(B, 1, 1, 1)
     for a in range(0, Tq, chunk):
         rows = torch.arange(a, min(a + chunk, Tq), device=q.device)[:, None]
         scores = torch.einsum("bhqd,bhkd->bhqk", q[:, :, a : a + chunk].to(acc), kk) * scale
-        scores = scores.masked_fill(~mask(None, None, rows, kv), -math.inf)
+        if pad is None:
+            keep = mask(None, None, rows, kv)
+        else:  # positions counted from each row's first real token
+            here = rows + (Tk - Tq)  # the queries' absolute indices
+            real_q, real_kv = (here - pad).clamp(min=0), (kv - pad).clamp(min=0)
+            keep = mask(None, None, real_q - (Tk - Tq), real_kv) & (kv >= pad) & (here >= pad)
+            keep = keep | ((here < pad) & (kv == here))
+        scores = scores.masked_fill(~keep, -math.inf)
         out[:, :, a : a + chunk] = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), vv).to(q.dtype)
     return out
 
