@@ -39,7 +39,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -412,11 +411,11 @@ def check_plot_path(path: str | Path) -> Path:
     if path.suffix.lstrip(".").lower() not in formats:
         raise BenchSettingsError(f"cannot tell the image format of the plot {path} from its suffix",
                                  f"end the file name with .png ({one_of(path.suffix.lstrip('.'), formats)})")  # fmt: skip
-    try:  # before any measurement: a folder nothing can be written in (permissions, /proc, a read-only disk)
-        Path(tempfile.mkdtemp(prefix=".effattn-probe-", dir=path.parent)).rmdir()
-    except OSError as exc:
-        raise BenchSettingsError(f"cannot write the plot {path}: {exc.strerror or exc}",
-                                 "pick a path in a writable folder") from None
+    from effattn.io.writer import unwritable
+
+    why = unwritable(path.parent)  # before any measurement: permissions, /proc, a read-only disk
+    if why:
+        raise BenchSettingsError(f"cannot write the plot {path}: {why}", "pick a path in a writable folder")
     return path
 
 

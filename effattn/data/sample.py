@@ -14,7 +14,6 @@ beside a corpus: `--calib calib,FILE`.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -138,7 +137,7 @@ def check_output_file(output: Path, force: bool, model: Path | None = None) -> P
     """The file the text goes to (where a symbolic link leads), refused before any work: a folder, an existing file
     without --force, one of the model's own files, a name too long for the temporary file beside it, a path under a
     file, a folder nothing can be written in."""
-    from ..io.writer import _check_writable
+    from ..io.writer import check_writable, temporary_file
 
     given = Path(output).expanduser()
     if given.is_symlink() and not force:  # a dangling link too: replacing it is replacing something
@@ -153,21 +152,18 @@ def check_output_file(output: Path, force: bool, model: Path | None = None) -> P
     if model is not None and output.exists() and output.resolve().is_relative_to(Path(model).resolve()):
         raise EffattnError(f"{given} is one of the model's own files: writing it would destroy the input",
                            "name a file outside the model's folder")
-    if len(_partial_name(output)) > 255:
+    longer = len(temporary_file(output).name) - len(output.name)  # the name it is written under first
+    if len(output.name) + longer > 255:
         raise EffattnError(f"the file name {output.name[:40]}... is too long ({len(output.name)} characters)",
-                           f"use a name of at most {255 - len(_partial_name(output)) + len(output.name)} characters")
+                           f"use a name of at most {255 - longer} characters")
     for parent in output.parents:  # missing folders are made when the text is written
         if parent.exists():
             if not parent.is_dir():
                 raise EffattnError(f"{parent} is a file, so {given} cannot be written", "name a file in a folder")
-            _check_writable(parent, given)
+            check_writable(parent, given)
             break
     return output
 
-
-def _partial_name(output: Path) -> str:
-    """The temporary file's name beside `output`, renamed to it once the text is whole."""
-    return f".{output.name}.partial-{os.getpid()}"
 
 
 def plan_sample(model, output: Path, settings: SampleSettings, *, dtype: str = "float32",
@@ -243,6 +239,7 @@ def sample(model, output: Path, settings: SampleSettings | None = None, *, dtype
     file appears whole or not at all: the text goes to a temporary file beside it, renamed when complete.
     `dry_run=True` returns the plan and loads no weights."""
     from ..io.load import load_model
+    from ..io.writer import disk_error, write_text
 
     settings = settings or SampleSettings()
     plan = plan_sample(model, output, settings, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -252,20 +249,14 @@ def sample(model, output: Path, settings: SampleSettings | None = None, *, dtype
     began = time.perf_counter()
     # the model itself (a .gguf was planned from its metadata: it is dequantized now)
     lm, tokenizer, ref = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
-    lm.eval()
     texts = sample_texts(lm, tokenizer, settings, progress=progress)
     text = "\n\n".join(texts) + "\n"
     output = Path(plan.output)
     made = [p for p in [output.parent, *output.parent.parents] if not p.exists()]  # removed again on a failure
-    partial = output.with_name(_partial_name(output))
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, output)
+        write_text(output, text)
     except OSError as exc:
-        from ..io.writer import disk_error
-
-        partial.unlink(missing_ok=True)
         for folder in made:  # deepest first
             try:
                 folder.rmdir()

@@ -61,7 +61,7 @@ def check_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0,
         raise EffattnError(f"output folder {out} already exists", "pass --force to replace it, or choose another -o")
     parent = next((p for p in [out.parent, *out.parents] if p.exists()), None)
     if parent is not None:
-        _check_writable(parent, out)
+        check_writable(parent, out)
     free = shutil.disk_usage(parent).free if parent is not None else 0
     if needed_bytes and free < needed_bytes * 1.05:
         raise EffattnError(
@@ -72,14 +72,22 @@ def check_output(out: Path | str, *, force: bool = False, needed_bytes: int = 0,
     return out
 
 
-def _check_writable(folder: Path, out: Path) -> None:
-    """Refuse before work when nothing can be created in `folder` (permissions, a read-only disk): a
-    probe folder is made and removed at once."""
+def unwritable(folder: Path) -> str | None:
+    """Why nothing can be created in `folder` (permissions, a read-only disk, /proc), or None: a probe folder is
+    made and removed at once."""
     try:
         Path(tempfile.mkdtemp(prefix=".effattn-probe-", dir=folder)).rmdir()
     except OSError as exc:
-        raise EffattnError(f"cannot write in {folder} (for -o {out}): {exc.strerror or exc}",
-                           "choose a writable -o, or fix the folder's permissions") from None
+        return str(exc.strerror or exc)
+    return None
+
+
+def check_writable(folder: Path, out: Path, option: str = "-o") -> None:
+    """Refuse before work when nothing can be created in `folder`, the (nearest existing) folder of `out`."""
+    why = unwritable(folder)
+    if why:
+        raise EffattnError(f"cannot write in {folder} (for {option} {out}): {why}",
+                           f"choose a writable {option}, or fix the folder's permissions")
 
 
 def disk_error(exc: BaseException, target: Path) -> EffattnError | None:
@@ -361,9 +369,18 @@ def write_json(path: Path, data: dict) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def temporary_file(path: Path) -> Path:
+    """Where `write_text` writes `path`'s new contents before renaming them into place."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
 def write_text(path: Path, text: str) -> None:
-    """Replace a file's contents atomically: a kill leaves the old file or the new one, never a part."""
+    """Replace a file's contents atomically (UTF-8): a kill leaves the old file or the new one, never a part, and a
+    failed write (a full disk) leaves no temporary file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    tmp = temporary_file(path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
