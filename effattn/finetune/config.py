@@ -28,15 +28,17 @@ from ..errors import EffattnError, did_you_mean
 class _Section(StrictModel):
     """A recipe section (StrictModel's rules)."""
 
+    def changed(self, keys) -> list[str]:
+        """The `keys` set away from their defaults."""
+        fields = type(self).model_fields
+        return [k for k in keys if getattr(self, k) != fields[k].get_default(call_default_factory=True)]
+
     def _unread(self, prefix: str, keys, why: str):
         """Refuse the `keys` set away from their defaults, which the section's other choices never read (`why`):
         a run would ignore them without a word. Defaults pass, so a recipe that spells them out (the built-in
         ones) can still switch (e.g. optimizer.name=sgd)."""
-        fields = type(self).model_fields
-        changed = [f"{prefix}.{k} = {getattr(self, k)}" for k in keys
-                   if getattr(self, k) != fields[k].get_default(call_default_factory=True)]
-        if changed:
-            raise ValueError(f"{', '.join(changed)}: {why}")
+        if changed := self.changed(keys):
+            raise ValueError(", ".join(f"{prefix}.{k} = {getattr(self, k)}" for k in changed) + f": {why}")
         return self
 
 
@@ -229,11 +231,6 @@ class Distributed(_Section):
         if self.strategy != "auto":
             self._unread("distributed", ("fsdp_min_params",), f"only strategy auto reads it (it is {self.strategy})")
         return self
-
-    def fsdp_only_set(self) -> list[str]:
-        """The fsdp-only keys set away from their defaults: read only where fsdp runs (auto decides at run time)."""
-        fields = type(self).model_fields
-        return [f"distributed.{k}" for k in FSDP_ONLY if getattr(self, k) != fields[k].get_default()]
 
 
 FSDP_ONLY = ("reshard_after_forward", "cpu_offload", "shard_teacher", "wrap")

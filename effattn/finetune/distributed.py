@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ..errors import EffattnError
-from .config import Distributed, Recipe
+from .config import FSDP_ONLY, Distributed, Recipe
 
 PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # recipe -> accelerate mixed_precision
 COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,9 +71,9 @@ def describe(cfg: Distributed, strategy: str, processes: int, student_params: in
         what += f"; auto: student {student_params / 1e9:,.2f}B {side} fsdp_min_params {cfg.fsdp_min_params / 1e9:,.2f}B"
     if cfg.activation_checkpointing:
         what += "; activation checkpointing"
-    unread = cfg.fsdp_only_set() if strategy != "fsdp" else []
+    unread = cfg.changed(FSDP_ONLY) if strategy != "fsdp" else []  # auto chose ddp: set, and not read
     if unread:
-        what += f"; {', '.join(unread)} not read (fsdp only)"
+        what += f"; {', '.join(f'distributed.{k}' for k in unread)} not read (fsdp only)"
     return what
 
 
