@@ -84,14 +84,10 @@ def resolve(to: str, values: dict[str, Any], *, name: Callable[[str], str] = fla
 
     values = {k: v for k, v in values.items() if v is not None}
     asked = to
+    preset: dict[str, Any] = {}
     if to in ALIASES:
         to, preset = ALIASES[to]
-        for key, value in preset.items():
-            # (a boolean is not the preset's number: True == 1 in Python, and `kv_heads: true` is a typo)
-            if key in values and (values[key] != value or isinstance(values[key], bool) != isinstance(value, bool)):
-                raise EffattnError(f"{what} {asked} fixes {name(key)} to {value}, but {values[key]} was given",
-                                   f"drop {name(key)} or use {what} {to}")
-            values[key] = value
+        values = preset | values  # a given value is validated first, then held to the preset (below)
     conversion = get_conversion(to)
     fields = conversion.Options.model_fields
     for key in values:
@@ -103,10 +99,15 @@ def resolve(to: str, values: dict[str, Any], *, name: Callable[[str], str] = fla
         raise EffattnError(f"{name(key)}: unknown option of {asked}{did_you_mean(key, fields)}",
                            f"valid: {', '.join(name(k) for k in fields)}")
     try:
-        return conversion, conversion.Options.model_validate(values)
+        opts = conversion.Options.model_validate(values)
     except ValidationError as exc:
         raise EffattnError("; ".join(_explain(e, name) for e in exc.errors()),
                            f"`effattn convert --to {asked} --help` lists the options of {asked}") from None
+    for key, value in preset.items():
+        if getattr(opts, key) != value:
+            raise EffattnError(f"{what} {asked} fixes {name(key)} to {value}, but {getattr(opts, key)} was given",
+                               f"drop {name(key)} or use {what} {to}")
+    return conversion, opts
 
 
 def _explain(error: dict[str, Any], name: Callable[[str], str]) -> str:
