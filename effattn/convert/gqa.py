@@ -28,7 +28,7 @@ from ..data.corpora import DEFAULT_CALIB
 from .base import Plan, kv_bytes_per_token, passthrough, read_time, same_specs
 from .calibrate import CALIB_HELP, CalibSettings, batches, refit_o_proj
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
-from .refine import TARGET_WORDS, LearningRate, RefineOptions, Steps, Target, refine_default, refine_flops
+from .refine import LearningRate, RefineOptions, Steps, Target, refine_default, refine_flops
 from .headmerge import (KeyMerge, align_keys, align_values, block_key_merge, choose_groups, complex_rows, merge_keys,
                         merge_pooled_keys, merge_values, merged_key_rows, pair_dims, real_rows)
 
@@ -504,8 +504,7 @@ class GQAConversion:
             summary.append(("calibration", f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}, "
                                            "layer by layer"))
             if refine.steps:
-                summary.append(("refinement", f"{refine.steps_words} on q/k/v/o, fitting the "
-                                              f"{TARGET_WORDS[refine.target]} (--refine-steps 0: off)"))
+                summary.append(("refinement", refine.summary("q/k/v/o")))
         elif opts.given() & {"calib", "calib_tokens"} and not isinstance(method, _Expansion):
             raise EffattnError(f"--calib/--calib-tokens apply to calibrated methods, not {method.name!r}",
                                "drop them or use --method calibrated")

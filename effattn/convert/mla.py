@@ -76,7 +76,7 @@ from .calibrate import CALIB_HELP, CalibSettings, batches, ridge_solve
 from .gqa import LayerAttention, _Moments
 from .headmerge import complex_rows, merge_keys, merged_key_rows
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers
-from .refine import TARGET_WORDS, LearningRate, RefineOptions, Steps, Target, refine_default, refine_flops
+from .refine import LearningRate, RefineOptions, Steps, Target, refine_default, refine_flops
 
 LATENT_EPS = 1e-6  # transformers' kv_a_layernorm eps, whatever the config says (transformers #44261)
 LINEAR_MARGIN = 1e-6  # ms(latent) <= LINEAR_MARGIN * eps for every input: the norm is linear within 5e-7
@@ -471,9 +471,9 @@ class MLAConversion:
             ("KV cache", f"{before:,.0f} -> {after:,.0f} bytes/token ({after / before:.1%} of the original)"),
             ("output", "DeepseekV3ForCausalLM (dense, no MTP, interleaved RoPE, rms_norm_eps 1e-6)"),
             ("calibration", f"{calib.tokens:,} tokens of {calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
-            ("refinement", f"{refine.steps_words} on the attention's projections (those at the latent norm's "
-                           f"linear-regime scale kept), fitting the {TARGET_WORDS[refine.target]} (--refine-steps 0: "
-                           "off)" if refine.steps else "none (--refine-steps 0): the closed-form fit alone"),
+            ("refinement", refine.summary("the attention's projections (those at the latent norm's linear-regime "
+                                          "scale kept)") if refine.steps
+             else "none (--refine-steps 0): the closed-form fit alone"),
         ]
         settings = {"kv_size": opts.kv_size, "kv_rank": kv_rank, "rope_dim": rope_dim, "rope_stride": opts.rope_stride,
                     "latent_fit": opts.latent_fit, "refit_o": opts.refit_o, "calib": calib.corpus, "calib_tokens": calib.tokens,

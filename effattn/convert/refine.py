@@ -50,6 +50,10 @@ class RefineSettings:
         return (f"{self.steps} Adam steps per layer at lr {self.lr:g}" + (", cosine decay" if self.schedule == "cosine" else "")
                 + (f" on {self.device} (not in the time estimate)" if self.device != "cpu" else ""))
 
+    def summary(self, trained: str, tail: str = " (--refine-steps 0: off)") -> str:
+        """A plan's refinement row: the steps, what they train (`trained`), what they fit, and `tail`."""
+        return f"{self.steps_words} on {trained}, fitting the {TARGET_WORDS[self.target]}{tail}"
+
     def record(self) -> dict:
         """The settings as a conversion's record states them (lr, target, schedule and device only when
         refinement runs; the device only when it is not the CPU)."""

@@ -46,7 +46,7 @@ from ..models import ModelSpec
 from .calibrate import CALIB_HELP, batches
 from .layers import LayerInput, LayerOutput, calibrated_bytes, run_layers, streaming_bytes
 from .options import ConversionOptions
-from .refine import TARGET_WORDS, RefineOptions, Steps, refine_flops
+from .refine import RefineOptions, Steps, refine_flops
 from .exact_heads import choose, scoring_hooks
 
 # Default far position (`--far-position`) as a multiple of the window. ReRoPE classically sees far keys
@@ -363,8 +363,7 @@ class VQConversion(_ReRoPEBase):
                                       f"(heavy hitters, cut every {c.block} positions)" if heavy else "")),
                      ("codebooks", f"{METRIC_WORDS[metric]} ({method}) on {calib.tokens:,} tokens of "
                                    f"{calib.corpus!r} in blocks of {calib.seq_len}, layer by layer"),
-                     *([("refinement", f"{refine.steps_words} on q/k/v/o through the "
-                                       f"VQ attention, fitting the {TARGET_WORDS[refine.target]}; codebooks kept")]
+                     *([("refinement", refine.summary("q/k/v/o through the VQ attention", "; codebooks kept"))]
                        if refine.steps else []),
                      ("KV cache", _vq_cache_line(kv, state_bytes, exact_bytes, exact_heads)),
                      ("VQ kernel", _heavy_kernel_line() if heavy else _kernel_line()),
