@@ -46,16 +46,24 @@ def test_samples_are_whole_sequences_the_seed_repeats(capsys, tiny, tmp_path):
     assert json.loads(stdout)["sequences"] == 3
 
 
-def test_a_sample_calibrates_a_conversion_beside_a_corpus(capsys, tiny, tmp_path):
+def test_a_sample_calibrates_a_conversion(capsys, tiny, tmp_path):
+    """The text is what --calib reads: enough tokens for the calibration it was sampled for, and the conversion it
+    calibrates differs from one calibrated on a corpus (the record named the file either way)."""
+    from safetensors.torch import load_file
+
     src = tiny("llama", heads=4, kv_heads=2)
     text = tmp_path / "self.txt"
     code, _, err = run_cli(capsys, "sample", src, "-o", text, "--tokens", "1024", "--seq-len", "128")
     assert code in (0, None), err
-    out = tmp_path / "mqa"
-    code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--calib", f"calib,{text}", "--calib-tokens", "1024",
-                           "--refine-steps", "1", "-o", out, "--no-eval")
-    assert code in (0, None), err
-    assert json.loads((out / "effattn.json").read_text())["conversion"]["calib"] == f"calib,{text}"
+    weights = {}
+    for calib in (str(text), "calib"):
+        out = tmp_path / f"mqa-{len(weights)}"
+        code, _, err = run_cli(capsys, "convert", src, "--to", "mqa", "--calib", calib, "--calib-tokens", "512",
+                               "--refine-steps", "0", "-o", out, "--no-eval")
+        assert code in (0, None), err
+        assert json.loads((out / "effattn.json").read_text())["conversion"]["calib"] == calib
+        weights[calib] = load_file(out / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"]
+    assert not torch.allclose(weights[str(text)], weights["calib"])
 
 
 def test_the_dry_run_plans_and_writes_nothing(capsys, tiny, tmp_path):
