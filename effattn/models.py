@@ -36,9 +36,10 @@ class ModelSpec:
     # FLOPs per token one decoder layer's training step (forward and backward) costs beyond what the fine-tune's time
     # plan counts for a softmax layer, for sequences of T tokens: layer_train_flops(config, T); None: none
     layer_train_flops: Callable[[dict, int], float] | None = None
-    # whether a batch may pad its sequences in front (a batch of prompts of different lengths, as generate() pads
-    # them); False: the attention keeps one position per token, and a padded batch is refused
-    left_padding: bool = False
+    # how a padded batch (prompts of different lengths, as generate() pads them) runs: "rows" (WrappedCausalLM.
+    # forward_rows: each row's tokens alone, with the row's own cache) or "batched" (the attention takes each row's
+    # padding in front; padding between tokens is refused)
+    padding: str = "rows"
 
     def bundle(self) -> str:
         """The modules as one self-contained Python module (effattn's own imports dropped)."""

@@ -120,17 +120,17 @@ def test_a_cast_conversion_states_the_originals_cache_at_its_own_dtype(tiny):
                                        measure=False).plan.summary)
 
 
-def test_the_cards_load_lines_name_trust_remote_code_for_both_calls_and_no_padding():
+def test_the_cards_load_lines_name_trust_remote_code_for_both_calls_and_how_padding_runs():
     from effattn.io.card import load_section
 
     import effattn  # noqa: F401 - registers the model types
 
-    custom = "\n".join(load_section("OUT", "effattn_sinks"))
-    assert "pass trust_remote_code=True to both calls below" in custom and "equal length" in custom
+    custom = "\n".join(load_section("OUT", "effattn_sinks"))  # a padded batch runs row by row (test_padded_batches)
+    assert "pass trust_remote_code=True to both calls below" in custom and "runs row by row" in custom
     native = "\n".join(load_section("OUT", "llama"))
-    assert "trust_remote_code" not in native and "equal length" not in native
+    assert "trust_remote_code" not in native and "row by row" not in native
     sparse = "\n".join(load_section("OUT", "effattn_sparse"))  # takes a batch padded in front
-    assert "pad its sequences in front" in sparse and "equal length" not in sparse
+    assert "pad its sequences in front" in sparse and "row by row" not in sparse
 
 
 def test_a_failing_measurement_does_not_fail_the_conversion(tiny, tmp_path, monkeypatch):

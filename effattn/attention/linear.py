@@ -355,8 +355,11 @@ class EffattnLinearForCausalLM(WrappedCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
-        return self.forward_layers(LinearCache, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
-                                   use_cache, logits_to_keep, past_key_values, **kwargs)
+        def run(ids, embeds, positions, layer_cache):
+            return self.decoder_layers(layer_cache, ids, positions, embeds)
+
+        return self.forward_cached(LinearCache, run, input_ids, attention_mask, position_ids, cache, inputs_embeds,
+                                   labels, use_cache, logits_to_keep, past_key_values, **kwargs)
 
     def linear_attention_modules(self) -> list[LinearAttention]:
         return [layer.self_attn for layer in self.model.layers]

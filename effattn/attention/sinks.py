@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from effattn.attention.wrapped import AdoptedAttention, WrappedCausalLM, WrappedConfig, wrapped_config
 from effattn.kernels.sinks import sink_attention
@@ -118,7 +117,11 @@ class EffattnSinksForCausalLM(WrappedCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
-        cache, use_cache = self.own_cache(cache, past_key_values, attention_mask, use_cache, SinkCache)
+        return self.forward_cached(SinkCache, self.decoder, input_ids, attention_mask, position_ids, cache,
+                                   inputs_embeds, labels, use_cache, logits_to_keep, past_key_values, **kwargs)
+
+    def decoder(self, input_ids, inputs_embeds, position_ids, cache):
+        """The decoder on a batch without padding, its final norm included."""
         body = self.model
         x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         past = cache.seen if cache is not None else 0
@@ -143,8 +146,7 @@ class EffattnSinksForCausalLM(WrappedCausalLM):
             x = layer(x, position_embeddings=None, position_ids=position_ids, cache=cache, sink_rope=rope)
         if cache is not None:
             cache.seen = past + x.shape[1]
-        logits, loss = self.logits_and_loss(body.norm(x), logits_to_keep, labels, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return body.norm(x)
 
 
 def sinks_config_from(base: dict, **settings) -> dict:

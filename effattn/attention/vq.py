@@ -314,8 +314,11 @@ class EffattnVQForCausalLM(WrappedCausalLM):
             far = torch.tensor([[far_position(self.config)]], device=x.device)
             return {"vq_far": tuple(t[0, 0] for t in self.model.rotary_emb(x, far))}
 
-        return self.forward_layers(VQCache, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
-                                   use_cache, logits_to_keep, past_key_values, layer_kwargs=far_rope, **kwargs)
+        def run(ids, embeds, positions, layer_cache):
+            return self.decoder_layers(layer_cache, ids, positions, embeds, layer_kwargs=far_rope)
+
+        return self.forward_cached(VQCache, run, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
+                                   use_cache, logits_to_keep, past_key_values, **kwargs)
 
     def vq_attention_modules(self) -> list[VQAttention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -1,9 +1,10 @@
 """What effattn's own model classes share: a base family's causal LM (same modules, same weight names)
 whose attention is effattn's, and a config that is the base config plus the model's own settings.
 
-Each model (vq.py, sinks.py, sparse.py) subclasses `WrappedConfig` (declaring `model_type` and its
-`DEFAULTS`) and `WrappedCausalLM` (replacing the attention modules or the attention function), and
-writes its config.json with `wrapped_config`. This module imports nothing from effattn, so it is
+Each model (vq.py, linear.py, sinks.py, sparse.py) subclasses `WrappedConfig` (declaring `model_type` and
+its `DEFAULTS`) and `WrappedCausalLM` (replacing the attention modules or the attention function), and
+writes its config.json with `wrapped_config`. A model with its own cache class runs its decoder through
+`forward_cached`, which reads a padded batch row by row. This module imports nothing from effattn, so it is
 bundled into each model's `modeling_*.py` for `trust_remote_code=True`.
 """
 
@@ -80,6 +81,24 @@ class StateCache:
         return sum(state.nbytes() for state in self.states.values())
 
 
+class RowCaches:
+    """The cache of a padded batch: one cache per row, holding that row's real tokens alone (`forward_rows`).
+    `seen` counts the batch's columns, padding included, as generate() counts them."""
+
+    def __init__(self, rows: list):
+        self.rows = rows
+        self.seen = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def __len__(self) -> int:
+        return max((len(row) for row in self.rows), default=0)
+
+    def nbytes(self) -> int:
+        return sum(row.nbytes() for row in self.rows)
+
+
 class WrappedCausalLM(PreTrainedModel, GenerationMixin):
     """The base family's causal LM (`self.model`, `self.lm_head`), built from the config's base config."""
 
@@ -125,25 +144,77 @@ class WrappedCausalLM(PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def own_cache(self, cache, past_key_values, attention_mask, use_cache, cache_class):
-        """The forward's preamble shared by models with their own cache class: refuse padding, replace the
-        empty cache generate() prepares by a `cache_class()`, and return (cache or None, use_cache)."""
-        name = type(self).__name__
-        self.check_no_padding(attention_mask, name)
-        cache = cache if cache is not None else past_key_values
-        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+    def fresh_cache(self, cache, use_cache, cache_class):
+        """Replace the empty cache generate() prepares by a `cache_class()` (when caching); returns the cache or None."""
         if use_cache and not isinstance(cache, cache_class):
             if cache is not None and cache.get_seq_length() > 0:
-                raise ValueError(f"{name} needs its own {cache_class.__name__}, got a filled {type(cache).__name__}")
-            return cache_class(), use_cache
-        return (cache if isinstance(cache, cache_class) else None), use_cache
+                raise ValueError(f"{type(self).__name__} needs its own {cache_class.__name__}, got a filled "
+                                 f"{type(cache).__name__}")
+            return cache_class()
+        return cache if isinstance(cache, cache_class) else None
 
-    def forward_layers(self, cache_class, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
-                       use_cache, logits_to_keep, past_key_values, layer_kwargs=None, **kwargs):
-        """The causal LM's forward for a model with its own cache class: embeddings, the base family's
-        RoPE tables, every layer (with `cache=` and `layer_kwargs(x, position_ids)`'s extra arguments),
-        the final norm and the head."""
-        cache, use_cache = self.own_cache(cache, past_key_values, attention_mask, use_cache, cache_class)
+    def forward_cached(self, cache_class, run, input_ids, attention_mask, position_ids, cache, inputs_embeds, labels,
+                       use_cache, logits_to_keep, past_key_values, **kwargs):
+        """The causal LM's forward for a model with its own cache class. `run(input_ids, inputs_embeds, position_ids,
+        cache)` is the decoder on a batch without padding (its final norm included). A batch whose attention mask
+        pads it runs row by row (`forward_rows`)."""
+        cache = cache if cache is not None else past_key_values
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if padded or isinstance(cache, RowCaches):
+            x, cache = self.forward_rows(cache_class, run, input_ids, attention_mask, position_ids, cache,
+                                         inputs_embeds, use_cache)
+        else:
+            cache = self.fresh_cache(cache, use_cache, cache_class)
+            x = run(input_ids, inputs_embeds, position_ids, cache)
+        logits, loss = self.logits_and_loss(x, logits_to_keep, labels, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    def forward_rows(self, cache_class, run, input_ids, attention_mask, position_ids, cache, inputs_embeds,
+                     use_cache):
+        """A padded batch (generate()'s prompts of different lengths, padded in front; padding anywhere): each row's
+        real tokens run alone, with the row's own cache (`RowCaches`), so each row reads as its sequence alone, at
+        positions counted over its own tokens. The kernels keep one position per token for a whole batch; this
+        costs a forward per row, the speed of the prompts one at a time. Returns (hidden states with zeros at the
+        padding, the cache)."""
+        name = type(self).__name__
+        ids = input_ids if inputs_embeds is None else inputs_embeds
+        B, T = ids.shape[:2]
+        if attention_mask is None:
+            mask = torch.ones(B, T, dtype=torch.bool, device=ids.device)
+        elif attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+            raise ValueError(f"{name} takes a 2-D attention mask (batch, tokens so far), got shape "
+                             f"{tuple(attention_mask.shape)} for {B} rows of {T} new tokens")
+        else:
+            mask = attention_mask[:, -T:].bool()
+        if not isinstance(cache, RowCaches):
+            if cache is not None and cache.get_seq_length() > 0:
+                raise ValueError(f"{name}: a padded batch needs a fresh cache (its rows keep their own), got a "
+                                 f"filled {type(cache).__name__}")
+            cache = RowCaches([cache_class() for _ in range(B)]) if use_cache else None
+        elif len(cache.rows) != B:
+            raise ValueError(f"{name}: the cache holds {len(cache.rows)} rows, the batch has {B}")
+        rows = []
+        for b in range(B):
+            cols = mask[b].nonzero()[:, 0]
+            if cols.numel() == 0:  # nothing real in this row's new columns
+                continue
+            pos = None if position_ids is None else position_ids[b:b + 1, cols]
+            row_ids = None if input_ids is None or inputs_embeds is not None else input_ids[b:b + 1, cols]
+            row_embeds = None if inputs_embeds is None else inputs_embeds[b:b + 1, cols]
+            rows.append((b, cols, run(row_ids, row_embeds, pos, None if cache is None else cache.rows[b])[0]))
+        if not rows:
+            raise ValueError(f"{name}: the attention mask leaves no token to read")
+        x = rows[0][2].new_zeros(B, T, rows[0][2].shape[-1])
+        for b, cols, h in rows:
+            x[b, cols] = h
+        if cache is not None:
+            cache.seen += T
+        return x, cache
+
+    def decoder_layers(self, cache, input_ids, position_ids, inputs_embeds, layer_kwargs=None):
+        """The base family's decoder on a batch without padding: embeddings, the RoPE tables, every layer (with
+        `cache=` and `layer_kwargs(x)`'s extra arguments) and the final norm."""
         body = self.model
         x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         past = cache.get_seq_length() if cache is not None else 0
@@ -152,8 +223,7 @@ class WrappedCausalLM(PreTrainedModel, GenerationMixin):
         extra = layer_kwargs(x) if layer_kwargs is not None else {}
         for layer in body.layers:
             x = layer(x, position_embeddings=(cos, sin), position_ids=position_ids, cache=cache, **extra)
-        logits, loss = self.logits_and_loss(body.norm(x), logits_to_keep, labels, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return body.norm(x)
 
     @staticmethod
     def check_positions(position_ids, past: int, length: int, device, cached: bool = True):
@@ -179,12 +249,6 @@ class WrappedCausalLM(PreTrainedModel, GenerationMixin):
         if bool(((pad + real) != last).any()):
             raise ValueError(f"{name} takes padding in front of the tokens (or behind them), not between them")
         return pad if bool(pad.any()) else None
-
-    @staticmethod
-    def check_no_padding(attention_mask, name: str) -> None:
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise ValueError(f"{name} does not support padding: pass sequences of equal length "
-                             "(batch=1 for generation of different prompts)")
 
     def logits_and_loss(self, x, logits_to_keep, labels, **kwargs):
         """The head on the last `logits_to_keep` positions (0: all), and the LM loss when labels are given."""

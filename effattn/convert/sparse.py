@@ -83,7 +83,7 @@ class SparseConversion:
         config_class=lambda: _sparse_classes()[0], model_class=lambda: _sparse_classes()[1],
         modeling_file="modeling_effattn_sparse.py", modules=("kernels/patterns.py", "attention/wrapped.py",
                                                                     "attention/sparse.py"),
-        left_padding=True)
+        padding="batched")
     measure_contexts = (512, 2048)
 
     def targets(self, config: dict[str, Any]) -> str:

@@ -116,9 +116,10 @@ def load_section(name: str, model_type: str | None) -> list[str]:
               f'model = AutoModelForCausalLM.from_pretrained("{name}")',
               f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
               "```", ""]
-    if custom and spec.left_padding:  # README, Outputs
+    if custom and spec.padding == "batched":  # README, Outputs
         lines += ["A batch may pad its sequences in front (as `generate` pads prompts of different lengths); "
                   "padding between tokens is refused.", ""]
-    elif custom:  # the kernels keep one position per token: a padded batch is refused (README, Outputs)
-        lines += ["Batches must hold sequences of equal length: this attention takes no padding mask.", ""]
+    elif custom:  # each row alone, with its own cache (README, Outputs)
+        lines += ["A padded batch (as `generate` pads prompts of different lengths) runs row by row, each row with its "
+                  "own cache: each reads as its prompt alone, at the speed of the prompts one at a time.", ""]
     return lines
