@@ -275,24 +275,32 @@ def speed(model, ids: torch.Tensor, decode_tokens: int = 32, repeats: int = 3) -
 
 
 def decode_break_even(mine: list[dict[str, float]], base: list[dict[str, float]]) -> dict[str, Any] | None:
-    """Where the model starts decoding faster than the baseline, from decode speeds both measured at the
-    same two or more contexts. A decode step's time is taken as linear in the context (the original
-    reads every cached key; a constant-size cache makes the slope ~0) through the shortest and longest
-    measurement of each model. Returns {"tokens": N, "measured": [contexts]}, with N the crossing
-    (0 when the model is faster at every length, None when it is never faster), or None for fewer than
-    two shared contexts."""
+    """Where the model decodes faster than the baseline, from decode speeds both measured at the same two or more
+    contexts. A decode step's time is taken as linear in the context (the original reads every cached key; a
+    constant-size cache makes the slope ~0) through the shortest and longest measurement of each model. Returns
+    {"tokens": N, "below": bool, "measured": [contexts]}: faster beyond N tokens (0: at every length; None: at no
+    length), or, with below, faster only below N tokens (a step that grows faster than the baseline's, from a shorter
+    one at the shortest context measured). None for fewer than two shared contexts. The lines are read from the
+    shortest measured context on: a model slower there whose step grows at least as fast is slower at every length,
+    whatever the lines' extrapolated intercepts say."""
     times = [{p["context"]: 1.0 / p["decode_tokens_per_s"] for p in points if p.get("decode_tokens_per_s")}
              for points in (mine, base)]
     shared = sorted(set(times[0]) & set(times[1]))
     if len(shared) < 2:
         return None
     lo, hi = shared[0], shared[-1]
-    (a_m, b_m), (a_b, b_b) = ((t[lo] - (t[hi] - t[lo]) / (hi - lo) * lo, (t[hi] - t[lo]) / (hi - lo)) for t in times)
-    if b_m >= b_b:  # the model's step grows at least as fast as the baseline's
-        tokens = 0.0 if a_m <= a_b else None
-    else:
-        tokens = max(0.0, (a_m - a_b) / (b_b - b_m))
-    return {"tokens": tokens, "measured": shared}
+    (t_m, b_m), (t_b, b_b) = ((t[lo], (t[hi] - t[lo]) / (hi - lo)) for t in times)  # time at lo, growth per token
+    ahead = t_b - t_m  # how much shorter the model's step is at the shortest context (> 0: faster there)
+    below = False
+    if b_m < b_b:  # the model's step grows more slowly: faster beyond the crossing
+        tokens = max(0.0, lo - ahead / (b_b - b_m))
+    elif ahead <= 0:  # slower at the shortest context, and not growing more slowly
+        tokens = None
+    elif b_m == b_b:
+        tokens = 0.0
+    else:  # faster at the shortest context, growing faster: faster only below the crossing
+        tokens, below = lo + ahead / (b_m - b_b), True
+    return {"tokens": tokens, "below": below, "measured": shared}
 
 
 def speed_prompt(tokenizer, text: str, length: int) -> torch.Tensor:

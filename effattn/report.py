@@ -71,6 +71,9 @@ def break_even_line(even: dict) -> str:
     basis = f"(decode times measured after {measured} tokens, taken as linear in the context)"
     if even["tokens"] is None:
         return f"decode break-even: the model decodes slower than the baseline at every length {basis}"
+    if even.get("below"):
+        return (f"decode break-even: the model decodes faster than the baseline below about {even['tokens']:,.0f} "
+                f"tokens and slower beyond {basis}")
     if even["tokens"] == 0:
         return f"decode break-even: the model decodes faster than the baseline at every length {basis}"
     return f"decode break-even: the model decodes faster than the baseline beyond about {even['tokens']:,.0f} tokens {basis}"

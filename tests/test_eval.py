@@ -88,6 +88,18 @@ def test_decode_break_even_is_where_the_decode_time_lines_cross():
     assert decode_break_even(points(0.020, 0.0), points(0.030, 5e-6))["tokens"] == 0  # faster everywhere
     assert decode_break_even(points(0.040, 6e-6), points(0.030, 5e-6))["tokens"] is None  # never faster
     assert decode_break_even(points(0.040, 0.0)[:1], points(0.030, 5e-6)) is None  # one shared context
+    # a model slower at both contexts whose step grows faster was read as faster everywhere (its line's intercept,
+    # extrapolated below the shortest context, was the smaller): slower at every length
+    assert decode_break_even(points(0.060, 1e-5), points(0.030, 5e-6))["tokens"] is None
+    assert decode_break_even(points(0.030, 1e-5), points(0.015, 5e-6))["tokens"] is None  # twice as slow everywhere
+    # faster at the shortest context but growing faster: faster only below the crossing (20 ms + 10 us/token
+    # against 30 ms + 5 us/token: 2,000 tokens)
+    even = decode_break_even(points(0.020, 1e-5), points(0.030, 5e-6))
+    assert even["below"] and even["tokens"] == pytest.approx(2000)
+    from effattn.report import break_even_line
+
+    assert "faster than the baseline below about 2,000 tokens and slower beyond" in break_even_line(even)
+    assert not decode_break_even(points(0.040, 0.0), points(0.030, 5e-6))["below"]
 
 
 def test_speed_context_times_both_models_after_a_long_prompt(capsys, tiny, corpus, tmp_path):
