@@ -242,6 +242,9 @@ def kv_cache_bytes(model, ids: torch.Tensor) -> int:
 SPEED_CHUNK = 4096  # a long speed prompt is prefilled in chunks of this many tokens through the cache
 
 
+WARM_DECODE_STEPS = 4  # untimed decode steps before `speed` times any
+
+
 @torch.no_grad()
 def speed(model, ids: torch.Tensor, decode_tokens: int = 32, repeats: int = 3) -> tuple[float, float]:
     """(prefill tokens/s over `ids` [1, T], decode tokens/s for greedy steps after it); medians. Prompts
@@ -255,7 +258,13 @@ def speed(model, ids: torch.Tensor, decode_tokens: int = 32, repeats: int = 3) -
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)  # warm-up
+    # warm-up, untimed: a short prefill and decode steps (a process's first decode steps were up to 45x slower than
+    # later ones on a tiny model, so the model timed first, the converted one, lost to the original)
+    out = model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)
+    cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+    for _ in range(WARM_DECODE_STEPS):
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
     chunk = ids.shape[1] if one_pass_only(model) else SPEED_CHUNK
     prefill, decode = [], []
     for _ in range(repeats):
