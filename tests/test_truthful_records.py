@@ -205,6 +205,27 @@ def test_the_reproduce_line_reproduces_the_output(tiny, tmp_path):
     assert record(again)["reproduce"].replace(str(again), str(out)) == line
 
 
+@pytest.mark.parametrize("to", [["--to", "mha"], ["--to", "gqa", "--kv-heads", "6"]], ids=["mha", "gqa-expand"])
+def test_an_expansions_reproduce_line_runs(capsys, tiny, tmp_path, to):
+    """An expansion (more KV heads) replicates whatever method is asked; the record named the method `replicate`,
+    and the reproduce line passed `--method replicate`, which --method refuses (a bug bash)."""
+    from .test_cli_errors import run_cli
+
+    src = tiny("llama", heads=6, kv_heads=3)
+    out = tmp_path / "first"
+    code, _, err = run_cli(capsys, "convert", src, *to, "--no-eval", "-o", out)
+    assert code in (0, None), err
+    rec = record(out)
+    assert rec["conversion"]["method"] == "calibrated" and rec["conversion"]["expansion"].startswith("replicate")
+    argv = shlex.split(rec["reproduce"])
+    again = tmp_path / "again"
+    argv[argv.index("-o") + 1] = str(again)
+    code, _, err = run_cli(capsys, *argv[1:], "--no-eval")
+    assert code in (0, None), err
+    a, b = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_the_reproduce_line_works_from_any_folder_and_keeps_allow_pickle(capsys, tiny, tmp_path, monkeypatch):
     """The line kept the model as typed (a path relative to where it ran) and dropped --allow-pickle, so it was
     refused when run; base_model named a local path where Hub metadata expects a hub id."""

@@ -469,7 +469,10 @@ class GQAConversion:
             ("method", f"{method.name}: {method.description}"),
             ("KV cache", f"{before:,.0f} -> {after:,.0f} bytes/token ({after / before:.1%} of the original)"),
         ]
-        settings = {"kv_heads": new_kv, "method": method.name, "kv_heads_before": shape.kv_heads}
+        # the method asked for (what the record's reproduce command passes); an expansion replicates whatever it is
+        settings = {"kv_heads": new_kv, "method": opts.method, "kv_heads_before": shape.kv_heads}
+        if isinstance(method, _Expansion):
+            settings["expansion"] = f"{method.name}: {method.description}"
         state = {"method": method, "shape": shape, "new_kv": new_kv, "target": target}
         est_seconds = read_time(ckpt)  # reading every tensor
         est_peak = streaming_bytes(ckpt, family)
