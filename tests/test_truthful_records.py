@@ -226,6 +226,26 @@ def test_an_expansions_reproduce_line_runs(capsys, tiny, tmp_path, to):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_cards_eval_hint_runs_from_the_folders_parent(capsys, tiny, tmp_path, monkeypatch):
+    """Converted with relative paths and --no-eval, the card said `effattn eval OUT --baseline SRC` with OUT's name
+    (found from the folder's parent) and SRC as typed (found from where the conversion ran): it ran from neither."""
+    src = tiny("llama")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, "convert", src.relative_to(tmp_path), "--to", "mqa", "--method", "mean",
+                           "--no-eval", "-o", "work/out")
+    assert code in (0, None), err
+    card = (tmp_path / "work" / "out" / "README.md").read_text()
+    hint = card.split("from this folder's parent, run `")[1].split("`")[0]
+    argv = shlex.split(hint)
+    assert argv[:2] == ["effattn", "eval"] and argv[2] == "out"
+    monkeypatch.chdir(tmp_path / "work")
+    (tmp_path / "text.txt").write_text("A short text to score, said twice. " * 8)
+    code, _, err = run_cli(capsys, *argv[1:], "--corpus", str(tmp_path / "text.txt"), "--max-tokens", "64",
+                           "--context", "32", "--no-speed")
+    assert code in (0, None), err
+
+
 def test_the_reproduce_line_works_from_any_folder_and_keeps_allow_pickle(capsys, tiny, tmp_path, monkeypatch):
     """The line kept the model as typed (a path relative to where it ran) and dropped --allow-pickle, so it was
     refused when run; base_model named a local path where Hub metadata expects a hub id."""

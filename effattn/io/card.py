@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from typing import Any
 
 
@@ -94,7 +96,11 @@ def model_card(name: str, record: dict[str, Any], plan) -> str:
     elif record.get("measurement_skipped"):
         lines += ["## Measured", "", f"Not measured at conversion time: {record['measurement_skipped']}.", ""]
     else:
-        lines += ["## Measured", "", f"Not measured at conversion time; run `effattn eval {name} --baseline {src['model']}`.", ""]
+        # the source as the reproduce line names it (a name or hub id, else its absolute path): the model's name resolves
+        # from this folder's parent, a relative source only from where the conversion ran
+        baseline = src["model"] if src.get("kind") in ("builtin", "hub") else src.get("path", src["model"])
+        lines += ["## Measured", "", "Not measured at conversion time; from this folder's parent, run "
+                  f"`effattn eval {name} --baseline {shlex.quote(str(baseline))}`.", ""]
     if record.get("reproduce") or record.get("command"):
         lines += ["## Reproduce", "", f"With effattn {record['effattn_version']}:", "", "```",
                   record.get("reproduce") or record["command"], "```", ""]
