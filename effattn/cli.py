@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shlex
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -783,6 +784,27 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a job scheduler), raised where the run is, as Ctrl-C's KeyboardInterrupt is: the
+    same clean-up runs (temporary folders and locks removed), and the exit is 143. `entry` installs it."""
+
+
+def _terminate(signum, frame) -> None:
+    _TERMINATED[0] = True
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM while cleaning up ends the process
+    raise Terminated()
+
+
+_TERMINATED = [False]  # set by `_terminate`: typer may turn the exception into an Abort or an exit code of 130
+
+
+def _stopped(exc: BaseException | None = None) -> None:
+    """Ctrl-C (exit 130) or SIGTERM (143): one word, no traceback."""
+    terminated = _TERMINATED[0] or isinstance(exc, Terminated)
+    err.print("terminated" if terminated else "interrupted")
+    sys.exit(143 if terminated else 130)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: `--debug` anywhere shows tracebacks instead of one-line errors."""
     global DEBUG
@@ -799,7 +821,7 @@ def main(argv: list[str] | None = None) -> None:
         # commands themselves return None
         if isinstance(code, int) and not isinstance(code, bool) and code != 0:
             if code == 130:
-                err.print("interrupted")
+                _stopped()
             sys.exit(code)
     except EffattnError as exc:
         if DEBUG:
@@ -808,12 +830,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except (typer.Exit, SystemExit) as exc:
         sys.exit(getattr(exc, "exit_code", getattr(exc, "code", 0)))
-    except typer.Abort:
+    except typer.Abort as exc:
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            _stopped(exc.__context__)
         err.print("aborted")
         sys.exit(130)
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        _stopped(exc)
     except Exception as exc:  # noqa: BLE001
         if callable(getattr(exc, "format_message", None)) and hasattr(exc, "exit_code"):  # click's (typer's copy too)
             if DEBUG:
@@ -830,6 +853,7 @@ def main(argv: list[str] | None = None) -> None:
 def entry() -> None:
     """The console script and `python -m effattn.cli` (torchrun's way in): main(), then, in a process that
     ran a process group, an exit that skips the interpreter's finalization (see `exit_without_finalizing`)."""
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         main()
         code = 0

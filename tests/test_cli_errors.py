@@ -177,6 +177,32 @@ def test_ctrl_c_exits_130_and_says_so(capsys, monkeypatch):
     assert code == 130 and err.strip() == "interrupted" and out == ""
 
 
+def test_sigterm_cleans_up_as_ctrl_c_does(tiny, tmp_path):
+    """`kill`, `timeout` or a job scheduler stop a run with SIGTERM, which ran no clean-up: a conversion left its
+    hidden temporary folder and lock behind (Ctrl-C left nothing). Now SIGTERM cleans up the same, exits 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    src = tiny("llama", layers=4)
+    out = tmp_path / "out"
+    effattn = str(Path(sys.executable).parent / "effattn")
+    run = subprocess.Popen([effattn, "convert", str(src), "--to", "mqa", "--calib-tokens", "8192", "--refine-steps",
+                            "400", "--no-eval", "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    deadline = time.monotonic() + 120
+    while not leftovers(tmp_path) and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leftovers(tmp_path), "the conversion never made its temporary folder"
+    time.sleep(0.5)  # well inside the layer walk
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 143 and err.strip().splitlines()[-1] == "terminated", err[-2000:]
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
 def test_sizes_read_in_their_own_units():
     """Tiny models have tiny sizes: "0.00 GiB" and "0M parameters" said nothing."""
     from effattn.io.card import count
