@@ -403,6 +403,9 @@ def check_plot_path(path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     path = Path(path)
+    if path.is_symlink() and not path.resolve().parent.is_dir():  # the plot is written where the link points
+        raise BenchSettingsError(f"the plot {path} is a link into a folder that does not exist ({path.resolve().parent})",
+                                 "create that folder, or pick another path")
     if not path.parent.is_dir():
         raise BenchSettingsError(f"the folder of the plot {path} does not exist", "create it first, or pick another path")
     if path.is_dir():
@@ -413,7 +416,7 @@ def check_plot_path(path: str | Path) -> Path:
                                  f"end the file name with .png ({one_of(path.suffix.lstrip('.'), formats)})")  # fmt: skip
     from effattn.io.writer import unwritable
 
-    why = unwritable(path.parent)  # before any measurement: permissions, /proc, a read-only disk
+    why = unwritable(path.resolve().parent)  # before any measurement: permissions, /proc, a read-only disk
     if why:
         raise BenchSettingsError(f"cannot write the plot {path}: {why}", "pick a path in a writable folder")
     return path

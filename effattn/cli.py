@@ -8,6 +8,7 @@ terminal.
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import os
 import signal
@@ -66,7 +67,25 @@ def progress_bar(enabled: bool = True):
 
 
 def _print_json(data) -> None:
-    print(json.dumps(data, indent=2, default=str))
+    """JSON on stdout, valid: a number that is not finite (a float16 overflow's NaN perplexity, a broken model's
+    infinite one) is written as null, with a warning; json.dumps wrote bare NaN and Infinity."""
+    found: list[str] = []
+
+    def finite(value, where: str):
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append(f"{where}: {value}")
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    text = json.dumps(finite(data, ""), indent=2, default=str, allow_nan=False)
+    if found:
+        err.print(f"[yellow]warning[/]: {len(found)} measurement(s) not a finite number, written as null: "
+                  + escape(", ".join(found[:4]) + (" ..." if len(found) > 4 else "")), highlight=False)
+    print(text)
 
 
 def _kv_table(rows, title=None) -> Table:
@@ -452,10 +471,11 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
                                     attn_implementation=attn_implementation, device=device,
                                     warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
                                     say=lambda line: err.print(escape(line), highlight=False))
-    if plot is not None:
-        plot_heatmap(report, plot)
-    if as_json:
-        return _print_json(report.to_dict() | {"dtype": dtype, "device": device})
+    if as_json:  # the results first: a plot that fails to write loses none of them
+        _print_json(report.to_dict() | {"dtype": dtype, "device": device})
+        if plot is not None:
+            plot_heatmap(report, plot)
+        return
     table = Table(title=f"effattn eval --task {task} · exact-match accuracy by depth (rows) and length (columns)"
                         + (f" · {escape(report.model)} (baseline {escape(report.baseline)})" if report.baseline else ""),
                   title_justify="left")
@@ -474,6 +494,7 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
     mean = f"mean {report.mean:.0%}" + (f" (baseline {report.baseline_mean:.0%})" if report.baseline_mean is not None else "")
     out.print(f"{mean} over {len(report.samples)} prompts, {settings.samples} per cell, seed {settings.seed}", highlight=False)
     if plot is not None:
+        plot_heatmap(report, plot)
         out.print(f"[green]wrote[/] {escape(str(plot))}")
 
 
@@ -597,10 +618,11 @@ def bench(
     with err.status("benchmarking ...", spinner="dots") if not as_json else _null() as status:
         progress = None if status is None else (lambda text: status.update(f"benchmarking {text} ..."))
         report = run_report(kinds, sizes, progress=progress, **settings)
-    if plot is not None:
-        plot_bench(report["results"], plot)
-    if as_json:
-        return _print_json(report)
+    if as_json:  # the results first: a plot that fails to write loses none of them
+        _print_json(report)
+        if plot is not None:
+            plot_bench(report["results"], plot)
+        return
     table = Table(title="effattn bench · one attention layer forward, causal, batch 1", title_justify="left")
     for col in TABLE_COLUMNS:
         table.add_column(col, justify="left" if col == "kind" else "right", min_width=max(map(len, col.split())))
@@ -609,6 +631,7 @@ def bench(
     out.print(table)
     out.print(describe(report), highlight=False)
     if plot is not None:
+        plot_bench(report["results"], plot)
         out.print(f"[green]wrote[/] {escape(str(plot))}")
 
 
@@ -795,6 +818,14 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
+def _writing_stdout(exc: BaseException) -> bool:
+    """Whether `exc` came from printing the results to stdout (a full disk it is redirected to)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(f.name == "_print_json" or f.filename.replace("\\", "/").endswith("rich/console.py") for f in frames)
+
+
 _TERMINATED = [False]  # set by `_terminate`: typer may turn the exception into an Abort or an exit code of 130
 
 
@@ -837,7 +868,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except KeyboardInterrupt as exc:
         _stopped(exc)
+
     except Exception as exc:  # noqa: BLE001
+        if isinstance(exc, OSError) and _writing_stdout(exc) and not DEBUG:
+            err.print(f"[bold red]error:[/] cannot write the output to stdout: {escape(exc.strerror or str(exc))}. "
+                      "free space where stdout is redirected, or redirect it elsewhere", highlight=False, soft_wrap=True)
+            sys.exit(2)
         if callable(getattr(exc, "format_message", None)) and hasattr(exc, "exit_code"):  # click's (typer's copy too)
             if DEBUG:
                 raise

@@ -134,6 +134,15 @@ def logp_chunks(model, ids: torch.Tensor, chunk: int = LOGIT_CHUNK):
 PREFILL_CHUNK = 32768  # longer blocks run in chunks of this many positions through the model's cache
 
 
+def perplexity(mean_nll: float) -> float:
+    """exp(mean NLL); infinite beyond float64's range (a broken model's mean loss above ~709 nats raised an
+    OverflowError after the whole evaluation), NaN where the loss is."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
+
+
 def one_pass_only(model) -> bool:
     """Whether the model must see a sequence in one forward: dynamic NTK RoPE rescales its frequencies
     to the longest position of each forward, so keys cached by an earlier chunk were rotated at other
@@ -202,9 +211,9 @@ def corpus_scores(model, blocks: torch.Tensor, baseline=None, batch_size: int = 
                 agree += (base_logp.argmax(-1) == logp.argmax(-1)).sum().item()
         n_pred += ids[:, skip + 1 :].numel()
         n_pos += ids[:, skip:].numel() if baseline is not None else 0
-    out = {"perplexity": math.exp(nll / n_pred), "tokens": n_pred}
+    out = {"perplexity": perplexity(nll / n_pred), "tokens": n_pred}
     if baseline is not None:
-        out |= {"baseline_perplexity": math.exp(base_nll / n_pred), "agreement": agree / n_pos, "kl": kl / n_pos}
+        out |= {"baseline_perplexity": perplexity(base_nll / n_pred), "agreement": agree / n_pos, "kl": kl / n_pos}
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from effattn.convert import convert
 from effattn.evaluate import EvalSettings, evaluate, tensor_bytes
 
-from .test_cli_errors import run_cli
+from .test_cli_errors import assert_one_line_error, run_cli
 
 SETTINGS = EvalSettings(corpora=("corpus.txt",), context=64, max_tokens=512, speed=True, decode_tokens=4, speed_repeats=1)
 
@@ -425,3 +426,47 @@ def test_an_effattn_mla_model_is_refused_in_float16(capsys, tiny, tmp_path, corp
     code, _, err = run_cli(capsys, "eval", out, "--corpus", str(corpus), "--context", "64", "--no-speed", "--dtype",
                            "bf16", "--dry-run")
     assert code in (0, None), err
+
+
+# -- a bug bash of eval (2026-12-08): results that were lost or written as invalid JSON -----------------------------
+
+def test_a_plot_linked_into_a_missing_folder_is_refused_before_the_grid(capsys, tiny, tmp_path):
+    """The dry run checked the link's own folder, which exists; the run measured the whole grid, then failed writing the
+    plot through the link with an unexpected FileNotFoundError, exit 1, and printed no results."""
+    link = tmp_path / "plot.png"
+    link.symlink_to(tmp_path / "missing" / "x.png")
+    for dry in (["--dry-run"], []):
+        code, out, err = run_cli(capsys, "eval", tiny("llama"), "--task", "passkey", "--lengths", "300", "--depths", "0",
+                                 "--samples", "1", "--plot", link, *dry)
+        assert_one_line_error(code, err, "is a link into a folder that does not exist", "create that folder")
+        assert code == 2 and out == ""
+
+
+def test_json_output_stays_valid_when_a_measurement_is_not_finite(capsys):
+    """A float16 overflow's NaN perplexity was written as bare NaN (invalid JSON), and a mean loss above ~709 nats
+    raised an OverflowError after the whole evaluation: now null with a warning, and an infinite perplexity."""
+    from effattn.cli import _print_json
+    from effattn.evaluate import perplexity
+
+    assert perplexity(800.0) == math.inf and perplexity(0.0) == 1.0
+    _print_json({"model": {"perplexity": {"a": float("nan"), "b": perplexity(800.0), "c": 2.5}}, "grid": [1.0, -math.inf]})
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data == {"model": {"perplexity": {"a": None, "b": None, "c": 2.5}}, "grid": [1.0, None]}
+    assert "3 measurement(s) not a finite number, written as null" in captured.err
+    assert "model.perplexity.a: nan" in captured.err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_stdout_is_a_one_line_error(tiny, corpus):
+    """Results printed into a full disk (`> /dev/full`) ended in an unexpected OSError, exit 1."""
+    import subprocess
+    import sys
+
+    effattn = str(Path(sys.executable).parent / "effattn")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([effattn, "eval", str(tiny("llama")), "--corpus", str(corpus), "--context", "32",
+                               "--max-tokens", "64", "--no-speed", "--json"], stdout=full, stderr=subprocess.PIPE,
+                              text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: cannot write the output to stdout: No space left")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.corpora import load_text, token_blocks
-from ..evaluate import log_probs, prefix_token, target_nll, with_prefix
+from ..evaluate import log_probs, perplexity, prefix_token, target_nll, with_prefix
 from .config import Eval
 
 
@@ -39,7 +39,7 @@ def score(model, blocks: torch.Tensor, batch_size: int, autocast=nullcontext, sk
         nll += target_nll(logp, ids[:, skip:])
         count += ids[:, skip + 1 :].numel()
         top1.append(logp.argmax(-1).cpu())
-    return math.exp(nll / count), torch.cat(top1)
+    return perplexity(nll / count), torch.cat(top1)
 
 
 def held_out_sets(tokenizer, cfg: Eval) -> list[HeldOut]:
