@@ -344,6 +344,26 @@ def check_vocabularies(mine: int | None, theirs: int | None) -> None:
 TOKENIZER_FIX = "tokenize with the tokenizer of the model it came from (--tokenizer)"
 
 
+def check_same_tokenizer(tok, base_ref, *, trust_remote_code: bool = False, plan_only: bool = False) -> None:
+    """Refuse a baseline whose own tokenizer gives other ids than `tok`, which reads the text for both models: a
+    baseline of the same vocabulary size with another tokenizer was scored on ids its tokenizer never makes (100%
+    agreement and KL 0 against a model that tokenizes differently). The base vocabularies are compared (added tokens
+    such as a pad token do not turn up in text); a baseline without tokenizer files is not compared."""
+    from .io.load import load_tokenizer, tokenizer_missing
+
+    if base_ref is None or tokenizer_missing(base_ref.path):
+        return
+    theirs = load_tokenizer(base_ref, trust_remote_code=trust_remote_code, plan_only=plan_only)
+    mine = {t: i for t, i in tok.get_vocab().items() if i < tok.vocab_size}
+    other = {t: i for t, i in theirs.get_vocab().items() if i < theirs.vocab_size}
+    differ = sum(other.get(t) != i for t, i in mine.items()) + len(other.keys() - mine.keys())
+    if differ:
+        raise EffattnError(f"the baseline {base_ref.display} has another tokenizer than the one that reads the text "
+                           f"({differ:,} tokens differ): both models are scored on the same token ids",
+                           "compare a converted model with the model it came from (or give --tokenizer the "
+                           "tokenizer both share)")
+
+
 def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=None, baseline_name: str = "baseline") -> EvalReport:
     """Evaluate loaded models. The tokenizer is the model's (the baseline must share the vocabulary)."""
     if baseline is not None:
@@ -549,6 +569,7 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
                                     dtype=dtype, plan_only=dry_run))
         check_vocabularies(ckpts[0].config.get("vocab_size"), ckpts[1].config.get("vocab_size"))
     tok = load_tokenizer(tokenizer or ref, trust_remote_code=trust_remote_code, plan_only=dry_run)  # measured with
+    check_same_tokenizer(tok, base_ref, trust_remote_code=trust_remote_code, plan_only=dry_run)
     check_tokenizer_fits(tok, zip([ref.display] + ([base_ref.display] if base_ref is not None else []),
                                   [c.config for c in ckpts]), TOKENIZER_FIX)
     if settings.bos:

@@ -268,7 +268,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     (lengths beyond the trained context) and `say` the time and memory estimate. Everything is checked before
     any weights load (the checkpoints, the memory, every prompt built); `dry_run=True` returns that plan
     (EvalPlan) and loads no weights."""
-    from .evaluate import TOKENIZER_FIX, EvalPlan, check_vocabularies, load_cast_bytes
+    from .evaluate import TOKENIZER_FIX, EvalPlan, check_same_tokenizer, check_vocabularies, load_cast_bytes
     from .families import beyond_positions
     from .io.load import as_ref, check_loadable, check_tokenizer_fits, load_model, load_tokenizer, parse_dtype
     from .resources import check_device, check_memory, rss
@@ -296,7 +296,10 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     now = 0 if cuda else rss()  # on a GPU: the device's memory, weights, cache and activations
 
     def peak_at(longest: int) -> int:
-        fewer = RetrievalSettings(**(asdict(settings) | {"lengths": tuple(n for n in settings.lengths if n <= longest) or (longest,)}))
+        # every length capped at `longest` (dropping the longer ones left a grid that fit, and the refusal named a
+        # length that did not)
+        fewer = RetrievalSettings(**(asdict(settings) | {"lengths": tuple(dict.fromkeys(min(n, longest)
+                                                                                          for n in settings.lengths))}))
         return now + estimate(ckpts[0].config, max(c.num_params for c in ckpts), fewer, models=len(ckpts),
                               dtype=runs_in, cast_bytes=cast)[1]
 
@@ -305,6 +308,8 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
                  device=device if cuda else None)
 
     tok = load_tokenizer(tokenizer or refs[0], trust_remote_code=trust_remote_code, plan_only=dry_run)
+    check_same_tokenizer(tok, refs[1] if len(refs) == 2 else None, trust_remote_code=trust_remote_code,
+                         plan_only=dry_run)
     check_tokenizer_fits(tok, zip([r.display for r in refs], [c.config for c in ckpts]), TOKENIZER_FIX)
     prompts = PromptBuilder(tok, settings).prompts()  # a bad length or filler is refused before the model loads
     plan = EvalPlan(task=settings.task, model=refs[0].display, baseline=refs[1].display if baseline else None,

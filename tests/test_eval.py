@@ -470,3 +470,81 @@ def test_a_full_stdout_is_a_one_line_error(tiny, corpus):
                               text=True)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("error: cannot write the output to stdout: No space left")
+
+
+def _reversed_byte_tokenizer(folder):
+    """The test byte tokenizer with its 256 byte ids reversed: the same size, other ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet())[::-1])}
+    vocab["<s>"], vocab["</s>"] = 256, 257
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    for f in folder.iterdir():
+        if "token" in f.name:
+            f.unlink()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+
+
+@pytest.mark.parametrize("task", [[], ["--task", "passkey", "--lengths", "300", "--depths", "0", "--samples", "1"]],
+                         ids=["perplexity", "passkey"])
+def test_a_baseline_with_another_tokenizer_is_refused(capsys, tiny, corpus, task):
+    """A baseline of the same vocabulary size with another tokenizer was scored on the model's token ids: 100%
+    agreement and KL 0 against a model that tokenizes the text differently."""
+    src, other = tiny("llama"), tiny("llama")
+    _reversed_byte_tokenizer(other)
+    text = [] if task else ["--corpus", str(corpus), "--context", "32", "--max-tokens", "64", "--no-speed"]
+    for dry in (["--dry-run"], []):
+        code, _, err = run_cli(capsys, "eval", src, "--baseline", other, *text, *task, *dry)
+        assert_one_line_error(code, err, "has another tokenizer than the one that reads the text", "256 tokens differ")
+    code, _, err = run_cli(capsys, "eval", src, "--baseline", tiny("llama"), *text, *task, "--dry-run")
+    assert code in (0, None), err  # the same tokenizer (another model's copy of it)
+
+
+def test_tokenizers_that_do_not_load_are_one_line_errors(capsys, tiny, corpus):
+    """A tokenizer that needs its own code, incomplete tokenizer files and a corrupt tokenizer.json gave multi-line
+    "unexpected" errors, exit 1. A folder holding a tokenizer alone was refused as --tokenizer (no config.json)."""
+    import json as _json
+
+    needs_code = tiny("llama")
+    config = _json.loads((needs_code / "tokenizer_config.json").read_text())
+    config |= {"auto_map": {"AutoTokenizer": ["tok.Custom", None]}, "tokenizer_class": "Custom"}
+    (needs_code / "tokenizer_config.json").write_text(_json.dumps(config))
+    (needs_code / "tok.py").write_text("raise SystemExit('tokenizer code ran')\n")
+    corrupt = tiny("llama")
+    (corrupt / "tokenizer.json").write_text("{broken")
+    incomplete = tiny("llama")
+    (incomplete / "tokenizer.json").unlink()
+    text = ["--corpus", str(corpus), "--context", "32", "--max-tokens", "64", "--no-speed", "--dry-run"]
+    for folder, needle in ((needs_code, "needs its own code"), (corrupt, "not valid JSON"),
+                           (incomplete, "cannot load the tokenizer")):
+        code, _, err = run_cli(capsys, "eval", folder, *text)
+        assert_one_line_error(code, err, needle)
+        assert code == 2
+    alone = corpus.parent / "tokenizer-only"
+    alone.mkdir()
+    for f in tiny("llama").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (alone / f.name).write_bytes(f.read_bytes())
+    notok = tiny("llama")
+    for f in notok.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            f.unlink()
+    code, _, err = run_cli(capsys, "eval", notok, "--tokenizer", alone, *text)
+    assert code in (0, None), err
+
+
+def test_the_retrieval_refusal_names_a_length_that_fits(capsys, tiny, monkeypatch):
+    """With several --lengths, the memory refusal dropped the lengths above each candidate instead of capping them,
+    and named a length just below the largest, which was refused again."""
+    monkeypatch.setenv("EFFATTN_MEMORY_LIMIT", "1GB")
+    src = tiny("llama")
+    code, _, err = run_cli(capsys, "eval", src, "--task", "needle", "--lengths", "8192,16384", "--depths", "0.5",
+                           "--samples", "1", "--dry-run")
+    assert code == 2, err
+    named = int(err.split("use --lengths values of ")[1].split()[0])
+    assert named < 16000
+    code, _, err = run_cli(capsys, "eval", src, "--task", "needle", "--lengths", f"{min(8192, named)},{named}",
+                           "--depths", "0.5", "--samples", "1", "--dry-run")
+    assert code in (0, None), err

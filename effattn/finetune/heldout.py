@@ -8,7 +8,6 @@ is `effattn eval --bos`: each block is read after the prefix token, whose own pr
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 

@@ -51,13 +51,36 @@ def load_tokenizer(source: str | Path | ModelRef, *, trust_remote_code: bool = F
     """The tokenizer of MODEL-like `source` (a folder, a built-in name, a hub id, a .gguf file); refuses a folder
     that has none, naming `option` as the way to give one. `plan_only` (dry runs): a .gguf file gives the
     tokenizer in its metadata without being dequantized (`resolve_model`)."""
-    from transformers import AutoTokenizer
-
+    folder = Path(source) if isinstance(source, (str, Path)) else None
+    if folder is not None and folder.is_dir() and not (folder / "config.json").is_file() \
+            and tokenizer_missing(folder) is None:  # a folder of tokenizer files alone
+        return _auto_tokenizer(folder, str(folder), trust_remote_code)
     ref = as_ref(source, trust_remote_code=trust_remote_code, plan_only=plan_only)
     why = tokenizer_missing(ref.path)
     if why:
         raise EffattnError(why, f"pass {option} FOLDER_OR_MODEL (e.g. the model it came from) or copy its tokenizer files there")
-    return AutoTokenizer.from_pretrained(str(ref.path), trust_remote_code=trust_remote_code)
+    return _auto_tokenizer(ref.path, ref.display, trust_remote_code)
+
+
+def _auto_tokenizer(folder: Path, name: str, trust_remote_code: bool):
+    """AutoTokenizer on `folder`, its failures one line each: a tokenizer's own code (not run without the flag),
+    files that are incomplete or not valid JSON."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except json.JSONDecodeError as exc:
+        raise EffattnError(f"the tokenizer of {name} has a file that is not valid JSON ({exc})",
+                           "fix or re-download its tokenizer files") from None
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
+        text = " ".join(str(exc).split())
+        if "custom code" in text or "trust_remote_code" in text:
+            raise EffattnError(f"the tokenizer of {name} needs its own code", REMOTE_CODE_FIX) from None
+        raise EffattnError(f"cannot load the tokenizer of {name}: {text[:300]}",
+                           "check its tokenizer files are complete (tokenizer.json, or the files its "
+                           "tokenizer_config.json names), or pass --tokenizer FOLDER_OR_MODEL") from None
 
 
 def check_tokenizer_fits(tokenizer, models, fix: str = "tokenize with the tokenizer of the model it came from") -> None:
