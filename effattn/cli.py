@@ -26,6 +26,7 @@ from rich.table import Table
 from .convert.base import EVAL_TOKENS
 from .data.sample import SampleSettings
 from .errors import EffattnError
+from .evaluate import EvalSettings
 from .retrieval import DEFAULT_FILLER, RetrievalSettings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -302,14 +303,14 @@ def eval_(
     model: str = ModelArg,
     baseline: Optional[str] = typer.Option(None, "--baseline", help="compare with this model (e.g. the original)"),
     corpus: list[str] = typer.Option(None, "--corpus", help="built-in corpus or text file; repeat or comma-separate (default: shakespeare,britannica)"),
-    context: int = typer.Option(512, "--context", help="tokens per evaluation block"),
-    max_tokens: int = typer.Option(8192, "--max-tokens", help="tokens per corpus"),
+    context: int = typer.Option(EvalSettings.context, "--context", help="tokens per evaluation block"),
+    max_tokens: int = typer.Option(EvalSettings.max_tokens, "--max-tokens", help="tokens per corpus"),
     bos: bool = typer.Option(False, "--bos/--no-bos", help="read every block after the tokenizer's BOS token (EOS "
                                                            "where it has none), as lm-evaluation-harness does; the "
                                                            "same next tokens are scored. Default: blocks start "
                                                            "mid-text with nothing in front"),
-    batch_size: int = typer.Option(2, "--batch-size"),
-    speed: bool = typer.Option(True, "--speed/--no-speed", help="time prefill and decode"),
+    batch_size: int = typer.Option(EvalSettings.batch_size, "--batch-size"),
+    speed: bool = typer.Option(EvalSettings.speed, "--speed/--no-speed", help="time prefill and decode"),
     speed_context: Optional[int] = typer.Option(None, "--speed-context", help="also time prefill and decode after "
                                                 "this many tokens (e.g. 16384), for both models; with --baseline, "
                                                 "the context beyond which MODEL decodes faster (break-even)"),
@@ -349,7 +350,7 @@ def eval_(
     """Perplexity, agreement and KL against a baseline, measured KV bytes/token, prefill/decode speed;
     or (--task passkey|needle) long-context retrieval accuracy over lengths x depths."""
     from .data.corpora import DEFAULT_EVAL
-    from .evaluate import EvalSettings, evaluate
+    from .evaluate import evaluate
     from .report import eval_table
 
     if bos and task != "perplexity":
@@ -359,6 +360,15 @@ def eval_(
         if corpus:
             raise EffattnError(f"--corpus applies to perplexity; --task {task} reads its prompts' filler from --filler",
                                "drop --corpus, or pass --filler FILE")
+        # set away from their defaults, the perplexity options were read by nothing (even --batch-size 0 ran)
+        for flag, value, default in (("--context", context, EvalSettings.context),
+                                     ("--max-tokens", max_tokens, EvalSettings.max_tokens),
+                                     ("--batch-size", batch_size, EvalSettings.batch_size),
+                                     ("--no-speed", speed, EvalSettings.speed),
+                                     ("--speed-context", speed_context, EvalSettings.speed_context)):
+            if value != default:
+                raise EffattnError(f"{flag} applies to perplexity, not to --task {task}",
+                                   f"drop {flag} (--lengths sets the prompts' lengths)")
         return _eval_retrieval(model, baseline, task=task, lengths=lengths, depths=depths, samples=samples, seed=seed,
                                filler=filler, plot=plot, dtype=dtype, tokenizer=tokenizer, as_json=as_json,
                                trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
@@ -368,7 +378,10 @@ def eval_(
                         ("--seed", seed), ("--filler", filler)):
         if value is not None:
             raise EffattnError(f"{flag} applies to --task passkey and needle", f"add --task passkey, or drop {flag}")
-    corpora = tuple(dict.fromkeys(c.strip() for item in (corpus or DEFAULT_EVAL) for c in item.split(",") if c.strip()))
+    # comma-separated names; a file whose own name holds a comma is one corpus (as --calib reads it)
+    corpora = tuple(dict.fromkeys(c.strip() for item in (corpus or DEFAULT_EVAL)
+                                  for c in ([item] if Path(item).expanduser().is_file() else item.split(","))
+                                  if c.strip()))
     if not corpora:
         raise EffattnError(f"--corpus {','.join(corpus or [])!r} names no corpus",
                            "name a built-in corpus or a text file, e.g. --corpus shakespeare")
@@ -378,7 +391,8 @@ def eval_(
         raise EffattnError(f"--context must be at least 2 tokens, got {context}", "use e.g. --context 512")
     if max_tokens < context:
         raise EffattnError(f"--max-tokens {max_tokens} is less than one block of --context {context}",
-                           f"use --max-tokens {context} or more, or --context {max(2, max_tokens)} or less")
+                           f"use --max-tokens {context} or more"
+                           + (f", or --context {max_tokens} or less" if max_tokens >= 2 else ""))
     if speed_context is not None and not speed:
         raise EffattnError("--speed-context times prefill and decode, which --no-speed turns off",
                            "drop --no-speed, or drop --speed-context")
@@ -400,7 +414,7 @@ def eval_(
                           warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
                           say=lambda line: err.print(escape(line), highlight=False))
     if as_json:
-        return _print_json(report.to_dict() | {"dtype": dtype, "device": device})
+        return _print_json(report.to_dict() | {"device": device})
     out.print(eval_table(report))
 
 
@@ -472,7 +486,7 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
                                     warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
                                     say=lambda line: err.print(escape(line), highlight=False))
     if as_json:  # the results first: a plot that fails to write loses none of them
-        _print_json(report.to_dict() | {"dtype": dtype, "device": device})
+        _print_json(report.to_dict() | {"device": device})
         if plot is not None:
             plot_heatmap(report, plot)
         return

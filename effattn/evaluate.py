@@ -63,6 +63,7 @@ class EvalReport:
     decode_break_even: dict[str, Any] | None = None
     # what ran the linear layers of the timed decode steps, the same for both models (kernels/gemv)
     decode_linears: str | None = None
+    dtype: str | None = None  # what the models ran in (float32, bfloat16, ...; --dtype auto resolved)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -452,8 +453,13 @@ MASK_BYTES = 5
 def chunk_mask_pairs(context: int, chunk: int = PREFILL_CHUNK) -> int:
     """The (queries x keys) pairs of the largest mask a block of `context` tokens scored in chunks builds: a chunk
     after the first against the cache and itself (the first runs causal, without a mask)."""
-    return max((min(chunk, context - s) * (s + min(chunk, context - s)) for s in range(chunk, context, chunk)),
-               default=0)
+    if context <= chunk:
+        return 0
+    last = (context - 1) // chunk * chunk  # the last chunk's start; it reads every key before it and its own
+    pairs = (context - last) * context
+    if last - chunk >= chunk:  # the last full chunk after the first: chunk x its end (a loop over the chunks hung a
+        pairs = max(pairs, chunk * last)  # dry run given a context of 10^23 tokens)
+    return pairs
 
 
 def load_cast_bytes(ckpts, dtype: torch.dtype | None) -> int:
@@ -524,13 +530,16 @@ def check_eval_memory(ckpt, base_ckpt, settings: EvalSettings, *, dtype: str = "
     cast = 0 if cuda else load_cast_bytes([c for c in (ckpt, base_ckpt) if c is not None], parse_dtype(dtype))
     now = 0 if cuda else rss()  # on a GPU the text stays in the process: the device holds the rest
 
-    def peak(context=settings.context, batch_size=settings.batch_size) -> int:
+    # a batch holds at most the blocks a corpus gives (a --batch-size of 64 over 4 blocks was priced at 64)
+    batch = min(settings.batch_size, max(1, settings.max_tokens // settings.context))
+
+    def peak(context=settings.context, batch_size=batch) -> int:
         return now + measure_peak_bytes(ckpt.config, ckpt.num_params, base, context=context + int(settings.bos),
                                         batch_size=batch_size,
                                         text_chars=chars, weight_bytes=weight_bytes, cast_bytes=cast)
 
-    options = [("--batch-size", settings.batch_size, lambda b: peak(batch_size=b), 1, 1)] if settings.batch_size > 1 else []
-    options.append(("--context" if settings.batch_size == 1 else "--batch-size 1 --context", settings.context,
+    options = [("--batch-size", batch, lambda b: peak(batch_size=b), 1, 1)] if batch > 1 else []
+    options.append(("--context" if batch == 1 else "--batch-size 1 --context", settings.context,
                     lambda c: peak(context=c, batch_size=1), 2, 1))
     estimate = peak()
     what = f"evaluating at --context {settings.context:,}"
@@ -601,5 +610,7 @@ def evaluate(model, baseline=None, settings: EvalSettings | None = None, *,
     if base_ref is not None:
         base, _, base_ref = load_model(base_ref, dtype=dtype, trust_remote_code=trust_remote_code,
                                        allow_pickle=allow_pickle, tokenizer=False, device=device)
-    return measure(lm, tok, name=ref.display, settings=settings, baseline=base,
-                   baseline_name=base_ref.display if base_ref else "baseline")
+    report = measure(lm, tok, name=ref.display, settings=settings, baseline=base,
+                     baseline_name=base_ref.display if base_ref else "baseline")
+    report.dtype = plan.dtype
+    return report

@@ -94,6 +94,7 @@ class RetrievalReport:
     baseline_mean: float | None = None
     samples: list[dict[str, Any]] = field(default_factory=list)  # each prompt: length, depth, answer, outputs
     notes: list[str] = field(default_factory=list)
+    dtype: str | None = None  # what the models ran in (--dtype auto resolved)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -332,7 +333,7 @@ def evaluate_retrieval(model, baseline=None, settings: RetrievalSettings | None 
     del lm
     report = RetrievalReport(settings=asdict(settings), model=ref.display,
                              accuracy=grid([(p, ok) for p, ok, _ in mine], settings),
-                             mean=sum(ok for _, ok, _ in mine) / total, notes=notes)
+                             mean=sum(ok for _, ok, _ in mine) / total, notes=notes, dtype=plan.dtype)
     theirs = None
     if baseline is not None:
         base, _, base_ref = load_model(refs[1], dtype=dtype, trust_remote_code=trust_remote_code,

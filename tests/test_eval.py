@@ -548,3 +548,63 @@ def test_the_retrieval_refusal_names_a_length_that_fits(capsys, tiny, monkeypatc
     code, _, err = run_cli(capsys, "eval", src, "--task", "needle", "--lengths", f"{min(8192, named)},{named}",
                            "--depths", "0.5", "--samples", "1", "--dry-run")
     assert code in (0, None), err
+
+
+def test_the_dry_run_refuses_a_model_type_transformers_does_not_know(capsys, tiny, corpus):
+    """The dry run planned a checkpoint whose model_type transformers does not know; the run then refused it."""
+    import json as _json
+
+    src = tiny("llama")
+    config = _json.loads((src / "config.json").read_text()) | {"model_type": "frobnicator"}
+    (src / "config.json").write_text(_json.dumps(config))
+    code, _, err = run_cli(capsys, "eval", src, "--corpus", str(corpus), "--context", "32", "--max-tokens", "64",
+                           "--no-speed", "--dry-run")
+    assert_one_line_error(code, err, "model_type 'frobnicator', which transformers", "does not know")
+
+
+def test_the_memory_plan_holds_a_batch_to_the_blocks_a_corpus_gives(capsys, tiny, corpus, monkeypatch):
+    """--batch-size 64 over 2 blocks runs the batches --batch-size 2 runs, but was priced (and refused) at 64; a
+    --context of 10^23 tokens hung the dry run in a loop over 32,768-token chunks."""
+    import effattn.resources
+
+    monkeypatch.setattr(effattn.resources, "rss", lambda: 400 * 2**20)  # the process's own memory held still
+    src = tiny("llama")
+    plans = []
+    for batch in ("2", "64"):
+        code, out, err = run_cli(capsys, "eval", src, "--corpus", str(corpus), "--context", "32", "--max-tokens", "64",
+                                 "--batch-size", batch, "--no-speed", "--dry-run", "--json")
+        assert code in (0, None), err
+        plans.append(json.loads(out)["est_peak_bytes"])
+    assert plans[1] == plans[0]
+    from effattn.evaluate import chunk_mask_pairs
+
+    def loop(context, chunk):  # the largest chunk's pairs, chunk by chunk
+        return max((min(chunk, context - s) * (s + min(chunk, context - s)) for s in range(chunk, context, chunk)),
+                   default=0)
+
+    for context in (1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 100, 1001):
+        assert chunk_mask_pairs(context, 8) == loop(context, 8), context
+    assert chunk_mask_pairs(10**23) > 0  # at once
+
+
+@pytest.mark.parametrize("flag", [["--batch-size", "0"], ["--context", "64"], ["--max-tokens", "1024"], ["--no-speed"],
+                                  ["--speed-context", "999"]])
+def test_perplexity_options_are_refused_with_a_task(capsys, tiny, flag):
+    """With --task passkey the perplexity options were read by nothing, --batch-size 0 and --context -7 included."""
+    code, _, err = run_cli(capsys, "eval", tiny("llama"), "--task", "passkey", "--lengths", "300", "--depths", "0",
+                           "--samples", "1", *flag, "--dry-run")
+    assert_one_line_error(code, err, f"{flag[0]} applies to perplexity, not to --task passkey")
+
+
+def test_eval_json_names_the_dtype_that_ran_and_reads_a_file_named_with_a_comma(capsys, tiny, corpus):
+    """The JSON's dtype was the option as typed ("auto", "bf16"); a corpus file whose name holds a comma was split."""
+    named = corpus.parent / "a,b.txt"
+    named.write_text(corpus.read_text())
+    code, out, err = run_cli(capsys, "eval", tiny("llama"), "--corpus", str(named), "--context", "32", "--max-tokens",
+                             "64", "--no-speed", "--dtype", "bf16", "--json")
+    assert code in (0, None), err
+    data = json.loads(out)
+    assert data["dtype"] == "bfloat16" and list(data["model"]["perplexity"]) == [str(named)]
+    code, _, err = run_cli(capsys, "eval", tiny("llama"), "--max-tokens", "0")
+    assert_one_line_error(code, err, "use --max-tokens 512 or more")
+    assert "--context" not in err.split(". use")[1]  # no shorter block reads a text of 0 tokens

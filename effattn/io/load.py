@@ -115,6 +115,12 @@ def check_loadable(model: str | Path | ModelRef, *, trust_remote_code: bool = Fa
     if ckpt.config.get("auto_map") and not trust_remote_code and not _registered(ckpt.config.get("model_type")):
         raise EffattnError(f"{ref.display} needs its own modeling code (auto_map in config.json)",
                            REMOTE_CODE_FIX)
+    if not ckpt.config.get("auto_map") and not _registered(ckpt.config.get("model_type")):
+        import transformers
+
+        raise EffattnError(f"{ref.display} has model_type {ckpt.config.get('model_type')!r}, which transformers "
+                           f"{transformers.__version__} does not know",
+                           "check config.json's model_type, or upgrade transformers")
     if attn_implementation is not None:
         from ..models import model_spec
 
