@@ -35,6 +35,9 @@ REFUSED = {
     "eval-block-too-long": (["eval.seq_len=5000"], ["held.txt has 3320 tokens", "eval.seq_len=3320 or less"]),
     "data-block-too-long": (["data.seq_len=100000"], ["train.txt", "fewer than one block of data.seq_len 100000"]),
     "teacher-vocabulary": (["teacher.model={root}/other"], ["different vocabularies (300 vs 258)"]),
+    # an eval bug bash (2026-12-08): a baseline of the same size with another tokenizer was scored on the model's ids
+    "teacher-tokenizer": (["teacher.model={root}/reversed"], ["teacher.model {root}/reversed has another tokenizer "
+                                                              "than the one that reads the text", "256 tokens differ"]),
     "positions": (["data.positions=100000"], ["data.positions (100,000) is past the student's 4,096 positions"]),
     "lora-tied-head": (["train.params=lora", "train.lora.target_modules=[q_proj,lm_head]"],
                        ["lm_head", "tie_word_embeddings", "would not be the one trained"]),
@@ -108,6 +111,10 @@ def test_the_dry_run_refuses_what_the_run_refuses_before_converting(heal, capsys
     wrote a model other than the one it trained: LoRA on a tied embedding)."""
     if case == "teacher-vocabulary":
         tiny("llama", vocab_size=300).rename(heal.root / "other")
+    if case == "teacher-tokenizer":
+        from .test_eval import _reversed_byte_tokenizer
+
+        _reversed_byte_tokenizer(tiny("llama").rename(heal.root / "reversed"))
     bad_inputs(heal.root, tiny)
     overrides, needles = REFUSED[case]
     out = heal.root / "out"

@@ -31,7 +31,7 @@ from ..convert import convert, read_record
 from ..convert.options import in_recipe_terms
 from ..errors import EffattnError
 from ..io.checkpoint import Checkpoint, read_config
-from ..evaluate import prefix_token
+from ..evaluate import check_same_tokenizer, prefix_token
 from ..io.load import DTYPES, as_ref, load_tokenizer, tokenizer_missing
 from .config import Recipe
 from .data import check_disjoint, check_source
@@ -89,6 +89,14 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
     teacher_meta = meta_model(teacher_config) if teacher_config else None
     teacher_params = _num_params(teacher_path) if teacher_path else 0
     check_configs(recipe, config, teacher_config, teacher_spec)
+    student_ref = as_ref(student.model, plan_only=True)
+    if teacher_path is not None and tokenizer_missing(student_ref.path) is None:
+        # the teacher is scored on the student's token ids: its own tokenizer must give the same ones
+        try:
+            check_same_tokenizer(load_tokenizer(student_ref), as_ref(teacher_spec, plan_only=True))
+        except EffattnError as exc:
+            raise EffattnError(exc.what.replace("the baseline", "teacher.model"),
+                               "distil from the model the student was converted from (teacher.model)") from None
 
     base = meta_model(config)
     student_params = count_params(base)[1]
