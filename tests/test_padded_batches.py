@@ -52,14 +52,9 @@ def prompts_of(lengths=(11, 6, 9)) -> list[torch.Tensor]:
     return [torch.randint(3, 200, (n,), generator=g) for n in lengths]
 
 
-@pytest.mark.parametrize("kind", list(CONVERSIONS))
-def test_a_padded_batch_reads_as_each_prompt_alone(converted, kind):
-    from transformers import AutoModelForCausalLM
-
-    import effattn  # noqa: F401 - registers the model types
-
-    model = AutoModelForCausalLM.from_pretrained(converted[kind], dtype=torch.float64).eval()
-    prompts = prompts_of()
+def assert_rows_read_alone(model, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prompts padded in front, at generate()'s positions: each row's logits at its tokens are the prompt's
+    alone (float64). Returns (ids, mask, the batch's logits)."""
     ids, mask = padded(prompts)
     width = ids.shape[1]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -68,6 +63,21 @@ def test_a_padded_batch_reads_as_each_prompt_alone(converted, kind):
         for row, p in enumerate(prompts):
             alone = model(input_ids=p[None]).logits[0]
             torch.testing.assert_close(batch[row, width - len(p):], alone, rtol=1e-9, atol=1e-9)
+    return ids, mask, batch
+
+
+@pytest.mark.parametrize("kind", list(CONVERSIONS))
+def test_a_padded_batch_reads_as_each_prompt_alone(converted, kind):
+    from transformers import AutoModelForCausalLM
+
+    import effattn  # noqa: F401 - registers the model types
+
+    model = AutoModelForCausalLM.from_pretrained(converted[kind], dtype=torch.float64).eval()
+    prompts = prompts_of()
+    ids, mask, batch = assert_rows_read_alone(model, prompts)
+    width = ids.shape[1]
+    with torch.no_grad():
+        for row, p in enumerate(prompts):
             assert not batch[row, :width - len(p)].any()  # padding is not read: its logits are zeros
         # the same with positions left to the model (each row counts its own tokens), and through the cache:
         # a prefill, then one token per call with the mask grown by a column of ones

@@ -233,17 +233,12 @@ def test_a_left_padded_batch_reads_as_each_prompt_alone(tiny, tmp_path, capsys, 
     code, _, err = run_cli(capsys, "convert", tiny("llama", layers=2), "--to", "sparse", *args, "-o", out, "--no-eval")
     assert code in (0, None), err
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (n,), generator=g) for n in (11, 6, 9)]
-    width = max(len(p) for p in prompts)
-    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
-    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]) for p in prompts]).long()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    from .test_padded_batches import assert_rows_read_alone, prompts_of
+
+    prompts = prompts_of()
+    ids, mask, _ = assert_rows_read_alone(model, prompts)
+    width = ids.shape[1]
     with torch.no_grad():
-        batch = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        for row, p in enumerate(prompts):
-            alone = model(input_ids=p[None]).logits[0]
-            torch.testing.assert_close(batch[row, width - len(p):], alone, rtol=1e-9, atol=1e-9)
         generated = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
         for row, p in enumerate(prompts):
             alone = model.generate(p[None], max_new_tokens=5, do_sample=False, pad_token_id=0)
