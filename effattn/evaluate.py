@@ -268,8 +268,9 @@ def speed(model, ids: torch.Tensor, decode_tokens: int = 32, repeats: int = 3) -
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    # warm-up, untimed: a short prefill and decode steps (a process's first decode steps were up to 45x slower than
-    # later ones on a tiny model, so the model timed first, the converted one, lost to the original)
+    # warm-up, untimed: a short prefill and decode steps. With the prefill alone, the model timed first in a process
+    # (the converted one) decoded up to 40% slower than the same model timed again (a tiny model, idle machine, one
+    # run of three); with the decode steps, within 10%. (On a loaded machine the speeds swung 90x either way.)
     out = model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)
     cache, token = out.cache, out.logits[:, -1:].argmax(-1)
     for _ in range(WARM_DECODE_STEPS):

@@ -104,9 +104,9 @@ def test_decode_break_even_is_where_the_decode_time_lines_cross():
 
 
 def test_speed_warms_the_decode_path_before_timing(monkeypatch):
-    """A process's first decode steps cost more than later ones (up to 45x on a tiny model in a bug bash), and the model
-    timed first, the converted one, paid it: the card's decode speeds said the converted model was 33x slower where
-    the two ran alike. The warm-up now decodes too; a first step's cost (100 s of a fake clock here) is not timed."""
+    """A process's first decode steps cost more than later ones, and the model timed first, the converted one, paid for
+    them (up to 40% slower decoding on an idle machine). The warm-up now decodes too; a first step's cost (100 s of a
+    fake clock here) is not timed."""
     from types import SimpleNamespace
 
     from effattn import evaluate
