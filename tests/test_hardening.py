@@ -150,9 +150,13 @@ def test_runs_that_cannot_fit_name_the_option_and_the_largest_value_that_fits(ca
 
     src = tiny("llama")
     # the machine's own budget: an absurd context, batch and bench length are refused
-    code, _, err = run_cli(capsys, "eval", src, "--context", "100000000", "--max-tokens", "100000000")
+    code, _, err = run_cli(capsys, "eval", src, "--context", "100000000", "--max-tokens", "200000000")
     assert_one_line_error(code, err, "evaluating at --context 100,000,000 needs about", "use --batch-size 1 --context",
                           "or less", "--no-memory-check")
+    # one block of the corpus: a batch of one, whatever --batch-size says, so the context is what shrinks it
+    code, _, err = run_cli(capsys, "eval", src, "--context", "100000000", "--max-tokens", "100000000")
+    assert_one_line_error(code, err, "evaluating at --context 100,000,000 needs about", "use --context", "or less")
+    assert "--batch-size" not in err
     code, _, err = run_cli(capsys, "bench", "--attention", "sdpa", "--lengths", "1024,300000000")
     assert_one_line_error(code, err, "bench of sdpa at length 300,000,000", "use --lengths values of")
     # a budget set by the user (above what this test process holds already)

@@ -117,10 +117,10 @@ class EffattnSinksForCausalLM(WrappedCausalLM):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):
-        return self.forward_cached(SinkCache, self.decoder, input_ids, attention_mask, position_ids, cache,
+        return self.forward_cached(SinkCache, self.forward_decoder, input_ids, attention_mask, position_ids, cache,
                                    inputs_embeds, labels, use_cache, logits_to_keep, past_key_values, **kwargs)
 
-    def decoder(self, input_ids, inputs_embeds, position_ids, cache):
+    def forward_decoder(self, input_ids, inputs_embeds, position_ids, cache):
         """The decoder on a batch without padding, its final norm included."""
         body = self.model
         x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
