@@ -89,6 +89,15 @@ def _print_json(data) -> None:
     print(text)
 
 
+def _write_plot(plot: Path | None, write, as_json: bool) -> None:
+    """The plot, written after the results are printed (a plot that fails to write loses none of them)."""
+    if plot is None:
+        return
+    write(plot)
+    if not as_json:
+        out.print(f"[green]wrote[/] {escape(str(plot))}")
+
+
 def _kv_table(rows, title=None) -> Table:
     table = Table(show_header=False, title=title, title_justify="left")
     table.add_column(style="bold")
@@ -367,8 +376,7 @@ def eval_(
                                      ("--no-speed", speed, EvalSettings.speed),
                                      ("--speed-context", speed_context, EvalSettings.speed_context)):
             if value != default:
-                raise EffattnError(f"{flag} applies to perplexity, not to --task {task}",
-                                   f"drop {flag} (--lengths sets the prompts' lengths)")
+                raise EffattnError(f"{flag} applies to perplexity, not to --task {task}", f"drop {flag}")
         return _eval_retrieval(model, baseline, task=task, lengths=lengths, depths=depths, samples=samples, seed=seed,
                                filler=filler, plot=plot, dtype=dtype, tokenizer=tokenizer, as_json=as_json,
                                trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
@@ -485,11 +493,15 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
                                     attn_implementation=attn_implementation, device=device,
                                     warn=lambda note: err.print(f"[yellow]warning[/]: {escape(note)}", highlight=False),
                                     say=lambda line: err.print(escape(line), highlight=False))
-    if as_json:  # the results first: a plot that fails to write loses none of them
+    if as_json:
         _print_json(report.to_dict() | {"device": device})
-        if plot is not None:
-            plot_heatmap(report, plot)
-        return
+    else:
+        _print_retrieval(report, settings, task)
+    _write_plot(plot, lambda path: plot_heatmap(report, path), as_json)
+
+
+def _print_retrieval(report, settings, task: str) -> None:
+    """The retrieval grid as a table: accuracy by depth (rows) and length (columns), and its mean."""
     table = Table(title=f"effattn eval --task {task} · exact-match accuracy by depth (rows) and length (columns)"
                         + (f" · {escape(report.model)} (baseline {escape(report.baseline)})" if report.baseline else ""),
                   title_justify="left")
@@ -507,9 +519,6 @@ def _eval_retrieval(model, baseline, *, task, lengths, depths, samples, seed, fi
     out.print(table)
     mean = f"mean {report.mean:.0%}" + (f" (baseline {report.baseline_mean:.0%})" if report.baseline_mean is not None else "")
     out.print(f"{mean} over {len(report.samples)} prompts, {settings.samples} per cell, seed {settings.seed}", highlight=False)
-    if plot is not None:
-        plot_heatmap(report, plot)
-        out.print(f"[green]wrote[/] {escape(str(plot))}")
 
 
 @app.command()
@@ -632,21 +641,17 @@ def bench(
     with err.status("benchmarking ...", spinner="dots") if not as_json else _null() as status:
         progress = None if status is None else (lambda text: status.update(f"benchmarking {text} ..."))
         report = run_report(kinds, sizes, progress=progress, **settings)
-    if as_json:  # the results first: a plot that fails to write loses none of them
+    if as_json:
         _print_json(report)
-        if plot is not None:
-            plot_bench(report["results"], plot)
-        return
-    table = Table(title="effattn bench · one attention layer forward, causal, batch 1", title_justify="left")
-    for col in TABLE_COLUMNS:
-        table.add_column(col, justify="left" if col == "kind" else "right", min_width=max(map(len, col.split())))
-    for row in table_rows(report["results"]):
-        table.add_row(*row)
-    out.print(table)
-    out.print(describe(report), highlight=False)
-    if plot is not None:
-        plot_bench(report["results"], plot)
-        out.print(f"[green]wrote[/] {escape(str(plot))}")
+    else:
+        table = Table(title="effattn bench · one attention layer forward, causal, batch 1", title_justify="left")
+        for col in TABLE_COLUMNS:
+            table.add_column(col, justify="left" if col == "kind" else "right", min_width=max(map(len, col.split())))
+        for row in table_rows(report["results"]):
+            table.add_row(*row)
+        out.print(table)
+        out.print(describe(report), highlight=False)
+    _write_plot(plot, lambda path: plot_bench(report["results"], path), as_json)
 
 
 recipes_app = typer.Typer(no_args_is_help=True, help="Built-in fine-tuning recipes: list, copy, validate.")
@@ -843,11 +848,10 @@ def _writing_stdout(exc: BaseException) -> bool:
 _TERMINATED = [False]  # set by `_terminate`: typer may turn the exception into an Abort or an exit code of 130
 
 
-def _stopped(exc: BaseException | None = None) -> None:
-    """Ctrl-C (exit 130) or SIGTERM (143): one word, no traceback."""
-    terminated = _TERMINATED[0] or isinstance(exc, Terminated)
-    err.print("terminated" if terminated else "interrupted")
-    sys.exit(143 if terminated else 130)
+def _stopped() -> None:
+    """Ctrl-C (exit 130) or SIGTERM (143, `_TERMINATED`): one word, no traceback."""
+    err.print("terminated" if _TERMINATED[0] else "interrupted")
+    sys.exit(143 if _TERMINATED[0] else 130)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -876,13 +880,12 @@ def main(argv: list[str] | None = None) -> None:
     except (typer.Exit, SystemExit) as exc:
         sys.exit(getattr(exc, "exit_code", getattr(exc, "code", 0)))
     except typer.Abort as exc:
-        if isinstance(exc.__context__, KeyboardInterrupt):
-            _stopped(exc.__context__)
+        if isinstance(exc.__context__, KeyboardInterrupt):  # click's Ctrl-C (or SIGTERM)
+            _stopped()
         err.print("aborted")
         sys.exit(130)
-    except KeyboardInterrupt as exc:
-        _stopped(exc)
-
+    except KeyboardInterrupt:
+        _stopped()
     except Exception as exc:  # noqa: BLE001
         if isinstance(exc, OSError) and _writing_stdout(exc) and not DEBUG:
             err.print(f"[bold red]error:[/] cannot write the output to stdout: {escape(exc.strerror or str(exc))}. "
