@@ -106,8 +106,10 @@ def test_retrieval_cli_writes_the_grid_the_heatmap_and_the_baseline(capsys, tiny
     assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
     assert "16 prompts: estimated ~" in err  # 2 lengths x 2 depths x 2 samples, two models, before the work
     code, out, err = run_cli(capsys, "eval", src, "--task", "needle", "--lengths", "1000", "--depths", "0.5",
-                             "--samples", "1")
+                             "--samples", "1", "--plot", tmp_path / "table.png")  # the table, then the plot
     assert code in (0, None), err
+    assert "exact-match accuracy" in " ".join(out.split()) and f"wrote {tmp_path / 'table.png'}" in out
+    assert (tmp_path / "table.png").read_bytes()[:4] == b"\x89PNG"
     assert "beyond" not in err  # 1,000 fits the tiny model's 4,096 positions: no warning
     code, out, err = run_cli(capsys, "eval", src, "--task", "passkey", "--lengths", "5000", "--depths", "1",
                              "--samples", "1", "--json")
