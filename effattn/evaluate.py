@@ -346,11 +346,14 @@ def check_vocabularies(mine: int | None, theirs: int | None) -> None:
 TOKENIZER_FIX = "tokenize with the tokenizer of the model it came from (--tokenizer)"
 
 
-def check_same_tokenizer(tok, base_ref, *, trust_remote_code: bool = False, plan_only: bool = False) -> None:
-    """Refuse a baseline whose own tokenizer gives other ids than `tok`, which reads the text for both models: a
-    baseline of the same vocabulary size with another tokenizer was scored on ids its tokenizer never makes (100%
-    agreement and KL 0 against a model that tokenizes differently). The base vocabularies are compared (added tokens
-    such as a pad token do not turn up in text); a baseline without tokenizer files is not compared."""
+def check_same_tokenizer(tok, base_ref, *, trust_remote_code: bool = False, plan_only: bool = False,
+                         role: str = "the baseline",
+                         fix: str = "compare a converted model with the model it came from (or give --tokenizer the "
+                                    "tokenizer both share)") -> None:
+    """Refuse a baseline (or a fine-tune's teacher: `role`) whose own tokenizer gives other ids than `tok`, which reads
+    the text for both models: a baseline of the same vocabulary size with another tokenizer was scored on ids its
+    tokenizer never makes (100% agreement and KL 0 against a model that tokenizes differently). The base vocabularies
+    are compared (added tokens such as a pad token do not turn up in text); one without tokenizer files is not."""
     from .io.load import load_tokenizer, tokenizer_missing
 
     if base_ref is None or tokenizer_missing(base_ref.path):
@@ -360,10 +363,8 @@ def check_same_tokenizer(tok, base_ref, *, trust_remote_code: bool = False, plan
     other = {t: i for t, i in theirs.get_vocab().items() if i < theirs.vocab_size}
     differ = sum(other.get(t) != i for t, i in mine.items()) + len(other.keys() - mine.keys())
     if differ:
-        raise EffattnError(f"the baseline {base_ref.display} has another tokenizer than the one that reads the text "
-                           f"({differ:,} tokens differ): both models are scored on the same token ids",
-                           "compare a converted model with the model it came from (or give --tokenizer the "
-                           "tokenizer both share)")
+        raise EffattnError(f"{role} {base_ref.display} has another tokenizer than the one that reads the text "
+                           f"({differ:,} tokens differ): both models are scored on the same token ids", fix)
 
 
 def measure(model, tokenizer, *, name: str, settings: EvalSettings, baseline=None, baseline_name: str = "baseline") -> EvalReport:

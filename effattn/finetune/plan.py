@@ -67,11 +67,11 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
         check_source(source)
     check_disjoint(recipe.data.sources, recipe.eval.corpora)
     student = recipe.student
-    if (recipe.eval.bos and recipe.eval.corpora) or recipe.data.bos:
-        # the prefix token exists (a config-only folder, planned for another machine, has no tokenizer to ask)
-        ref = as_ref(student.model, plan_only=True)
-        if tokenizer_missing(ref.path) is None:
-            prefix_token(load_tokenizer(ref))
+    student_ref = as_ref(student.model, plan_only=True)  # the model, or the one it is converted from
+    # its tokenizer reads the data (a config-only folder, planned for another machine, has none to ask)
+    tokenizer = load_tokenizer(student_ref) if tokenizer_missing(student_ref.path) is None else None
+    if tokenizer is not None and ((recipe.eval.bos and recipe.eval.corpora) or recipe.data.bos):
+        prefix_token(tokenizer)  # the prefix token exists
     if student.convert is not None:
         try:
             plan = convert(student.model, None, to=student.convert.to, options=student.convert.options(), dry_run=True,
@@ -80,23 +80,19 @@ def plan_finetune(recipe: Recipe, processes: int | None = None, *, memory_check:
             raise in_recipe_terms(exc) from None
         config, conversion, record, path = plan.config, dict(plan.summary), None, None
     else:
-        path = as_ref(student.model, plan_only=True).path
+        path = student_ref.path
         config, conversion, record = read_config(path), None, read_record(path)
     teacher_spec = resolve_teacher(recipe, record, path)
     # sizes and configs only: a .gguf teacher is planned from its metadata, not dequantized
-    teacher_path = as_ref(teacher_spec, plan_only=True).path if teacher_spec else None
+    teacher_ref = as_ref(teacher_spec, plan_only=True) if teacher_spec else None
+    teacher_path = teacher_ref.path if teacher_ref else None
     teacher_config = read_config(teacher_path) if teacher_path else None
     teacher_meta = meta_model(teacher_config) if teacher_config else None
     teacher_params = _num_params(teacher_path) if teacher_path else 0
     check_configs(recipe, config, teacher_config, teacher_spec)
-    student_ref = as_ref(student.model, plan_only=True)
-    if teacher_path is not None and tokenizer_missing(student_ref.path) is None:
-        # the teacher is scored on the student's token ids: its own tokenizer must give the same ones
-        try:
-            check_same_tokenizer(load_tokenizer(student_ref), as_ref(teacher_spec, plan_only=True))
-        except EffattnError as exc:
-            raise EffattnError(exc.what.replace("the baseline", "teacher.model"),
-                               "distil from the model the student was converted from (teacher.model)") from None
+    if tokenizer is not None:  # the teacher is scored on the student's token ids: its tokenizer must give the same
+        check_same_tokenizer(tokenizer, teacher_ref, role="teacher.model",
+                             fix="distil from the model the student was converted from (teacher.model)")
 
     base = meta_model(config)
     student_params = count_params(base)[1]
