@@ -96,11 +96,12 @@ def model_card(name: str, record: dict[str, Any], plan) -> str:
     elif record.get("measurement_skipped"):
         lines += ["## Measured", "", f"Not measured at conversion time: {record['measurement_skipped']}.", ""]
     else:
-        # the source as the reproduce line names it (a name or hub id, else its absolute path): the model's name resolves
-        # from this folder's parent, a relative source only from where the conversion ran
-        baseline = src["model"] if src.get("kind") in ("builtin", "hub") else src.get("path", src["model"])
+        from .resolve import display_name
+
+        # the source as the reproduce line names it (a relative path as typed resolves only where the conversion ran)
+        baseline = display_name(src["model"], src["kind"], src["path"])
         lines += ["## Measured", "", "Not measured at conversion time; from this folder's parent, run "
-                  f"`effattn eval {name} --baseline {shlex.quote(str(baseline))}`.", ""]
+                  f"`effattn eval {name} --baseline {shlex.quote(baseline)}`.", ""]
     if record.get("reproduce") or record.get("command"):
         lines += ["## Reproduce", "", f"With effattn {record['effattn_version']}:", "", "```",
                   record.get("reproduce") or record["command"], "```", ""]

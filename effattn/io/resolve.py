@@ -45,6 +45,12 @@ BUILTIN_MODELS = {
 ALIASES = {"llama": "smollm2", "smollm2-135m": "smollm2", "smollm2": "smollm2"}
 
 
+def display_name(spec: str, kind: str, source) -> str:
+    """A model as commands name it to run from any folder: the name or hub id as typed (`spec`), else the absolute path
+    it was read from (`source`: the .gguf file, not its copy in the cache)."""
+    return spec if kind in ("builtin", "hub") else str(source)
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """A resolved MODEL argument."""
@@ -61,9 +67,8 @@ class ModelRef:
 
     @property
     def display(self) -> str:
-        """The model in messages and in commands to run from any folder: the name or hub id, else the absolute path
-        (of the .gguf file, not its copy in the cache)."""
-        return self.spec if self.kind in ("builtin", "hub") else str(self.source)
+        """The model in messages and in commands to run from any folder (`display_name`)."""
+        return display_name(self.spec, self.kind, self.source)
 
     @property
     def hub_id(self) -> str | None:
