@@ -165,7 +165,6 @@ def check_output_file(output: Path, force: bool, model: Path | None = None) -> P
     return output
 
 
-
 def plan_sample(model, output: Path, settings: SampleSettings, *, dtype: str = "float32",
                 trust_remote_code: bool = False, allow_pickle: bool = False, memory_check: bool = True,
                 force: bool = False) -> SamplePlan:
